@@ -1,0 +1,29 @@
+"""Small Lightning callbacks that are not rollouts or probes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+
+log = logging.getLogger(__name__)
+
+
+class SavePolicy(L.Callback):
+    """At the end of training, save the policy with `save_pretrained` (rank 0 only).
+
+    With LoRA this writes a PEFT adapter folder, loadable with `PeftModel.from_pretrained(base, folder)`;
+    with full fine-tuning, a complete model folder. The tokenizer is saved beside it.
+    """
+
+    def __init__(self, directory: str | Path, tokenizer) -> None:
+        self.directory = Path(directory)
+        self.tokenizer = tokenizer
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        pl_module.policy.save_pretrained(self.directory)
+        self.tokenizer.save_pretrained(self.directory)
+        log.info("policy saved to %s", self.directory)

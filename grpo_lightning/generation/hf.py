@@ -1,0 +1,141 @@
+"""Rollouts with Hugging Face `generate`: the CPU engine, and the reference for every other engine.
+
+The generator samples from the policy object itself (LoRA adapters active), so there are no weights to sync:
+`sync_weights` only checks that it is still bound to the policy being trained. Log-probs are recomputed from
+the raw logits (`output_logits=True`) as log_softmax(logits / temperature), the same distribution the trainer
+scores (TRL divides logits by the temperature too). With top_p < 1 or top_k > 0 the sampling distribution is
+truncated while the log-probs are not; TRL makes the same approximation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from grpo_lightning.generation.base import Completion, SamplingConfig
+
+
+class HFGenerator:
+    """Batched sampling with left padding through `model.generate`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        num_generations: int = 4,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        batch_size: int = 16,
+    ) -> None:
+        self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
+        if batch_size < 1:
+            raise ValueError(f"generator.batch_size must be >= 1 (got {batch_size})")
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                "the tokenizer has no pad token; set one (e.g. to the EOS token) in the model config"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Nothing to copy: this engine samples from the policy module itself."""
+        if policy is not self.model:
+            raise RuntimeError("HFGenerator was built for another model than the one being trained")
+
+    @torch.inference_mode()
+    def generate(
+        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | None = None
+    ) -> list[list[Completion]]:
+        max_new_tokens = max_new_tokens or self.sampling.max_new_tokens
+        prefixes_per_call = max(1, self.batch_size // num_samples)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            results: list[list[Completion]] = []
+            for start in range(0, len(prefixes), prefixes_per_call):
+                chunk = prefixes[start : start + prefixes_per_call]
+                results.extend(self._generate_chunk(chunk, num_samples, max_new_tokens))
+            return results
+        finally:
+            self.model.train(was_training)
+
+    def _generate_chunk(
+        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int
+    ) -> list[list[Completion]]:
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = left_pad(prefixes, self.tokenizer.pad_token_id)
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.eos_token_ids,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        out = self.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        )
+        new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [n * K, T_new]
+        logprobs = sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)  # [n * K, T_new]
+        completions = [self._trim(new_tokens[row], logprobs[row]) for row in range(new_tokens.shape[0])]
+        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]
+
+    def _trim(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Completion:  # [T_new], [T_new]
+        """Cut a generated row after its first EOS (what follows is padding)."""
+        ids = tokens.tolist()
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), None)
+        length = end if end is not None else len(ids)
+        return Completion(ids[:length], logprobs[:length].tolist(), finished=end is not None)
+
+
+def left_pad(prefixes: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists: returns input_ids [n, L] and attention_mask [n, L]."""
+    if any(len(p) == 0 for p in prefixes):
+        raise ValueError("cannot generate from an empty prefix")
+    width = max(len(p) for p in prefixes)
+    input_ids = torch.full((len(prefixes), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prefixes), width), dtype=torch.long)
+    for row, p in enumerate(prefixes):
+        input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention_mask[row, width - len(p) :] = 1
+    return input_ids, attention_mask
+
+
+def sampled_logprobs(
+    step_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Log-prob of each sampled token under softmax(logits / temperature).
+
+    step_logits: T_new tensors of [N, V] raw logits (one per generation step); tokens: [N, T_new].
+    Returns [N, T_new] float32. Works step by step so no [N, T_new, V] tensor is built.
+    """
+    columns = []
+    for t, logits in enumerate(step_logits):
+        logp = torch.log_softmax(logits.float().cpu() / temperature, dim=-1)  # [N, V]
+        columns.append(logp.gather(-1, tokens[:, t : t + 1]))  # [N, 1]
+    return torch.cat(columns, dim=-1) if columns else torch.zeros(tokens.shape[0], 0)
+
+
+def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often add <|im_end|>)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = getattr(model, "generation_config", None)
+    cfg_eos = getattr(gen_cfg, "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif cfg_eos:
+        ids.update(int(i) for i in cfg_eos)
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation config defines an EOS token")
+    return sorted(ids)

@@ -1,0 +1,209 @@
+"""GRPO policy loss: clipped surrogate + k3 KL penalty, with TRL's four `loss_type` aggregations.
+
+Sources, and why each matters here:
+
+* DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), GRPO: the per-token objective is the PPO clipped
+  surrogate on a group-relative advantage `A_i`, minus `beta` times the k3 estimator of KL(pi || pi_ref),
+  `exp(ref - logp) - (ref - logp) - 1`, which is unbiased and always >= 0.
+* TRL `GRPOTrainer` (`loss_type` and `epsilon_low` / `epsilon_high` semantics): `grpo` averages each
+  sequence over its own length and then over sequences (longer answers get less weight per token); `bnpo`
+  averages over all trained tokens of the micro-batch. We keep TRL's names so configs transfer.
+* Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): dividing by the sequence length biases training toward
+  long wrong answers, so `dr_grpo` divides the token sum by the CONSTANT `N_seq * max_completion_length`.
+* DAPO (Yu et al. 2025, arXiv 2503.14476): token-level normalisation over the whole batch, plus the
+  decoupled, asymmetric clip range (`epsilon_high > epsilon_low`, "clip-higher").
+* TRL issue #3021: with gradient accumulation, normalising each micro-batch by its own token count is not
+  the token mean of the full batch. `dapo` therefore divides by `num_tokens_in_step`, the trained-token
+  count of the whole optimizer step (all micro-batches, all ranks), so the micro-batch losses sum to the
+  full-batch loss.
+
+Pure tensor code: imports only torch and the standard library (no Lightning, no Hydra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def selective_log_softmax(
+    logits: Tensor,  # [B, T, V] any float dtype
+    index: Tensor,  # [B, T] long
+    chunk_size: int = 4,
+) -> Tensor:  # [B, T] float32
+    """`log_softmax(logits)[..., index]` in float32, `chunk_size` rows of B at a time.
+
+    Computed as `gather(logits) - logsumexp(logits)` per chunk, so the full `[B, T, V]` log-softmax (and a
+    full float32 copy of bf16 logits) is never materialised at once. Differentiable.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 (got {chunk_size!r})")
+    if logits.dim() != 3 or index.shape != logits.shape[:2]:
+        raise ValueError(
+            f"selective_log_softmax expects logits [B, T, V] and index [B, T] "
+            f"(got {tuple(logits.shape)} and {tuple(index.shape)})"
+        )
+    if logits.shape[0] == 0:
+        return logits.new_zeros(index.shape, dtype=torch.float32)
+    rows = []
+    for chunk_logits, chunk_index in zip(logits.split(chunk_size), index.split(chunk_size), strict=True):
+        chunk32 = chunk_logits.float()
+        picked = chunk32.gather(-1, chunk_index.unsqueeze(-1)).squeeze(-1)
+        rows.append(picked - torch.logsumexp(chunk32, dim=-1))
+    return torch.cat(rows)
+
+
+def k3_kl(
+    logp: Tensor,  # [B, T]
+    ref_logp: Tensor,  # [B, T]
+) -> Tensor:  # [B, T]
+    """k3 estimator of KL(pi || pi_ref) per token: `exp(d) - d - 1` with `d = ref_logp - logp` (>= 0)."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def _masked_mean(
+    values: Tensor,  # [B, T]
+    mask: Tensor,  # [B, T] float
+) -> Tensor:  # []
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def aggregate(
+    per_token_loss: Tensor,  # [B, T]
+    mask: Tensor,  # [B, T] 1 = trained token (bool, int or float)
+    loss_type: str,
+    max_completion_length: int,
+    num_tokens_in_step: float | int | None = None,
+) -> Tensor:  # []
+    """Reduce a per-token loss to a scalar according to `loss_type` (see the module docstring).
+
+    `num_tokens_in_step` (dapo only, required there) is the trained-token count of the whole optimizer step;
+    it is clamped to >= 1 so a step without trained tokens gives a zero loss instead of NaN.
+    """
+    weights = mask.to(per_token_loss.dtype)
+    # torch.where, not a product, so a non-finite value at an untrained position cannot leak in as NaN.
+    token_sum = torch.where(mask != 0, per_token_loss * weights, 0.0)
+    if loss_type == "grpo":
+        return (token_sum.sum(-1) / weights.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return token_sum.sum() / weights.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return token_sum.sum() / (per_token_loss.shape[0] * max_completion_length)
+    if loss_type == "dapo":
+        if num_tokens_in_step is None:
+            raise ValueError("loss_type 'dapo' needs num_tokens_in_step (trained tokens in the step)")
+        num_tokens = float(num_tokens_in_step)
+        if not num_tokens >= 0:
+            raise ValueError(f"num_tokens_in_step must be >= 0 (got {num_tokens_in_step!r})")
+        return token_sum.sum() / max(num_tokens, 1.0)
+    raise ValueError(f"loss.loss_type must be one of {', '.join(LOSS_TYPES)} (got {loss_type!r})")
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """Scalar loss plus detached metrics of one micro-batch."""
+
+    loss: Tensor  # [] differentiable
+    kl_mean: Tensor  # [] masked token mean of k3 KL (0 when beta == 0 / no reference)
+    clip_ratio: Tensor  # [] fraction of masked tokens where the clipped term was the active min
+    clip_ratio_low: Tensor  # [] fraction with ratio < 1 - epsilon_low and A < 0
+    clip_ratio_high: Tensor  # [] fraction with ratio > 1 + epsilon_high and A > 0
+    num_tokens: Tensor  # [] masked (trained) token count
+
+
+def _check_inputs(
+    logp: Tensor,  # [B, T]
+    old_logp: Tensor,  # [B, T]
+    ref_logp: Tensor | None,  # [B, T]
+    advantages: Tensor,  # [B]
+    mask: Tensor,  # [B, T]
+) -> None:
+    shape = logp.shape
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T] (got {tuple(shape)})")
+    for name, tensor in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} must have the shape of logp {tuple(shape)} (got {tuple(tensor.shape)})")
+    if advantages.shape != shape[:1]:
+        raise ValueError(f"advantages must be [B] = {tuple(shape[:1])} (got {tuple(advantages.shape)})")
+
+
+@dataclass(frozen=True)
+class GRPOLoss:
+    """Clipped-surrogate GRPO loss with k3 KL; `__call__` maps one micro-batch's log-probs to `LossOutput`."""
+
+    loss_type: str = "grpo"
+    beta: float = 0.04
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    max_completion_length: int = 256
+    scale_rewards: str = "group"
+    """Advantage scaling this objective is defined with; validated here, read by rollout variants."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            types = ", ".join(LOSS_TYPES)
+            raise ValueError(f"loss.loss_type must be one of {types} (got {self.loss_type!r})")
+        if not self.beta >= 0:
+            raise ValueError(f"loss.beta must be >= 0 (got {self.beta!r})")
+        if not 0 <= self.epsilon_low < 1:
+            raise ValueError(f"loss.epsilon_low must be in [0, 1) (got {self.epsilon_low!r})")
+        if not self.epsilon_high >= 0:
+            raise ValueError(f"loss.epsilon_high must be >= 0 (got {self.epsilon_high!r})")
+        if not self.max_completion_length >= 1:
+            raise ValueError(f"loss.max_completion_length must be >= 1 (got {self.max_completion_length!r})")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(
+                f"loss.scale_rewards must be one of {', '.join(SCALE_REWARDS)} (got {self.scale_rewards!r})"
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference-model log-probs are needed (beta > 0)."""
+        return self.beta > 0
+
+    def __call__(
+        self,
+        logp: Tensor,  # [B, T] policy log-probs (differentiable)
+        old_logp: Tensor,  # [B, T] log-probs of the sampling policy (may be logp.detach())
+        ref_logp: Tensor | None,  # [B, T] reference log-probs; None allowed only when beta == 0
+        advantages: Tensor,  # [B]
+        mask: Tensor,  # [B, T] 1 = trained token
+        num_tokens_in_step: float | int | None = None,
+    ) -> LossOutput:
+        if self.needs_reference and ref_logp is None:
+            raise ValueError(f"ref_logp is required when loss.beta > 0 (got beta={self.beta!r})")
+        _check_inputs(logp, old_logp, ref_logp, advantages, mask)
+        keep = mask != 0
+        weights = mask.to(logp.dtype)
+        # Untrained positions are replaced by 0 up front: ratio 1, KL 0, finite values and an exact zero
+        # gradient there, whatever garbage (e.g. padding log-probs) they held.
+        logp = torch.where(keep, logp, 0.0)
+        old_logp = torch.where(keep, old_logp.to(logp.dtype), 0.0)
+        adv = advantages.to(logp.dtype).unsqueeze(1)
+        ratio = torch.exp(logp - old_logp)
+        clipped = torch.clamp(ratio, 1.0 - self.epsilon_low, 1.0 + self.epsilon_high)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        kl_mean = logp.new_zeros(())
+        if self.needs_reference:
+            kl = k3_kl(logp, torch.where(keep, ref_logp.to(logp.dtype), 0.0))
+            per_token = per_token + self.beta * kl
+            kl_mean = _masked_mean(kl.detach(), weights)
+        loss = aggregate(per_token, mask, self.loss_type, self.max_completion_length, num_tokens_in_step)
+        with torch.no_grad():
+            low = _masked_mean(((ratio < 1.0 - self.epsilon_low) & (adv < 0)).to(logp.dtype), weights)
+            high = _masked_mean(((ratio > 1.0 + self.epsilon_high) & (adv > 0)).to(logp.dtype), weights)
+        return LossOutput(
+            loss=loss,
+            kl_mean=kl_mean,
+            clip_ratio=low + high,
+            clip_ratio_low=low,
+            clip_ratio_high=high,
+            num_tokens=weights.sum().detach(),
+        )

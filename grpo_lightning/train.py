@@ -1,0 +1,168 @@
+"""train(cfg): build everything from the composed config, fit, return the final metrics.
+
+Pure with respect to the process: no argument parsing, no sys.exit. `__main__` wraps it for the CLI and tests
+call it with configs from `hydra.compose`. Config mistakes raise `ValueError` naming the key (the CLI prints
+them without a traceback); `instantiate` wraps constructor errors, so `build` unwraps them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_lightning.callbacks import SavePolicy
+from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.generation.callback import RolloutCallback
+from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
+from grpo_lightning.module import GRPOModule
+
+log = logging.getLogger(__name__)
+
+
+def build(node: DictConfig, **kwargs):
+    """`instantiate` that re-raises a constructor's ValueError as itself (its message names the config key)."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError):
+            raise cause from None
+        raise
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run will do; printed by `dry_run=true` and at the start of every run."""
+
+    model: str
+    data: str
+    num_problems: int
+    rounds: int
+    prompts_per_round: int
+    rollouts_per_round: int
+    micro_batches_per_round: int
+    accumulate_grad_batches: int
+    optimizer_steps_per_round: int
+    max_new_tokens: int
+    loss: str
+    output_dir: str
+
+    def render(self) -> str:
+        return "\n".join(f"  {k:<26} {v}" for k, v in self.__dict__.items())
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Run GRPO as configured; returns the last logged value of every metric (dry run: the plan)."""
+    L.seed_everything(cfg.seed, workers=True)
+    loss = build(cfg.loss)
+    variant = build(cfg.variant)
+    reward_fn = build(cfg.reward)
+    datamodule: RolloutDataModule = build(cfg.data)
+    datamodule.setup("fit")
+    accumulate = accumulate_grad_batches(cfg, datamodule)
+    plan = make_plan(cfg, datamodule, variant, accumulate)
+    print(f"grpo_lightning plan:\n{plan.render()}")
+    if cfg.dry_run:
+        return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}
+
+    source = build(cfg.model.source)
+    model, tokenizer = source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
+    policy, reference = wrap_policy(model, LoraSettings(**cfg.model.lora), loss.needs_reference)
+    datamodule.tokenizer = tokenizer
+    generator = build(cfg.generator, model=policy, tokenizer=tokenizer)
+    module = GRPOModule(
+        policy=policy,
+        reference=reference,
+        loss=loss,
+        optimizer=build(cfg.optim.optimizer),
+        schedule=build(cfg.optim.schedule),
+        total_steps=plan.rounds * plan.optimizer_steps_per_round,
+        temperature=cfg.generator.temperature,
+    )
+    trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer)
+    for lg in trainer.loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    trainer.fit(module, datamodule=datamodule)
+    print(f"TensorBoard logs: tensorboard --logdir {Path(cfg.paths.output_dir).resolve()}")
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer) -> L.Trainer:
+    output_dir = Path(cfg.paths.output_dir)
+    callbacks = [
+        RolloutCallback(
+            generator,
+            variant,
+            reward_fn,
+            datamodule,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            samples_every_n_rounds=cfg.logging.samples_every_n_rounds,
+            num_samples_logged=cfg.logging.num_samples_logged,
+        ),
+        ModelCheckpoint(
+            dirpath=output_dir / "checkpoints",
+            filename="round{epoch:03d}",
+            every_n_epochs=cfg.checkpoint.every_n_rounds,
+            save_top_k=-1,
+            save_last=True,
+        ),
+        SavePolicy(output_dir / "policy", tokenizer),
+    ]
+    if cfg.logging.rich_progress:
+        callbacks.append(RichProgressBar())
+    logger = build(cfg.logger)
+    return build(cfg.trainer, callbacks=callbacks, logger=logger, accumulate_grad_batches=accumulate)
+
+
+def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:
+    """Micro-batches per optimizer step: by default the whole round in one step (old_logp = logp.detach())."""
+    per_round = dm.micro_batches_per_round * dm.num_iterations
+    value = cfg.trainer.get("accumulate_grad_batches") or dm.micro_batches_per_round
+    if value < 1 or per_round % value:
+        raise ValueError(
+            f"trainer.accumulate_grad_batches must divide the {per_round} micro-batches of a round "
+            f"(data.prompts_per_round / data.groups_per_micro_batch x data.num_iterations) (got {value})"
+        )
+    return int(value)
+
+
+def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int) -> Plan:
+    rounds = cfg.trainer.max_epochs
+    if rounds is None or rounds < 1:
+        raise ValueError(f"trainer.max_epochs (number of rollout rounds) must be >= 1 (got {rounds})")
+    if dm.prompts_per_round > len(dm.problems):
+        raise ValueError(
+            f"data.prompts_per_round ({dm.prompts_per_round}) exceeds the {len(dm.problems)} problems loaded"
+        )
+    per_round = dm.micro_batches_per_round * dm.num_iterations
+    return Plan(
+        model=build(cfg.model.source).describe(),
+        data=dm.dataset.describe(),
+        num_problems=len(dm.problems),
+        rounds=rounds,
+        prompts_per_round=dm.prompts_per_round,
+        rollouts_per_round=variant.rollouts_per_round(dm.prompts_per_round),
+        micro_batches_per_round=per_round,
+        accumulate_grad_batches=accumulate,
+        optimizer_steps_per_round=per_round // accumulate,
+        max_new_tokens=cfg.generator.max_new_tokens,
+        loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta}, scale_rewards={cfg.loss.scale_rewards})",
+        output_dir=str(Path(cfg.paths.output_dir).resolve()),
+    )
+
+
+def score_references(dm: RolloutDataModule, reward_fn) -> float:
+    """Mean reward of the reference solutions against their own answers: 1.0 when data and reward agree."""
+    scores = [reward_fn(p.solution, p.answer) for p in dm.problems]
+    mean = sum(scores) / len(scores)
+    print(f"reference solutions score {mean:.4f} on {len(scores)} problems")
+    if mean < 1.0:
+        log.warning("%d reference solutions do not score 1.0", sum(s < 1.0 for s in scores))
+    return mean

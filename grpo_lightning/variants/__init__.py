@@ -1,0 +1,6 @@
+"""Rollout variants: how a round's prompts become scored, grouped rollouts."""
+
+from grpo_lightning.variants.base import VARIANTS, GRPOVariant, register_variant
+from grpo_lightning.variants.baseline import BaselineGRPO
+
+__all__ = ["VARIANTS", "BaselineGRPO", "GRPOVariant", "register_variant"]

@@ -1,0 +1,44 @@
+"""Baseline GRPO (DeepSeekMath, Shao et al. 2024): G independent completions per prompt, one group each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from grpo_lightning.rollouts import Rollout
+from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
+
+
+@register_variant("grpo")
+class BaselineGRPO(GRPOVariant):
+    def __init__(self, num_generations: int = 4, scale_rewards: str = "group") -> None:
+        super().__init__(scale_rewards=scale_rewards)
+        if num_generations < 2:
+            raise ValueError(f"generator.num_generations must be >= 2 (got {num_generations})")
+        self.num_generations = num_generations
+
+    def rollouts_per_round(self, num_prompts: int) -> int:
+        return num_prompts * self.num_generations
+
+    def generate_rollouts(
+        self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable
+    ) -> list[Rollout]:
+        samples = generator.generate([p.prompt_ids for p in prompts], self.num_generations)
+        rollouts = []
+        for group_id, (prompt, completions) in enumerate(zip(prompts, samples, strict=True)):
+            for c in completions:
+                text = decode(c.token_ids)
+                result = self.score(reward_fn, text, prompt.answer)
+                rollouts.append(
+                    Rollout(
+                        prompt_ids=list(prompt.prompt_ids),
+                        completion_ids=c.token_ids,
+                        gen_logprobs=c.logprobs,
+                        reward=result.reward,
+                        group_id=group_id,
+                        truncated=not c.finished,
+                        text=text,
+                        answer_extracted=result.extracted is not None,
+                    )
+                )
+        self.assign_advantages(rollouts)
+        return rollouts
