@@ -32,8 +32,7 @@ def _check(
 ) -> None:
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(
-            f"rewards and group_ids must both be [N] "
-            f"(got {tuple(rewards.shape)} and {tuple(group_ids.shape)})"
+            f"rewards and group_ids must both be [N] (got {tuple(rewards.shape)} and {tuple(group_ids.shape)})"
         )
     if group_ids.is_floating_point() or group_ids.is_complex():
         raise ValueError(f"group_ids must be an integer tensor (got {group_ids.dtype})")
@@ -62,9 +61,7 @@ def group_advantages(
 ) -> Tensor:  # [N], float32 (or the rewards' dtype when wider)
     """Group-relative advantages; `scale_rewards` in {"group", "batch", "none"} (see the module docstring)."""
     if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(
-            f"variant.scale_rewards must be one of {', '.join(SCALE_REWARDS)} (got {scale_rewards!r})"
-        )
+        raise ValueError(f"variant.scale_rewards must be one of {', '.join(SCALE_REWARDS)} (got {scale_rewards!r})")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0 (got {eps!r})")
     _check(rewards, group_ids)

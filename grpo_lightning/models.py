@@ -125,9 +125,7 @@ class PackagedGGUFSource:
         gguf = self.gguf_path()
         log.info("converting %s to safetensors in %s (once)", gguf.name, target)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = gguf_model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -195,9 +193,7 @@ class LoraSettings:
             raise ValueError(f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
 
 
-def wrap_policy(
-    model: nn.Module, lora: LoraSettings, needs_reference: bool
-) -> tuple[nn.Module, nn.Module | None]:
+def wrap_policy(model: nn.Module, lora: LoraSettings, needs_reference: bool) -> tuple[nn.Module, nn.Module | None]:
     """Return (policy, frozen reference or None). LoRA needs no reference copy: see the module docstring."""
     if lora.enabled:
         from peft import LoraConfig, get_peft_model

@@ -37,9 +37,7 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.kind not in ("constant", "linear", "cosine"):
-            raise ValueError(
-                f"optim.schedule.kind must be one of constant, linear, cosine (got {self.kind!r})"
-            )
+            raise ValueError(f"optim.schedule.kind must be one of constant, linear, cosine (got {self.kind!r})")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.schedule.warmup_steps must be >= 0 (got {self.warmup_steps})")
 
@@ -107,9 +105,7 @@ class GRPOModule(L.LightningModule):
         logp = self.completion_logprobs(self.policy, batch)  # [B, C]
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         ref_logp = self.reference_logprobs(batch)
-        out = self.loss_fn(
-            logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step
-        )
+        out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step)
         loss = out.loss
         if self.loss_fn.loss_type == "dapo":
             loss = loss * self.trainer.accumulate_grad_batches
@@ -122,9 +118,7 @@ class GRPOModule(L.LightningModule):
             "train/clip_ratio_high": out.clip_ratio_high,
         }
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b)
-        if (
-            batch.old_logprobs is None
-        ):  # no update yet this round: generator and trainer score the same policy
+        if batch.old_logprobs is None:  # no update yet this round: generator and trainer score the same policy
             self.log_logp_diff(logp.detach(), batch)
         return loss
 
@@ -132,9 +126,7 @@ class GRPOModule(L.LightningModule):
         mask = batch.sequence_mask  # [B, C]
         diff = (logp - batch.gen_logprobs).abs() * mask
         n = mask.sum().clamp(min=1)
-        self.log(
-            "rollout/logp_diff_mean", diff.sum() / n, on_step=False, on_epoch=True, batch_size=len(batch)
-        )
+        self.log("rollout/logp_diff_mean", diff.sum() / n, on_step=False, on_epoch=True, batch_size=len(batch))
         self.log(
             "rollout/logp_diff_max",
             diff.max(),
@@ -146,11 +138,7 @@ class GRPOModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        norm = (
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            if grads
-            else 0.0
-        )
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else 0.0
         self.log("train/grad_norm", norm, on_step=False, on_epoch=True)  # before clipping
         self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=False, on_epoch=True)
 
@@ -160,9 +148,7 @@ class GRPOModule(L.LightningModule):
             raise ValueError("the policy has no trainable parameters (check model.lora.target_modules)")
         optimizer = self.optimizer_factory(params)
         total = max(1, self.total_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: self.schedule.factor(step, total)
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.schedule.factor(step, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- checkpoints ---------------------------------------------------------------------------------------

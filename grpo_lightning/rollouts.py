@@ -88,9 +88,7 @@ class RolloutBatch:
     def to(self, device: torch.device | str) -> RolloutBatch:
         """A copy with every tensor on `device`."""
         moved = {
-            f.name: getattr(self, f.name).to(device)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), Tensor)
+            f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)
         }
         return replace(self, **moved)
 

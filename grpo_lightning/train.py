@@ -58,19 +58,49 @@ class Plan:
         return "\n".join(f"  {k:<26} {v}" for k, v in self.__dict__.items())
 
 
+@dataclass
+class Run:
+    """Everything a run is made of, built and ready to `fit` (tests inspect the parts)."""
+
+    cfg: DictConfig
+    plan: Plan
+    module: GRPOModule
+    datamodule: RolloutDataModule
+    trainer: L.Trainer
+
+    def fit(self) -> dict[str, float]:
+        for lg in self.trainer.loggers:
+            lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
+        self.trainer.fit(self.module, datamodule=self.datamodule)
+        print(f"TensorBoard logs: tensorboard --logdir {Path(self.cfg.paths.output_dir).resolve()}")
+        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run GRPO as configured; returns the last logged value of every metric (dry run: the plan)."""
+    """Run GRPO as configured; returns the last logged value of every metric (dry run: the plan's checks)."""
+    if cfg.dry_run:
+        return dry_run(cfg)
+    return build_run(cfg).fit()
+
+
+def dry_run(cfg: DictConfig) -> dict[str, float]:
+    """Validate the config, load the data, score the reference answers, print the plan; no model load."""
+    L.seed_everything(cfg.seed, workers=True)
+    build(cfg.loss)
+    reward_fn = build(cfg.reward)
+    datamodule, variant, accumulate = _data_and_variant(cfg)
+    build(cfg.optim.schedule)
+    print(f"grpo_lightning plan (dry run):\n{make_plan(cfg, datamodule, variant, accumulate).render()}")
+    return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}
+
+
+def build_run(cfg: DictConfig) -> Run:
     L.seed_everything(cfg.seed, workers=True)
     loss = build(cfg.loss)
-    variant = build(cfg.variant)
     reward_fn = build(cfg.reward)
-    datamodule: RolloutDataModule = build(cfg.data)
-    datamodule.setup("fit")
-    accumulate = accumulate_grad_batches(cfg, datamodule)
+    datamodule, variant, accumulate = _data_and_variant(cfg)
     plan = make_plan(cfg, datamodule, variant, accumulate)
     print(f"grpo_lightning plan:\n{plan.render()}")
-    if cfg.dry_run:
-        return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}
 
     source = build(cfg.model.source)
     model, tokenizer = source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
@@ -87,11 +117,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
         temperature=cfg.generator.temperature,
     )
     trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer)
-    for lg in trainer.loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    trainer.fit(module, datamodule=datamodule)
-    print(f"TensorBoard logs: tensorboard --logdir {Path(cfg.paths.output_dir).resolve()}")
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer)
+
+
+def _data_and_variant(cfg: DictConfig):
+    variant = build(cfg.variant)
+    datamodule: RolloutDataModule = build(cfg.data)
+    datamodule.setup("fit")
+    return datamodule, variant, accumulate_grad_batches(cfg, datamodule)
 
 
 def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer) -> L.Trainer:
@@ -115,7 +148,7 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
         ),
         SavePolicy(output_dir / "policy", tokenizer),
     ]
-    if cfg.logging.rich_progress:
+    if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     logger = build(cfg.logger)
     return build(cfg.trainer, callbacks=callbacks, logger=logger, accumulate_grad_batches=accumulate)

@@ -103,9 +103,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.dataset.messages(problem.question), tokenize=False, add_generation_prompt=True
         )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][-self.max_prompt_tokens :]
-        return Prompt(
-            prompt_ids=ids, answer=problem.answer, question=problem.question, problem_index=problem_index
-        )
+        return Prompt(prompt_ids=ids, answer=problem.answer, question=problem.question, problem_index=problem_index)
 
     # ---- rollouts ------------------------------------------------------------------------------------------
     def set_rollouts(
@@ -153,14 +151,10 @@ class RolloutDataModule(L.LightningDataModule):
         for step_start in range(0, len(order), accumulate):
             step = order[step_start : step_start + accumulate]
             tokens = sum(float(self.micro_batches[i].completion_mask.sum()) for i in step)
-            schedule.extend(
-                dataclasses.replace(self.micro_batches[i], num_tokens_in_step=tokens) for i in step
-            )
+            schedule.extend(dataclasses.replace(self.micro_batches[i], num_tokens_in_step=tokens) for i in step)
         return schedule
 
     def train_dataloader(self) -> DataLoader:
         if not self.schedule:
-            raise RuntimeError(
-                "no rollouts for this round: the RolloutCallback must run before the data loader"
-            )
+            raise RuntimeError("no rollouts for this round: the RolloutCallback must run before the data loader")
         return DataLoader(self.schedule, batch_size=None, shuffle=False, collate_fn=_identity)

@@ -59,9 +59,7 @@ class GSM8K:
         return f"gsm8k/{self.split} from {where}"
 
     def load(self) -> list[Problem]:
-        rows = {"packaged": self._packaged_rows, "hub": self._hub_rows, "path": self._path_rows}[
-            self.source
-        ]()
+        rows = {"packaged": self._packaged_rows, "hub": self._hub_rows, "path": self._path_rows}[self.source]()
         problems = parse_rows(rows, origin=self.describe())
         if not problems:
             raise ValueError(f"data.dataset: no usable GSM8K rows in {self.describe()}")
@@ -116,17 +114,10 @@ def parse_rows(rows: Iterable[dict], origin: str) -> list[Problem]:
     for row in rows:
         question, solution = row.get("question"), row.get("answer")
         answer = extract_reference_answer(solution) if isinstance(solution, str) else None
-        if (
-            not isinstance(question, str)
-            or not question.strip()
-            or not answer
-            or normalize_number(answer) is None
-        ):
+        if not isinstance(question, str) or not question.strip() or not answer or normalize_number(answer) is None:
             skipped += 1
             continue
         problems.append(Problem(question=question.strip(), solution=solution, answer=answer))
     if skipped:
-        log.warning(
-            "skipped %d malformed GSM8K rows (no question or no '#### <number>') in %s", skipped, origin
-        )
+        log.warning("skipped %d malformed GSM8K rows (no question or no '#### <number>') in %s", skipped, origin)
     return problems

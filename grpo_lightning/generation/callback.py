@@ -90,9 +90,14 @@ class RolloutCallback(L.Callback):
         rows = ["| group | reward | advantage | question | completion |", "|---|---|---|---|---|"]
         for r in rollouts[: self.num_samples_logged]:
             question = prompts[r.group_id].question if r.group_id < len(prompts) else ""
-            rows.append(
-                f"| {r.group_id} | {r.reward:.2f} | {r.advantage:+.2f} | {_cell(question, 200)} | {_cell(r.text, 1500)} |"
-            )
+            cells = [
+                str(r.group_id),
+                f"{r.reward:.2f}",
+                f"{r.advantage:+.2f}",
+                _cell(question, 200),
+                _cell(r.text, 1500),
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
         writer.add_text("rollout/samples", "\n".join(rows), step)
         writer.add_histogram("rollout/reward_hist", torch.tensor([r.reward for r in rollouts]), step)
         writer.add_histogram("rollout/advantage_hist", torch.tensor([r.advantage for r in rollouts]), step)

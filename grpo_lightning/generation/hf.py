@@ -34,9 +34,7 @@ class HFGenerator:
         if batch_size < 1:
             raise ValueError(f"generator.batch_size must be >= 1 (got {batch_size})")
         if tokenizer.pad_token_id is None:
-            raise ValueError(
-                "the tokenizer has no pad token; set one (e.g. to the EOS token) in the model config"
-            )
+            raise ValueError("the tokenizer has no pad token; set one (e.g. to the EOS token) in the model config")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -110,9 +108,7 @@ def left_pad(prefixes: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor
     return input_ids, attention_mask
 
 
-def sampled_logprobs(
-    step_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float
-) -> torch.Tensor:
+def sampled_logprobs(step_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-prob of each sampled token under softmax(logits / temperature).
 
     step_logits: T_new tensors of [N, V] raw logits (one per generation step); tokens: [N, T_new].

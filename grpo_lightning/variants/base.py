@@ -45,9 +45,7 @@ class GRPOVariant(ABC):
 
     def __init__(self, scale_rewards: str = "group") -> None:
         if scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(
-                f"variant.scale_rewards must be one of group, batch, none (got {scale_rewards!r})"
-            )
+            raise ValueError(f"variant.scale_rewards must be one of group, batch, none (got {scale_rewards!r})")
         self.scale_rewards = scale_rewards
 
     @abstractmethod
@@ -72,7 +70,5 @@ class GRPOVariant(ABC):
         """Fill `advantage` per REFERENCE §2 over the rollouts' group ids."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)
-        for r, a in zip(
-            rollouts, group_advantages(rewards, group_ids, self.scale_rewards).tolist(), strict=True
-        ):
+        for r, a in zip(rollouts, group_advantages(rewards, group_ids, self.scale_rewards).tolist(), strict=True):
             r.advantage = a

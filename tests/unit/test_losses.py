@@ -274,9 +274,7 @@ def test_dapo_micro_batches_sum_to_full_batch() -> None:
     micro_logp = data["logp"].clone().requires_grad_(True)
     total = torch.zeros(())
     for sl in (slice(0, 2), slice(2, 6)):
-        part = loss_fn(
-            micro_logp[sl], old[sl], data["ref_logp"][sl], data["advantages"][sl], data["mask"][sl], n_step
-        )
+        part = loss_fn(micro_logp[sl], old[sl], data["ref_logp"][sl], data["advantages"][sl], data["mask"][sl], n_step)
         part.loss.backward()
         total = total + part.loss.detach()
 

@@ -48,9 +48,7 @@ REWARD_CASES = [
     pytest.param("The answer is unknown.", "18", 0.0, id="phrase-without-number"),
     pytest.param("####", "18", 0.0, id="hashes-without-number"),
     pytest.param("\\boxed{x+1}", "18", 0.0, id="boxed-non-number"),
-    pytest.param(
-        "She made 9 * 2 = 18 dollars, so the answer is 18 dollars a day.", "18", 1.0, id="phrase-in-text"
-    ),
+    pytest.param("She made 9 * 2 = 18 dollars, so the answer is 18 dollars a day.", "18", 1.0, id="phrase-in-text"),
     pytest.param("THE ANSWER IS 18", "18", 1.0, id="upper-case-phrase"),
     pytest.param("the answer is 18", "18", 1.0, id="lower-case-phrase"),
     pytest.param("The answer is: 18", "18", 1.0, id="phrase-with-colon"),
@@ -127,15 +125,9 @@ def test_normalize_number(text: str, expected: float | None) -> None:
 
 def test_score_detailed_fields() -> None:
     reward = GSM8KReward()
-    assert reward.score_detailed("#### 1,000", "1000") == RewardResult(
-        reward=1.0, extracted="1,000", correct=True
-    )
-    assert reward.score_detailed("#### 999", "1000") == RewardResult(
-        reward=0.1, extracted="999", correct=False
-    )
-    assert reward.score_detailed("I give up.", "1000") == RewardResult(
-        reward=0.0, extracted=None, correct=False
-    )
+    assert reward.score_detailed("#### 1,000", "1000") == RewardResult(reward=1.0, extracted="1,000", correct=True)
+    assert reward.score_detailed("#### 999", "1000") == RewardResult(reward=0.1, extracted="999", correct=False)
+    assert reward.score_detailed("I give up.", "1000") == RewardResult(reward=0.0, extracted=None, correct=False)
 
 
 def test_non_numeric_reference_is_never_correct() -> None:

@@ -1,0 +1,155 @@
+"""End to end on the tiny random model: train() for 2 rounds, what changed, what was logged."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from grpo_lightning.train import build_run, train
+from tests.conftest import make_cfg
+
+EXPECTED_SCALARS = {
+    "train/loss",
+    "train/reward_mean",
+    "train/reward_std",
+    "train/kl",
+    "train/clip_ratio",
+    "train/frac_zero_std_groups",
+    "train/grad_norm",
+    "train/lr",
+    "rollout/completion_len_mean",
+    "rollout/truncated_frac",
+    "rollout/format_rate",
+    "rollout/logp_diff_mean",
+    "rollout/logp_diff_max",
+    "rollout/tokens_per_s",
+    "time/rollout_s",
+    "time/train_s",
+}
+
+
+def _snapshot(module):
+    return {n: (p.detach().clone(), p.requires_grad) for n, p in module.named_parameters()}
+
+
+def _scalar_tags(output_dir: Path) -> set[str]:
+    acc = EventAccumulator(str(output_dir / "tensorboard"))
+    acc.Reload()
+    return set(acc.Tags()["scalars"]), acc
+
+
+def test_lora_run_trains_adapters_only_and_logs_every_metric(tiny_cfg):
+    cfg = tiny_cfg()
+    run = build_run(cfg)
+    before = _snapshot(run.module.policy)
+    metrics = run.fit()
+    after = _snapshot(run.module.policy)
+    trainable = [n for n, (_, grad) in before.items() if grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    for name, (value, requires_grad) in before.items():
+        changed = not torch.equal(value, after[name][0])
+        assert changed == requires_grad, name  # every adapter moved, every base weight (the reference) did not
+    tags, acc = _scalar_tags(Path(cfg.paths.output_dir))
+    assert EXPECTED_SCALARS <= tags
+    assert len(acc.Scalars("train/loss")) == 2  # one value per round
+    assert "rollout/samples" in str(acc.Tags())
+    assert metrics["rollout/logp_diff_mean"] < 1e-3  # HF generator scores exactly what the trainer scores
+    assert (Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt").is_file()
+    assert (Path(cfg.paths.output_dir) / "policy" / "adapter_config.json").is_file()
+
+
+def test_saved_adapter_loads_with_peft(tiny_cfg):
+    from peft import PeftModel
+
+    cfg = tiny_cfg("trainer.max_epochs=1")
+    run = build_run(cfg)
+    run.fit()
+    trained = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if "lora_" in n}
+    base, _ = run.module.policy.get_base_model(), None
+    reloaded = PeftModel.from_pretrained(base, Path(cfg.paths.output_dir) / "policy", adapter_name="reloaded")
+    got = {
+        n.replace(".reloaded", ".default"): p
+        for n, p in reloaded.named_parameters()
+        if "lora_" in n and "reloaded" in n
+    }
+    assert got.keys() == trained.keys()
+    assert all(torch.equal(got[n], trained[n]) for n in trained)
+
+
+def test_full_finetune_keeps_a_frozen_reference(tiny_cfg):
+    run = build_run(tiny_cfg("model.lora.enabled=false", "loss.beta=0.1", "trainer.max_epochs=1"))
+    assert run.module.reference is not None
+    ref_before = _snapshot(run.module.reference)
+    pol_before = _snapshot(run.module.policy)
+    run.fit()
+    assert all(torch.equal(v, dict(run.module.reference.named_parameters())[n]) for n, (v, _) in ref_before.items())
+    changed = [
+        n for n, (v, _) in pol_before.items() if not torch.equal(v, dict(run.module.policy.named_parameters())[n])
+    ]
+    assert len(changed) > 0.5 * len(pol_before)
+
+
+def test_beta_zero_builds_no_reference(tiny_cfg):
+    run = build_run(tiny_cfg("model.lora.enabled=false", "loss.beta=0.0", "trainer.max_epochs=1"))
+    assert run.module.reference is None
+    assert run.module.reference_logprobs(None) is None
+
+
+@pytest.mark.parametrize("loss", ["bnpo", "dr_grpo", "dapo"])
+def test_each_loss_type_trains(tiny_cfg, loss):
+    metrics = train(tiny_cfg(f"loss={loss}", "trainer.max_epochs=1"))
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+
+
+def test_several_steps_per_round_use_old_logprobs_scored_before_the_update(tiny_cfg):
+    run = build_run(tiny_cfg("data.num_iterations=2", "trainer.max_epochs=1"))
+    metrics = run.fit()
+    assert run.trainer.global_step == 2
+    assert all(mb.old_logprobs is not None for mb in run.datamodule.micro_batches)
+    assert metrics["rollout/logp_diff_mean"] < 1e-3
+
+
+def test_dry_run_loads_no_model(tmp_path, monkeypatch):
+    from grpo_lightning import models
+
+    def fail(*args, **kwargs):
+        raise AssertionError("dry_run loaded a model")
+
+    monkeypatch.setattr(models.RandomSource, "load", fail)
+    metrics = train(make_cfg(tmp_path, ["model=tiny", "dry_run=true"]))  # GSM8K reward: references score 1
+    assert metrics == {"dry_run/reference_reward_mean": 1.0}
+
+
+def _cli(*args, cwd):
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    env.pop("HYDRA_FULL_ERROR")
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_lightning", *args], capture_output=True, text=True, cwd=cwd, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("generator.num_generations=1", "generator.num_generations must be >= 2"),
+        ("loss.beta=-1", "loss.beta must be >= 0"),
+        ("data.prompts_per_round=0", "data.prompts_per_round must be >= 1"),
+        ("trainer.accumulate_grad_batches=3", "trainer.accumulate_grad_batches"),
+    ],
+)
+def test_cli_config_mistakes_exit_nonzero_without_traceback(tmp_path, override, words):
+    result = _cli("dry_run=true", f"paths.output_dir={tmp_path}", override, cwd=tmp_path)
+    assert result.returncode == 2
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_cli_dry_run_prints_the_plan(tmp_path):
+    result = _cli("dry_run=true", f"paths.output_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "rollouts_per_round" in result.stdout and "16" in result.stdout
+    assert "reference solutions score 1.0000 on 7473 problems" in result.stdout

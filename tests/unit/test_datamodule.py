@@ -1,0 +1,114 @@
+"""Data: GSM8K parsing, seeded prompt order, micro-batches of whole groups, per-step token counts."""
+
+import json
+import logging
+
+import pytest
+
+from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.data.gsm8k import GSM8K, parse_rows
+from grpo_lightning.rollouts import Rollout
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
+    path = tmp_path / "data.jsonl"
+    _write_jsonl(
+        path,
+        [
+            {"question": "Q1?", "answer": "step\n#### 1,000"},
+            {"question": "Q2?", "answer": "no final answer line"},
+            {"answer": "#### 3"},
+            "not json at all",
+            {"question": "Q5?", "answer": "#### abc"},
+            {"question": "Q6?", "answer": "x\n#### -4"},
+        ],
+    )
+    with caplog.at_level(logging.WARNING):
+        problems = GSM8K(source="path", path=str(path)).load()
+    assert [(p.question, p.answer) for p in problems] == [("Q1?", "1000"), ("Q6?", "-4")]
+    assert "skipped 4 malformed" in caplog.text
+
+
+def test_empty_data_file_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ValueError, match="no usable GSM8K rows"):
+        GSM8K(source="path", path=str(path)).load()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"source": "web"}, "data.dataset.source"),
+        ({"split": "dev"}, "data.dataset.split"),
+        ({"source": "path"}, "data.dataset.path"),
+        ({"prompt_template": "no placeholder"}, "data.dataset.prompt_template"),
+    ],
+)
+def test_dataset_validation_names_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        GSM8K(**kwargs)
+
+
+def test_packaged_splits_have_the_published_sizes():
+    assert len(GSM8K(split="train").load()) == 7473
+    assert len(GSM8K(split="test").load()) == 1319
+
+
+def _module(n_problems=10, **kwargs):
+    dm = RolloutDataModule(GSM8K(), **kwargs)
+    dm.problems = parse_rows([{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(n_problems)], origin="test")
+    return dm
+
+
+def test_round_prompts_cover_each_pass_exactly_once_and_are_reproducible():
+    dm = _module(n_problems=10, prompts_per_round=4, seed=3)
+    first_pass = [i for r in range(2) for i in dm.problem_indices_for_round(r)] + dm.problem_indices_for_round(2)[:2]
+    assert sorted(first_pass) == list(range(10))  # rounds 0, 1 and half of 2 = one permutation of all problems
+    again = _module(n_problems=10, prompts_per_round=4, seed=3)
+    assert [again.problem_indices_for_round(r) for r in range(5)] == [dm.problem_indices_for_round(r) for r in range(5)]
+    other_seed = _module(n_problems=10, prompts_per_round=4, seed=4)
+    assert [other_seed.problem_indices_for_round(r) for r in range(3)] != [
+        dm.problem_indices_for_round(r) for r in range(3)
+    ]
+
+
+def _rollouts(group_sizes, completion_len):
+    out = []
+    for g, size in enumerate(group_sizes):
+        for _ in range(size):
+            n = completion_len(g)
+            out.append(Rollout([1, 2], list(range(3, 3 + n)), [0.0] * n, reward=0.0, group_id=g, truncated=False))
+    return out
+
+
+class _Tok:
+    pad_token_id = 0
+
+
+def test_micro_batches_keep_whole_groups_and_count_step_tokens():
+    dm = _module(prompts_per_round=4, groups_per_micro_batch=2, num_iterations=2)
+    dm.tokenizer = _Tok()
+    # 4 groups of 3 samples; group g's completions have g + 1 tokens -> 3, 6, 9, 12 tokens per group.
+    dm.set_rollouts(_rollouts([3, 3, 3, 3], lambda g: g + 1), round_index=0, accumulate_grad_batches=2)
+    assert [sorted(set(mb.group_ids.tolist())) for mb in dm.micro_batches] == [[0, 1], [2, 3]]
+    assert len(dm.schedule) == 4  # 2 micro-batches x 2 iterations
+    # Each optimizer step (2 micro-batches) covers all groups once: 3 + 6 + 9 + 12 = 30 tokens.
+    assert [mb.num_tokens_in_step for mb in dm.schedule] == [30.0] * 4
+
+
+def test_groups_must_fill_micro_batches():
+    dm = _module(prompts_per_round=2, groups_per_micro_batch=2)
+    dm.tokenizer = _Tok()
+    with pytest.raises(ValueError, match="groups_per_micro_batch"):
+        dm.set_rollouts(_rollouts([2, 2, 2], lambda g: 1), round_index=0, accumulate_grad_batches=1)
+
+
+@pytest.mark.parametrize("key", ["prompts_per_round", "groups_per_micro_batch", "num_iterations", "max_prompt_tokens"])
+def test_datamodule_validation_names_the_key(key):
+    with pytest.raises(ValueError, match=f"data.{key}"):
+        RolloutDataModule(GSM8K(), **{key: 0})
