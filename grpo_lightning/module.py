@@ -139,8 +139,8 @@ class GRPOModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else 0.0
-        self.log("train/grad_norm", norm, on_step=False, on_epoch=True)  # before clipping
-        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=False, on_epoch=True)
+        self.log("train/grad_norm", norm, on_step=False, on_epoch=True, batch_size=1)  # before clipping
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=False, on_epoch=True, batch_size=1)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]

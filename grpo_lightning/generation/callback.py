@@ -48,11 +48,11 @@ class RolloutCallback(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.log_dict(self.round_metrics, on_step=False, on_epoch=True, batch_size=1)
-        pl_module.log("reward", self.round_metrics["train/reward_mean"], prog_bar=True, logger=False)
+        pl_module.log("reward", self.round_metrics["train/reward_mean"], prog_bar=True, logger=False, batch_size=1)
         self._train_start = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.log("time/train_s", time.perf_counter() - self._train_start, on_epoch=True)
+        pl_module.log("time/train_s", time.perf_counter() - self._train_start, on_epoch=True, batch_size=1)
         next_round = trainer.current_epoch + 1
         if trainer.max_epochs is None or next_round < trainer.max_epochs:
             self.produce(trainer, pl_module, next_round)

