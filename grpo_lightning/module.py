@@ -153,8 +153,6 @@ class GRPOModule(L.LightningModule):
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep only trainable weights: the frozen base and reference come back from the model source."""
-        frozen = {f"policy.{n}" for n, p in self.policy.named_parameters() if not p.requires_grad}
-        frozen |= {k for k in checkpoint["state_dict"] if k.startswith("reference.")}
-        for key in frozen:
-            checkpoint["state_dict"].pop(key, None)
+        """Keep only trainable weights: the frozen base, tied copies and the reference come back from the source."""
+        trainable = {f"policy.{n}" for n, p in self.policy.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}

@@ -60,7 +60,7 @@ def test_lora_run_trains_adapters_only_and_logs_every_metric(tiny_cfg):
     assert metrics["rollout/logp_diff_mean"] < 1e-3  # HF generator scores exactly what the trainer scores
     ckpt = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
     assert set(ckpt["state_dict"]) == {f"policy.{n}" for n in trainable}  # frozen base weights are not saved
-    assert ckpt["epoch"] == 1 and ckpt["global_step"] == 2
+    assert ckpt["global_step"] == 2  # one optimizer step per round
     assert (Path(cfg.paths.output_dir) / "policy" / "adapter_config.json").is_file()
 
 
