@@ -2,7 +2,6 @@
 
 from pathlib import Path
 
-import hydra
 import pytest
 from hydra.utils import get_class, instantiate
 
@@ -38,9 +37,3 @@ def test_top_level_nodes_instantiate(tmp_path):
     assert instantiate(cfg.reward)("#### 3", "3") == 1.0
     assert instantiate(cfg.optim.schedule).factor(0, 10) > 0
     assert callable(instantiate(cfg.optim.optimizer))
-
-
-def test_hydra_main_is_wired_to_the_config_dir():
-    from grpo_lightning import __main__
-
-    assert isinstance(__main__.main, type(hydra.main)) or callable(__main__.main)

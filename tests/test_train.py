@@ -65,21 +65,21 @@ def test_lora_run_trains_adapters_only_and_logs_every_metric(tiny_cfg):
 
 
 def test_saved_adapter_loads_with_peft(tiny_cfg):
+    """A fresh base model + the saved adapter computes the trained policy's logits."""
+    from hydra.utils import instantiate
     from peft import PeftModel
 
     cfg = tiny_cfg("trainer.max_epochs=1")
     run = build_run(cfg)
     run.fit()
-    trained = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if "lora_" in n}
-    base, _ = run.module.policy.get_base_model(), None
-    reloaded = PeftModel.from_pretrained(base, Path(cfg.paths.output_dir) / "policy", adapter_name="reloaded")
-    got = {
-        n.replace(".reloaded", ".default"): p
-        for n, p in reloaded.named_parameters()
-        if "lora_" in n and "reloaded" in n
-    }
-    assert got.keys() == trained.keys()
-    assert all(torch.equal(got[n], trained[n]) for n in trained)
+    base, _ = instantiate(cfg.model.source).load(torch.float32)  # same seed: the same random base weights
+    ids = torch.tensor([[1, 17, 300, 42, 9]])
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        reloaded = PeftModel.from_pretrained(base, Path(cfg.paths.output_dir) / "policy").eval()
+        trained_logits = run.module.policy.eval()(ids).logits
+        assert torch.allclose(reloaded(ids).logits, trained_logits, atol=1e-5)
+        assert not torch.allclose(base_logits, trained_logits, atol=1e-5)  # the adapter did move the policy
 
 
 def test_full_finetune_keeps_a_frozen_reference(tiny_cfg):
@@ -127,8 +127,7 @@ def test_dry_run_loads_no_model(tmp_path, monkeypatch):
 
 
 def _cli(*args, cwd):
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
-    env.pop("HYDRA_FULL_ERROR")
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}  # the user's default: no traceback
     return subprocess.run(
         [sys.executable, "-m", "grpo_lightning", *args], capture_output=True, text=True, cwd=cwd, env=env
     )
@@ -155,3 +154,15 @@ def test_cli_dry_run_prints_the_plan(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "rollouts_per_round" in result.stdout and "16" in result.stdout
     assert "reference solutions score 1.0000 on 7473 problems" in result.stdout
+
+
+def test_cli_follows_hydra_conventions(tmp_path):
+    result = _cli("--cfg", "job", "loss=dr_grpo", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "loss_type: dr_grpo" in result.stdout and "scale_rewards: none" in result.stdout
+
+
+def test_cli_unknown_group_option_is_one_clear_message(tmp_path):
+    result = _cli("model=nope", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Could not find 'model/nope'" in result.stderr and "Traceback" not in result.stderr

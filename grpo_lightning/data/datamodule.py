@@ -85,11 +85,14 @@ class RolloutDataModule(L.LightningDataModule):
         """Indices of the round's problems: consecutive slices of one seeded permutation per data pass."""
         n = len(self.problems)
         start = round_index * self.prompts_per_round
+        permutations: dict[int, list[int]] = {}
         indices = []
         for k in range(start, start + self.prompts_per_round):
             data_pass, offset = divmod(k, n)
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_pass)
-            indices.append(int(torch.randperm(n, generator=gen)[offset]))
+            if data_pass not in permutations:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_pass)
+                permutations[data_pass] = torch.randperm(n, generator=gen).tolist()
+            indices.append(permutations[data_pass][offset])
         return indices
 
     def prompts_for_round(self, round_index: int) -> list[Prompt]:

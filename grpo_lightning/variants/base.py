@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo_lightning.advantages import group_advantages
+from grpo_lightning.advantages import SCALE_REWARDS, group_advantages
 from grpo_lightning.rewards import RewardResult
 from grpo_lightning.rollouts import Rollout
 
@@ -44,8 +44,9 @@ class GRPOVariant(ABC):
     name: str = "unregistered"
 
     def __init__(self, scale_rewards: str = "group") -> None:
-        if scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"variant.scale_rewards must be one of group, batch, none (got {scale_rewards!r})")
+        if scale_rewards not in SCALE_REWARDS:
+            choices = ", ".join(SCALE_REWARDS)
+            raise ValueError(f"variant.scale_rewards must be one of {choices} (got {scale_rewards!r})")
         self.scale_rewards = scale_rewards
 
     @abstractmethod
