@@ -9,6 +9,7 @@ trainer compares against its own (`rollout/logp_diff_*`) to catch stale weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -64,14 +65,37 @@ class Generator(Protocol):
     sampling: SamplingConfig
 
     def generate(
-        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | None = None
+        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | Sequence[int] | None = None
     ) -> list[list[Completion]]:
         """Sample `num_samples` completions for each token-id prefix; result[i][j] is sample j of prefix i.
 
-        `max_new_tokens` defaults to `sampling.max_new_tokens`; a branching variant passes the budget left.
+        `max_new_tokens` defaults to `sampling.max_new_tokens`; a branching variant passes the budget left,
+        one int for all prefixes or one per prefix.
         """
         ...
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Make the engine sample from the policy's current weights."""
         ...
+
+
+def per_prefix_budgets(max_new_tokens: int | Sequence[int] | None, default: int, num_prefixes: int) -> list[int]:
+    """Normalise the `max_new_tokens` argument of `Generator.generate` to one budget (>= 1) per prefix."""
+    if max_new_tokens is None:
+        budgets = [default] * num_prefixes
+    elif isinstance(max_new_tokens, int):
+        budgets = [max_new_tokens] * num_prefixes
+    else:
+        budgets = [int(b) for b in max_new_tokens]
+    if len(budgets) != num_prefixes:
+        raise ValueError(f"got {len(budgets)} max_new_tokens budgets for {num_prefixes} prefixes")
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"every max_new_tokens budget must be >= 1 (got {min(budgets)})")
+    return budgets
+
+
+def truncate(completion: Completion, budget: int) -> Completion:
+    """Cut a completion to `budget` tokens; a cut completion is unfinished (truncated)."""
+    if len(completion.token_ids) <= budget:
+        return completion
+    return Completion(completion.token_ids[:budget], completion.logprobs[:budget], finished=False)

@@ -64,11 +64,11 @@ class RolloutCallback(L.Callback):
         start = time.perf_counter()
         rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
         rollout_s = time.perf_counter() - start
-        steps_per_round = self.datamodule.micro_batches_per_round * self.datamodule.num_iterations
-        several_steps = steps_per_round > trainer.accumulate_grad_batches
+        micro_batches = self.datamodule.micro_batches_per_round * self.datamodule.num_iterations
+        several_steps = micro_batches > trainer.accumulate_grad_batches  # more than one optimizer step this round
         scorer = (lambda mb: pl_module.score_old_logprobs(mb.to(pl_module.device))) if several_steps else None
         self.datamodule.set_rollouts(rollouts, round_index, trainer.accumulate_grad_batches, scorer)
-        self.round_metrics = rollout_metrics(rollouts, rollout_s)
+        self.round_metrics = rollout_metrics(rollouts, rollout_s) | self.variant.metrics
         if several_steps:
             self.round_metrics.update(logp_diff(self.datamodule.micro_batches))
         log.info(
@@ -108,6 +108,8 @@ def rollout_metrics(rollouts: list[Rollout], rollout_s: float) -> dict[str, floa
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)  # [N]
     group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)  # [N]
     lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)  # [N]
+    generated = sum(len(r.completion_ids) - r.branch_point for r in rollouts)  # a branched prefix is not resampled
+    num_groups = len(set(group_ids.tolist()))
     return {
         "train/reward_mean": float(rewards.mean()),
         "train/reward_std": float(rewards.std()) if len(rollouts) > 1 else 0.0,
@@ -115,7 +117,9 @@ def rollout_metrics(rollouts: list[Rollout], rollout_s: float) -> dict[str, floa
         "rollout/completion_len_mean": float(lengths.mean()),
         "rollout/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
         "rollout/format_rate": sum(r.answer_extracted for r in rollouts) / len(rollouts),
-        "rollout/tokens_per_s": float(lengths.sum()) / max(rollout_s, 1e-9),
+        "rollout/group_size_mean": len(rollouts) / num_groups,
+        "rollout/tokens_generated_per_prompt": generated / num_groups,
+        "rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
         "time/rollout_s": rollout_s,
     }
 

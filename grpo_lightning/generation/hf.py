@@ -9,11 +9,13 @@ truncated while the log-probs are not; TRL makes the same approximation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from grpo_lightning.generation.base import Completion, SamplingConfig
+from grpo_lightning.generation.base import Completion, SamplingConfig, per_prefix_budgets, truncate
 
 
 class HFGenerator:
@@ -47,17 +49,22 @@ class HFGenerator:
 
     @torch.inference_mode()
     def generate(
-        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | None = None
+        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | Sequence[int] | None = None
     ) -> list[list[Completion]]:
-        max_new_tokens = max_new_tokens or self.sampling.max_new_tokens
+        budgets = per_prefix_budgets(max_new_tokens, self.sampling.max_new_tokens, len(prefixes))
+        # Prefixes with similar budgets share a generate call (stable sort: equal budgets keep their order).
+        order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
         prefixes_per_call = max(1, self.batch_size // num_samples)
         was_training = self.model.training
         self.model.eval()
         try:
-            results: list[list[Completion]] = []
-            for start in range(0, len(prefixes), prefixes_per_call):
-                chunk = prefixes[start : start + prefixes_per_call]
-                results.extend(self._generate_chunk(chunk, num_samples, max_new_tokens))
+            results: list[list[Completion]] = [[] for _ in prefixes]
+            for start in range(0, len(order), prefixes_per_call):
+                chunk = order[start : start + prefixes_per_call]
+                chunk_budget = max(budgets[i] for i in chunk)
+                outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget)
+                for i, completions in zip(chunk, outputs, strict=True):
+                    results[i] = [truncate(c, budgets[i]) for c in completions]
             return results
         finally:
             self.model.train(was_training)

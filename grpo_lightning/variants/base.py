@@ -43,7 +43,11 @@ class GRPOVariant(ABC):
 
     name: str = "unregistered"
 
+    metrics: dict[str, float]
+    """Variant-specific metrics of the last round (logged under `rollout/`); empty by default."""
+
     def __init__(self, scale_rewards: str = "group") -> None:
+        self.metrics = {}
         if scale_rewards not in SCALE_REWARDS:
             choices = ", ".join(SCALE_REWARDS)
             raise ValueError(f"variant.scale_rewards must be one of {choices} (got {scale_rewards!r})")

@@ -68,3 +68,23 @@ def test_one_round_on_the_embedded_default(tmp_path):
     if metrics["train/frac_zero_std_groups"] < 1.0:  # some group had a reward spread: the adapters moved
         after = dict(run.module.policy.named_parameters())
         assert any(not torch.equal(v, after[n]) for n, v in lora_before.items())
+
+
+def test_storpo_branches_real_completions_on_their_own_token_ids(tmp_path):
+    """SmolLM2 writes sentences: STORPO branches, and every branch prefix is the initial completion's ids."""
+    cfg = make_cfg(
+        tmp_path / "run",
+        ["variant=storpo", "trainer.max_epochs=1", "data.prompts_per_round=2", "trainer.enable_progress_bar=false"],
+    )
+    run = build_run(cfg)
+    metrics = run.fit()
+    assert metrics["rollout/storpo_fallback_frac"] < 1.0  # at least one prompt branched
+    for mb in run.datamodule.micro_batches:
+        ids, mask = mb.completion_ids, mb.completion_mask  # [B, C]
+        first = 0  # the initial completion comes first in its group and trains on all its tokens
+        assert mask[first, : int(mb.sequence_mask[first].sum())].all()
+        for row in range(1, len(mb)):
+            k = int((mask[row] == 0).long().cumprod(0).sum())  # untrained leading tokens = branch point
+            if k:
+                assert torch.equal(ids[row, :k], ids[first, :k])
+    assert metrics["rollout/logp_diff_mean"] < 1e-3

@@ -69,3 +69,20 @@ def test_generation_stops_at_eos_and_marks_truncation(tiny_model, tokenizer):
         assert eos_positions in ([], [len(c.token_ids) - 1])  # at most one EOS, and only at the end
         assert c.finished == bool(eos_positions)
         assert c.finished or len(c.token_ids) == 4
+
+
+def test_per_prefix_budgets_cap_each_prefix(tiny_model, tokenizer):
+    gen = HFGenerator(tiny_model, tokenizer, num_generations=2, max_new_tokens=10, batch_size=2)
+    prompts = [tokenizer("one")["input_ids"], tokenizer("two two")["input_ids"], tokenizer("three")["input_ids"]]
+    samples = gen.generate(prompts, num_samples=2, max_new_tokens=[3, 7, 1])
+    for budget, completions in zip([3, 7, 1], samples, strict=True):
+        assert len(completions) == 2
+        assert all(1 <= len(c.token_ids) <= budget and len(c.logprobs) == len(c.token_ids) for c in completions)
+
+
+def test_bad_budgets_are_rejected(tiny_model, tokenizer):
+    gen = HFGenerator(tiny_model, tokenizer)
+    with pytest.raises(ValueError, match="budgets for 2 prefixes"):
+        gen.generate([[1], [2]], 2, max_new_tokens=[3])
+    with pytest.raises(ValueError, match=">= 1"):
+        gen.generate([[1]], 2, max_new_tokens=[0])

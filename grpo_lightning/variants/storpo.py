@@ -1,0 +1,171 @@
+"""STORPO: branch continuations from the reasoning-step boundaries of one initial completion (REFERENCE §4).
+
+Per prompt: sample ONE completion; find step boundaries in its decoded text with the seed plan's regex (a
+period not after a digit, whitespace, then a capital or a digit); map each to a TOKEN boundary k of that
+completion; sample `completions_per_step` continuations from `prompt_ids + completion_ids[:k]`. The initial
+completion and all its continuations form ONE advantage group. A continuation trains only on its own tokens
+after the branch point (the shared prefix is the initial completion's, trained once there).
+
+Why token boundaries and never re-tokenised text: BPE merges across the cut ("dollars. Then" vs "dollars." +
+" Then") give other ids than the model sampled, so the continuation would condition on a prefix the policy never
+produced and the log-probs of the shared prefix would not be the initial completion's. The largest k whose
+decoded prefix fits inside the character boundary is used, so the prefix is exactly the first k sampled ids.
+
+Prompts with fewer than `min_steps` boundaries fall back to plain GRPO sampling (`fallback_generations`
+independent completions, the initial one included) and are counted. Related work: SPO-chain (arXiv 2505.23564),
+TreeRPO (arXiv 2506.05183), TreePO (arXiv 2508.17445).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Callable, Sequence
+
+from grpo_lightning.generation.base import Completion
+from grpo_lightning.rollouts import Rollout
+from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
+
+STEP_BOUNDARY = re.compile(r"(?<![0-9])\.(?:\s+|\n+)(?=[A-Z0-9])")
+
+
+def step_boundaries(text: str) -> list[int]:
+    """Character offsets where a new reasoning step starts: the ends of the STEP_BOUNDARY matches."""
+    return [m.end() for m in STEP_BOUNDARY.finditer(text)]
+
+
+def token_boundaries(token_ids: Sequence[int], char_offsets: Sequence[int], decode: Callable) -> list[int]:
+    """Map character offsets of decode(token_ids) to token counts k (0 < k < len(token_ids)), deduplicated.
+
+    k is the largest prefix length whose decoded text is no longer than the offset, so the prefix ends at or
+    before the boundary (a token like " Then" that straddles it goes to the continuation).
+    """
+    lengths, longest = [], 0
+    for k in range(len(token_ids) + 1):
+        longest = max(longest, len(decode(list(token_ids[:k]))))  # running max: decoded lengths never shrink
+        lengths.append(longest)
+    ks = []
+    for offset in char_offsets:
+        k = bisect.bisect_right(lengths, offset) - 1
+        if 0 < k < len(token_ids) and k not in ks:
+            ks.append(k)
+    return ks
+
+
+def evenly_spaced(items: Sequence[int], limit: int) -> list[int]:
+    """At most `limit` items, spread evenly (the middle of each of `limit` equal slices)."""
+    n = len(items)
+    if n <= limit:
+        return list(items)
+    return [items[int((j + 0.5) * n / limit)] for j in range(limit)]
+
+
+@register_variant("storpo")
+class STORPO(GRPOVariant):
+    def __init__(
+        self,
+        completions_per_step: int = 2,
+        min_steps: int = 2,
+        max_steps: int = 4,
+        fallback_generations: int = 4,
+        scale_rewards: str = "group",
+    ) -> None:
+        super().__init__(scale_rewards=scale_rewards)
+        for key, value, low in [
+            ("completions_per_step", completions_per_step, 1),
+            ("min_steps", min_steps, 1),
+            ("max_steps", max_steps, 1),
+            ("fallback_generations", fallback_generations, 2),
+        ]:
+            if value < low:
+                raise ValueError(f"variant.{key} must be >= {low} (got {value})")
+        if min_steps > max_steps:
+            raise ValueError(f"variant.min_steps ({min_steps}) must be <= variant.max_steps ({max_steps})")
+        self.completions_per_step = completions_per_step
+        self.min_steps = min_steps
+        self.max_steps = max_steps
+        self.fallback_generations = fallback_generations
+
+    def rollouts_per_round(self, num_prompts: int) -> int:
+        """Upper bound: every prompt branches at max_steps boundaries."""
+        return num_prompts * max(1 + self.completions_per_step * self.max_steps, self.fallback_generations)
+
+    def generate_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
+        initial = [group[0] for group in generator.generate([p.prompt_ids for p in prompts], 1)]
+        branches: dict[int, list[int]] = {}  # prompt index -> branch points (token counts)
+        fallback: list[int] = []  # prompt indices sampled plainly
+        for i, c in enumerate(initial):
+            ks = evenly_spaced(
+                token_boundaries(c.token_ids, step_boundaries(decode(c.token_ids)), decode), self.max_steps
+            )
+            if len(ks) >= self.min_steps:
+                branches[i] = ks
+            else:
+                fallback.append(i)
+        samples: dict[int, list[tuple[Completion, int]]] = {i: [(c, 0)] for i, c in enumerate(initial)}
+        self._branch(generator, prompts, initial, branches, samples)
+        if fallback:
+            extra = generator.generate([prompts[i].prompt_ids for i in fallback], self.fallback_generations - 1)
+            for i, completions in zip(fallback, extra, strict=True):
+                samples[i].extend((c, 0) for c in completions)
+        rollouts = [
+            self._rollout(prompts[i], c, k, i, reward_fn, decode) for i in range(len(prompts)) for c, k in samples[i]
+        ]
+        self.assign_advantages(rollouts)
+        self.metrics = self._metrics(len(prompts), initial, branches, fallback, rollouts)
+        return rollouts
+
+    def _branch(self, generator, prompts, initial: list[Completion], branches: dict[int, list[int]], samples) -> None:
+        """Sample `completions_per_step` continuations from every branch point, within the token budget."""
+        jobs = [(i, k) for i, ks in branches.items() for k in ks]
+        if not jobs:
+            return
+        budget = generator.sampling.max_new_tokens
+        continuations = generator.generate(
+            [prompts[i].prompt_ids + initial[i].token_ids[:k] for i, k in jobs],
+            self.completions_per_step,
+            max_new_tokens=[budget - k for _, k in jobs],
+        )
+        for (i, k), completions in zip(jobs, continuations, strict=True):
+            samples[i].extend((_join(initial[i], k, c), k) for c in completions)
+
+    def _rollout(self, prompt, completion: Completion, branch_point: int, group_id, reward_fn, decode) -> Rollout:
+        text = decode(completion.token_ids)
+        result = self.score(reward_fn, text, prompt.answer)
+        return Rollout(
+            prompt_ids=list(prompt.prompt_ids),
+            completion_ids=completion.token_ids,
+            gen_logprobs=completion.logprobs,
+            reward=result.reward,
+            group_id=group_id,
+            truncated=not completion.finished,
+            text=text,
+            branch_point=branch_point,
+            answer_extracted=result.extracted is not None,
+        )
+
+    def _metrics(self, num_prompts: int, initial, branches, fallback, rollouts: list[Rollout]) -> dict[str, float]:
+        n = max(num_prompts, 1)
+        metrics = {
+            "rollout/storpo_branches_mean": sum(len(ks) for ks in branches.values()) / n,
+            "rollout/storpo_fallback_frac": len(fallback) / n,
+        }
+        thirds: dict[str, list[float]] = {"early": [], "middle": [], "late": []}
+        for r in rollouts:
+            if r.branch_point > 0:
+                position = r.branch_point / max(len(initial[r.group_id].token_ids), 1)
+                name = "early" if position < 1 / 3 else "middle" if position < 2 / 3 else "late"
+                thirds[name].append(r.reward)
+        for name, rewards in thirds.items():
+            if rewards:
+                metrics[f"rollout/storpo_reward_{name}"] = sum(rewards) / len(rewards)
+        return metrics
+
+
+def _join(initial: Completion, k: int, continuation: Completion) -> Completion:
+    """The initial completion's first k tokens followed by a continuation sampled from them."""
+    return Completion(
+        token_ids=initial.token_ids[:k] + continuation.token_ids,
+        logprobs=initial.logprobs[:k] + continuation.logprobs,
+        finished=continuation.finished,
+    )
