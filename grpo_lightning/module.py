@@ -100,6 +100,15 @@ class GRPOModule(L.LightningModule):
     def score_old_logprobs(self, batch: RolloutBatch) -> Tensor:  # [B, C]
         return self.completion_logprobs(self.policy, batch)
 
+    def sample_weights(self, batch: RolloutBatch) -> Tensor:  # [B]
+        """Relative weight of each completion's token-mean loss in this micro-batch's loss (for ESS).
+
+        `grpo` averages completions equally; `bnpo`, `dr_grpo` and `dapo` sum tokens, so a completion weighs
+        in proportion to its trained tokens. Completions with no trained token weigh 0.
+        """
+        tokens = batch.completion_mask.sum(-1)  # [B]
+        return (tokens > 0).float() if self.loss_fn.loss_type == "grpo" else tokens
+
     # ---- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         logp = self.completion_logprobs(self.policy, batch)  # [B, C]

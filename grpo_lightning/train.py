@@ -148,6 +148,7 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
         ),
         SavePolicy(output_dir / "policy", tokenizer),
     ]
+    callbacks.extend(build(node) for node in (cfg.get("probe") or {}).values())  # multi-select group
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     logger = build(cfg.logger)

@@ -38,8 +38,10 @@ TINY = [
 def tiny_cfg(tmp_path):
     """Factory: a tiny-model config in a fresh output dir, plus extra overrides."""
 
+    counter = iter(range(1000))
+
     def factory(*overrides: str) -> DictConfig:
-        return make_cfg(tmp_path / "run", TINY + list(overrides))
+        return make_cfg(tmp_path / f"run{next(counter)}", TINY + list(overrides))
 
     return factory
 

@@ -1,0 +1,1 @@
+"""Diagnostic probes as Lightning callbacks; a probe never changes training."""
