@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
@@ -103,7 +104,8 @@ def build_run(cfg: DictConfig) -> Run:
     print(f"grpo_lightning plan:\n{plan.render()}")
 
     source = build(cfg.model.source)
-    model, tokenizer = source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
+    with torch.random.fork_rng():  # loading (and a first-run GGUF conversion) must not move the seeded RNG
+        model, tokenizer = source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
     policy, reference = wrap_policy(model, LoraSettings(**cfg.model.lora), loss.needs_reference)
     datamodule.tokenizer = tokenizer
     generator = build(cfg.generator, model=policy, tokenizer=tokenizer)
