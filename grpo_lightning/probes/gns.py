@@ -22,8 +22,9 @@ made of such completions (the B_simple unit is completions, counted by ESS).
 
 Consistency ratio: the hook also sums <h_i, .grad before h_i> (the gradients accumulated so far), so
 |sum_i h_i|^2 = sum_i |h_i|^2 + 2 sum_i <h_i, sum_{j<i} h_j> is known without storing a gradient. On one process
-`.grad` at the optimizer step IS sum_i h_i, so the ratio |sum_i h_i|^2 / |.grad|^2 is 1.0 exactly when the hooks
-saw every gradient that reached `.grad` (up to float32 rounding of `.grad`, ~1e-7). Under DDP `.grad` is averaged over ranks and the ratio is not logged.
+`.grad` at the optimizer step IS sum_i h_i, so the ratio |sum_i h_i|^2 / |.grad|^2 is 1.0 exactly (up to the
+float32 rounding of `.grad`, ~1e-7) when the hooks saw every gradient that reached `.grad`. Under DDP `.grad` is
+averaged over ranks and the ratio is not logged.
 
 With `accumulate_grad_batches = 1` on one process there is a single batch size (B_s = B_b): tr(S) and |G|^2 are
 not separable, so only `gns_G2_big` (the biased |G_big|^2) and the ESS are logged, never the estimators.
