@@ -72,10 +72,14 @@ class GRPOModule(L.LightningModule):
         self.total_steps = total_steps
         self.temperature = temperature
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
+        self.logits_observer: Callable[[Tensor, Tensor, RolloutBatch], None] | None = None  # set by probes
 
     # ---- log-probs -----------------------------------------------------------------------------------------
-    def completion_logprobs(self, model: nn.Module, batch: RolloutBatch) -> Tensor:  # [B, C]
-        """log pi(completion token | prefix) at the sampling temperature, from logits at completion positions."""
+    def policy_forward(self, model: nn.Module, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """Logits at completion positions [B, C, V] (divided by the temperature) and completion log-probs [B, C].
+
+        Only the completion positions reach the LM head (`logits_to_keep`); the log-softmax is row-chunked.
+        """
         completion_len = batch.completion_ids.shape[1]
         out = model(
             input_ids=batch.input_ids,
@@ -85,7 +89,11 @@ class GRPOModule(L.LightningModule):
             use_cache=False,
         )
         logits = out.logits[:, :-1, :] / self.temperature  # [B, C, V]: position t predicts token t + 1
-        return selective_log_softmax(logits, batch.completion_ids)
+        return logits, selective_log_softmax(logits, batch.completion_ids)
+
+    def completion_logprobs(self, model: nn.Module, batch: RolloutBatch) -> Tensor:  # [B, C]
+        """log pi(completion token | prefix) at the sampling temperature."""
+        return self.policy_forward(model, batch)[1]
 
     @torch.no_grad()
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:  # [B, C]
@@ -111,7 +119,9 @@ class GRPOModule(L.LightningModule):
 
     # ---- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        logp = self.completion_logprobs(self.policy, batch)  # [B, C]
+        logits, logp = self.policy_forward(self.policy, batch)  # [B, C, V], [B, C]
+        if self.logits_observer is not None:  # a probe reads the live logits (entropy); it never changes them
+            self.logits_observer(logits, logp, batch)
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         ref_logp = self.reference_logprobs(batch)
         out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step)

@@ -13,13 +13,31 @@ def _trained(cfg):
     return {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("probe", ["[gns]"])
-def test_parameters_identical_with_probe_on_and_off(tiny_cfg, probe):
-    base = _trained(tiny_cfg())
-    cfg = tiny_cfg(f"probe={probe}")
+EXPECTED = {
+    # B_simple and gns_mu appear only once the |G|^2 estimate is positive (never a negative batch size).
+    "gns": {"probe/gns/gns_tr_sigma", "probe/gns/gns_G2", "probe/gns/gns_ess", "probe/gns/gns_consistency_ratio"},
+    "entropy": {
+        "probe/entropy/seq_mean",
+        "probe/entropy/seq_std",
+        "probe/entropy/seq_min",
+        "probe/entropy/seq_max",
+        "probe/entropy/adv_corr",
+        "probe/entropy/cov_logp_adv",
+        "probe/entropy/projected_delta_cov",
+        "probe/entropy/projected_delta_first_order",
+        "probe/entropy/actual_delta",
+        "probe/entropy/sign_agreement",
+    },
+}
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_parameters_identical_with_probes_on_and_off(tiny_cfg, lora):
+    base = _trained(tiny_cfg(f"model.lora.enabled={lora}"))
+    cfg = tiny_cfg(f"model.lora.enabled={lora}", "probe=[gns,entropy]", "probe.entropy.measure_actual=true")
     probed = _trained(cfg)
     assert base.keys() == probed.keys()
     assert all(torch.equal(base[n], probed[n]) for n in base)
     acc = EventAccumulator(f"{cfg.paths.output_dir}/tensorboard")
     acc.Reload()
-    assert {"probe/gns/gns_tr_sigma", "probe/gns/B_simple", "probe/gns/gns_ess"} <= set(acc.Tags()["scalars"])
+    assert EXPECTED["gns"] | EXPECTED["entropy"] <= set(acc.Tags()["scalars"])
