@@ -35,5 +35,5 @@ format: install ## ruff format + autofix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-tb: install ## TensorBoard over outputs/ (single runs; sweeps: --logdir multirun)
-	$(VENV)/bin/tensorboard --logdir outputs
+tb: install ## TensorBoard over outputs/ (runs) and multirun/ (sweeps)
+	$(VENV)/bin/tensorboard --logdir_spec runs:outputs,sweeps:multirun

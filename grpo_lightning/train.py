@@ -7,7 +7,9 @@ them without a traceback); `instantiate` wraps constructor errors, so `build` un
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +76,12 @@ class Run:
             lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
         self.trainer.fit(self.module, datamodule=self.datamodule)
         print(f"TensorBoard logs: tensorboard --logdir {Path(self.cfg.paths.output_dir).resolve()}")
-        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+        for callback in self.trainer.callbacks:  # e.g. the evaluator logs outside Lightning's metric store
+            metrics.update(getattr(callback, "final_metrics", {}))
+        if self.trainer.is_global_zero:
+            write_final_metrics(Path(self.cfg.paths.output_dir), metrics)
+        return metrics
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -150,11 +157,21 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
         ),
         SavePolicy(output_dir / "policy", tokenizer),
     ]
+    if cfg.eval.enabled:
+        callbacks.append(build(cfg.eval).bind(generator, tokenizer))
     callbacks.extend(build(node) for node in (cfg.get("probe") or {}).values())  # multi-select group
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     logger = build(cfg.logger)
     return build(cfg.trainer, callbacks=callbacks, logger=logger, accumulate_grad_batches=accumulate)
+
+
+def write_final_metrics(output_dir: Path, metrics: dict[str, float]) -> None:
+    """`final_metrics.json` in the run dir: what a sweep summary reads (written atomically)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / "final_metrics.json.tmp"
+    tmp.write_text(json.dumps(dict(sorted(metrics.items())), indent=1))
+    os.replace(tmp, output_dir / "final_metrics.json")
 
 
 def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:

@@ -31,6 +31,7 @@ TINY = [
     "reward._target_=tests.helpers.VowelFractionReward",
     "~reward.format_bonus",
     "optim.optimizer.lr=1e-3",
+    "eval.num_problems=4",
 ]
 
 

@@ -29,6 +29,11 @@ EXPECTED_SCALARS = {
     "rollout/tokens_per_s",
     "time/rollout_s",
     "time/train_s",
+    "rollout/group_size_mean",
+    "rollout/tokens_generated_per_prompt",
+    "eval/gsm8k_accuracy",
+    "eval/format_rate",
+    "eval/completion_len_mean",
 }
 
 
@@ -56,6 +61,7 @@ def test_lora_run_trains_adapters_only_and_logs_every_metric(tiny_cfg):
     tags, acc = _scalar_tags(Path(cfg.paths.output_dir))
     assert tags >= EXPECTED_SCALARS
     assert len(acc.Scalars("train/loss")) == 2  # one value per round
+    assert [e.step for e in acc.Scalars("eval/gsm8k_accuracy")] == [0, 2]  # at the start and after the last round
     assert "rollout/samples" in str(acc.Tags())
     assert metrics["rollout/logp_diff_mean"] < 1e-3  # HF generator scores exactly what the trainer scores
     ckpt = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)

@@ -32,6 +32,13 @@ class Prompt:
     problem_index: int
 
 
+def encode_prompt(tokenizer, dataset: GSM8K, problem: Problem, index: int, max_prompt_tokens: int) -> Prompt:
+    """Chat-format and tokenise one problem; an over-long prompt keeps its last `max_prompt_tokens` tokens."""
+    text = tokenizer.apply_chat_template(dataset.messages(problem.question), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
+    return Prompt(prompt_ids=ids, answer=problem.answer, question=problem.question, problem_index=index)
+
+
 def _identity(batch: RolloutBatch) -> RolloutBatch:
     return batch
 
@@ -101,12 +108,9 @@ class RolloutDataModule(L.LightningDataModule):
         return [self.encode(i) for i in self.problem_indices_for_round(round_index)]
 
     def encode(self, problem_index: int) -> Prompt:
-        problem = self.problems[problem_index]
-        text = self.tokenizer.apply_chat_template(
-            self.dataset.messages(problem.question), tokenize=False, add_generation_prompt=True
+        return encode_prompt(
+            self.tokenizer, self.dataset, self.problems[problem_index], problem_index, self.max_prompt_tokens
         )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][-self.max_prompt_tokens :]
-        return Prompt(prompt_ids=ids, answer=problem.answer, question=problem.question, problem_index=problem_index)
 
     # ---- rollouts ------------------------------------------------------------------------------------------
     def set_rollouts(

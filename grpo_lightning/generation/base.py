@@ -65,12 +65,17 @@ class Generator(Protocol):
     sampling: SamplingConfig
 
     def generate(
-        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | Sequence[int] | None = None
+        self,
+        prefixes: list[list[int]],
+        num_samples: int,
+        max_new_tokens: int | Sequence[int] | None = None,
+        greedy: bool = False,
     ) -> list[list[Completion]]:
         """Sample `num_samples` completions for each token-id prefix; result[i][j] is sample j of prefix i.
 
         `max_new_tokens` defaults to `sampling.max_new_tokens`; a branching variant passes the budget left,
-        one int for all prefixes or one per prefix.
+        one int for all prefixes or one per prefix. `greedy=True` decodes argmax tokens (evaluation; then
+        `num_samples` must be 1).
         """
         ...
 

@@ -94,8 +94,8 @@ class RolloutCallback(L.Callback):
                 str(r.group_id),
                 f"{r.reward:.2f}",
                 f"{r.advantage:+.2f}",
-                _cell(question, 200),
-                _cell(r.text, 1500),
+                markdown_cell(question, 200),
+                markdown_cell(r.text, 1500),
             ]
             rows.append("| " + " | ".join(cells) + " |")
         writer.add_text("rollout/samples", "\n".join(rows), step)
@@ -138,7 +138,7 @@ def logp_diff(micro_batches: list[RolloutBatch]) -> dict[str, float]:
     return {"rollout/logp_diff_mean": total / max(count, 1.0), "rollout/logp_diff_max": worst}
 
 
-def _cell(text: str, limit: int) -> str:
+def markdown_cell(text: str, limit: int) -> str:
     """A Markdown table cell: no pipes or newlines, truncated."""
     text = text.replace("|", "\\|").replace("\n", "<br>")
     return text if len(text) <= limit else text[: limit - 1] + "…"

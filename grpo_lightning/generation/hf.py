@@ -49,8 +49,14 @@ class HFGenerator:
 
     @torch.inference_mode()
     def generate(
-        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | Sequence[int] | None = None
+        self,
+        prefixes: list[list[int]],
+        num_samples: int,
+        max_new_tokens: int | Sequence[int] | None = None,
+        greedy: bool = False,
     ) -> list[list[Completion]]:
+        if greedy and num_samples != 1:
+            raise ValueError(f"greedy decoding gives one completion per prefix (asked for {num_samples})")
         budgets = per_prefix_budgets(max_new_tokens, self.sampling.max_new_tokens, len(prefixes))
         # Prefixes with similar budgets share a generate call (stable sort: equal budgets keep their order).
         order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
@@ -62,7 +68,7 @@ class HFGenerator:
             for start in range(0, len(order), prefixes_per_call):
                 chunk = order[start : start + prefixes_per_call]
                 chunk_budget = max(budgets[i] for i in chunk)
-                outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget)
+                outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget, greedy)
                 for i, completions in zip(chunk, outputs, strict=True):
                     results[i] = [truncate(c, budgets[i]) for c in completions]
             return results
@@ -70,15 +76,18 @@ class HFGenerator:
             self.model.train(was_training)
 
     def _generate_chunk(
-        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int
+        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int, greedy: bool = False
     ) -> list[list[Completion]]:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = left_pad(prefixes, self.tokenizer.pad_token_id)
+        sampling = {
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "top_k": self.sampling.top_k,
+        }
         config = GenerationConfig(
-            do_sample=True,
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p,
-            top_k=self.sampling.top_k,
+            do_sample=not greedy,
+            **({} if greedy else sampling),
             max_new_tokens=max_new_tokens,
             num_return_sequences=num_samples,
             pad_token_id=self.tokenizer.pad_token_id,

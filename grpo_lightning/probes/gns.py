@@ -12,7 +12,8 @@ Why hooks and not the seed's gradient snapshots: a tensor hook on each trainable
 backward's own gradient before it is accumulated into `.grad` (local to the rank even under DDP, as in
 petuum/adaptdl), so |g_i|^2 is a running sum of squares: no copy of the model, 4 scalars all-reduced per step.
 Lightning divides each micro-batch loss by `accumulate_grad_batches`; the probe multiplies that back so g_i is
-the gradient of micro-batch i's own loss.
+the gradient of micro-batch i's own loss. The hooks count only between `on_before_backward` and
+`on_after_backward`: other gradient computations (the entropy probe's `torch.autograd.grad`) fire the same hooks.
 
 Sample unit: one completion, whose token-mean loss is weighted by the loss type (`GRPOModule.sample_weights`):
 equal for `grpo`, proportional to its trained tokens for `bnpo`, `dr_grpo` and `dapo`. B_s of a micro-batch is
@@ -78,6 +79,7 @@ class GradientNoiseScaleProbe(L.Callback):
         self._handles: list = []
         self._params: list[torch.nn.Parameter] = []
         self._active = False
+        self._armed = False
         self._ema_tr = self._ema_g2 = 0.0
         self._ema_weight = 0.0
         self._warned = False
@@ -104,7 +106,7 @@ class GradientNoiseScaleProbe(L.Callback):
         self._micro_cross: Tensor | float = 0.0  # <h_i, .grad before h_i>
 
     def _on_grad(self, param: torch.nn.Parameter, grad: Tensor) -> None:
-        if self._active:
+        if self._armed:  # only the training backward; not e.g. another probe's torch.autograd.grad
             g = grad.detach().double()
             self._micro_sq = self._micro_sq + g.pow(2).sum()
             if param.grad is not None:
@@ -118,7 +120,11 @@ class GradientNoiseScaleProbe(L.Callback):
             self._micro_sq = self._micro_cross = 0.0
             self._batch_ess = effective_sample_size(pl_module.sample_weights(batch))
 
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
+        self._armed = self._active
+
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._armed = False
         if not self._active:
             return
         scale = float(trainer.accumulate_grad_batches)  # undo Lightning's loss / accumulate_grad_batches

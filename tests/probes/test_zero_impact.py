@@ -41,3 +41,6 @@ def test_parameters_identical_with_probes_on_and_off(tiny_cfg, lora):
     acc = EventAccumulator(f"{cfg.paths.output_dir}/tensorboard")
     acc.Reload()
     assert EXPECTED["gns"] | EXPECTED["entropy"] <= set(acc.Tags()["scalars"])
+    # The entropy probe's extra gradient pass fires the same parameter hooks; GNS must not count it.
+    ratios = [e.value for e in acc.Scalars("probe/gns/gns_consistency_ratio")]
+    assert ratios and all(abs(r - 1.0) < 1e-5 for r in ratios)

@@ -1,0 +1,95 @@
+"""Read the TensorBoard event files of runs and sweeps, and plot metrics per variant with mean and spread.
+
+The code behind `notebooks/compare_runs.ipynb`, importable so tests run it. Needs the `analysis` extra
+(matplotlib) only for plotting; reading uses tensorboard's EventAccumulator, already a dependency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+PLOTTED = (
+    "train/reward_mean",
+    "eval/gsm8k_accuracy",
+    "train/kl",
+    "rollout/completion_len_mean",
+    "probe/gns/B_simple",
+    "probe/entropy/seq_mean",
+)
+
+
+@dataclass
+class RunData:
+    """One run: its directory, its Hydra overrides and its scalar series (tag -> [(step, value)])."""
+
+    path: Path
+    overrides: dict[str, str]
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def label(self, key: str) -> str:
+        """The run's value of an override key (e.g. 'variant'), defaulting as the config does."""
+        return self.overrides.get(key, "grpo" if key == "variant" else "default")
+
+
+def read_run(run_dir: str | Path) -> RunData:
+    """Scalars from `<run_dir>/tensorboard` (all event files), overrides from `<run_dir>/.hydra/overrides.yaml`."""
+    run_dir = Path(run_dir)
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    pairs = [str(o).split("=", 1) for o in OmegaConf.load(overrides_file)] if overrides_file.is_file() else []
+    return RunData(run_dir, {k.lstrip("+~"): v for k, v in (p for p in pairs if len(p) == 2)}, scalars)
+
+
+def read_sweep(sweep_dir: str | Path) -> list[RunData]:
+    """Every run below a sweep (or outputs) directory, i.e. every folder holding a `tensorboard/` folder."""
+    return [read_run(tb.parent) for tb in sorted(Path(sweep_dir).glob("**/tensorboard")) if tb.is_dir()]
+
+
+def group_by(runs: list[RunData], key: str = "variant") -> dict[str, list[RunData]]:
+    groups: dict[str, list[RunData]] = {}
+    for run in runs:
+        groups.setdefault(run.label(key), []).append(run)
+    return groups
+
+
+def mean_and_spread(runs: list[RunData], tag: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Per step present in any run: mean, min and max over the runs that logged `tag` at that step."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        for step, value in run.scalars.get(tag, []):
+            if math.isfinite(value):
+                by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    return (
+        steps,
+        [sum(by_step[s]) / len(by_step[s]) for s in steps],
+        [min(by_step[s]) for s in steps],
+        [max(by_step[s]) for s in steps],
+    )
+
+
+def plot_sweep(runs: list[RunData], tags: tuple[str, ...] = PLOTTED, key: str = "variant"):
+    """One panel per tag that any run logged: a line per group (mean over seeds) and a band (min..max)."""
+    import matplotlib.pyplot as plt
+
+    present = [t for t in tags if any(t in r.scalars for r in runs)]
+    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * max(len(present), 1)), squeeze=False)
+    groups = group_by(runs, key)
+    for ax, tag in zip(axes[:, 0], present, strict=True):
+        for name, members in sorted(groups.items()):
+            steps, mean, low, high = mean_and_spread(members, tag)
+            if steps:
+                ax.plot(steps, mean, marker="o", label=f"{key}={name} (n={len(members)})")
+                ax.fill_between(steps, low, high, alpha=0.2)
+        ax.set_title(tag)
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig

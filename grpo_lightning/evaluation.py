@@ -1,0 +1,139 @@
+"""GSM8K evaluation during training: greedy pass@1 (and optional sampled pass@k) on a fixed test subset.
+
+The subset is a seeded permutation's first `num_problems` problems of the test split, so every evaluation of a
+run (and every run of a sweep with the same `eval.seed`) scores the same problems. Evaluation uses the training
+generator (HF now, vLLM when configured) and runs at the start, every `every_n_rounds` rounds, and at the end;
+metrics go straight to the loggers at the current optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torchmetrics import MeanMetric
+
+from grpo_lightning.data.datamodule import encode_prompt
+from grpo_lightning.data.gsm8k import GSM8K
+from grpo_lightning.generation.callback import markdown_cell
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float
+    format_rate: float
+    completion_len_mean: float
+
+
+def score_completions(texts: list[str], lengths: list[int], answers: list[str], reward_fn) -> EvalResult:
+    """Accuracy (answer correct), format rate (an answer was extracted) and mean length, via torchmetrics."""
+    accuracy, fmt, length = MeanMetric(), MeanMetric(), MeanMetric()
+    for text, n, answer in zip(texts, lengths, answers, strict=True):
+        result = reward_fn.score_detailed(text, answer)
+        accuracy.update(float(result.correct))
+        fmt.update(float(result.extracted is not None))
+        length.update(float(n))
+    return EvalResult(float(accuracy.compute()), float(fmt.compute()), float(length.compute()))
+
+
+def pass_at_k(correct: list[list[bool]]) -> float:
+    """Fraction of problems with at least one correct sample among their k samples (n = k: exact pass@k)."""
+    return sum(any(samples) for samples in correct) / max(len(correct), 1)
+
+
+class GSM8KEvaluator(L.Callback):
+    def __init__(
+        self,
+        dataset: GSM8K,
+        reward,
+        enabled: bool = True,
+        every_n_rounds: int = 5,
+        num_problems: int = 50,
+        pass_k: int = 0,
+        max_new_tokens: int = 128,
+        max_prompt_tokens: int = 512,
+        num_samples_logged: int = 4,
+        at_start: bool = True,
+        seed: int = 1234,
+    ) -> None:
+        for key, value, low in [("every_n_rounds", every_n_rounds, 1), ("num_problems", num_problems, 1),
+                                ("pass_k", pass_k, 0), ("max_new_tokens", max_new_tokens, 1)]:  # fmt: skip
+            if value < low:
+                raise ValueError(f"eval.{key} must be >= {low} (got {value})")
+        self.dataset, self.reward_fn, self.enabled = dataset, reward, enabled
+        self.every_n_rounds, self.num_problems, self.pass_k = every_n_rounds, num_problems, pass_k
+        self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
+        self.num_samples_logged, self.at_start, self.seed = num_samples_logged, at_start, seed
+        self.generator = None
+        self.tokenizer = None
+        self.prompts: list = []
+        self.final_metrics: dict[str, float] = {}
+
+    def bind(self, generator, tokenizer) -> GSM8KEvaluator:
+        """Attach the run's generator and tokenizer (built after the config's objects)."""
+        self.generator, self.tokenizer = generator, tokenizer
+        return self
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled:
+            return
+        problems = self.dataset.load()
+        order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(self.seed)).tolist()
+        picked = order[: min(self.num_problems, len(problems))]
+        self.prompts = [
+            encode_prompt(self.tokenizer, self.dataset, problems[i], i, self.max_prompt_tokens) for i in picked
+        ]
+        if self.at_start:
+            self.evaluate(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        rounds_done = trainer.current_epoch + 1
+        last = trainer.max_epochs is not None and rounds_done >= trainer.max_epochs
+        if self.enabled and (rounds_done % self.every_n_rounds == 0 or last):
+            self.evaluate(trainer)
+
+    @torch.no_grad()
+    def evaluate(self, trainer: L.Trainer) -> dict[str, float]:
+        prefixes = [p.prompt_ids for p in self.prompts]
+        with torch.random.fork_rng():  # evaluation never moves the training RNG
+            greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.max_new_tokens, greedy=True)]
+            sampled = self.generator.generate(prefixes, self.pass_k, self.max_new_tokens) if self.pass_k else []
+        texts = [self._decode(c.token_ids) for c in greedy]
+        answers = [p.answer for p in self.prompts]
+        result = score_completions(texts, [len(c.token_ids) for c in greedy], answers, self.reward_fn)
+        metrics = {
+            "eval/gsm8k_accuracy": result.accuracy,
+            "eval/format_rate": result.format_rate,
+            "eval/completion_len_mean": result.completion_len_mean,
+        }
+        if sampled:
+            correct = [
+                [self.reward_fn.score_detailed(self._decode(c.token_ids), a).correct for c in samples]
+                for samples, a in zip(sampled, answers, strict=True)
+            ]
+            metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct)
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)
+            self._log_table(trainer, texts)
+        log.info("eval at step %d: accuracy %.3f on %d problems", trainer.global_step, result.accuracy, len(texts))
+        self.final_metrics = metrics
+        return metrics
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _log_table(self, trainer: L.Trainer, texts: list[str]) -> None:
+        writer = next((lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        if writer is None:
+            return
+        rows = ["| answer | correct | completion |", "|---|---|---|"]
+        for prompt, text in list(zip(self.prompts, texts, strict=True))[: self.num_samples_logged]:
+            ok = self.reward_fn.score_detailed(text, prompt.answer).correct
+            rows.append(f"| {prompt.answer} | {'yes' if ok else 'no'} | {markdown_cell(text, 1500)} |")
+        writer.add_text("eval/samples", "\n".join(rows), trainer.global_step)

@@ -1,0 +1,70 @@
+"""Hydra callback that writes a summary table of a multirun sweep (CSV and Markdown) when it ends.
+
+Each job writes `final_metrics.json` into its own output dir (`train.write_final_metrics`), so the summary works
+the same for the in-process launcher and for process-per-job launchers (joblib, submitit): it only reads files.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS = (
+    "train/reward_mean",
+    "eval/gsm8k_accuracy",
+    "eval/format_rate",
+    "train/kl",
+    "rollout/completion_len_mean",
+    "rollout/tokens_generated_per_prompt",
+)
+
+
+def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job dir holding `final_metrics.json`: its overrides (as `key=value` text) and its metrics."""
+    rows = []
+    for metrics_file in sorted(sweep_dir.glob("*/final_metrics.json")):
+        job_dir = metrics_file.parent
+        overrides_file = job_dir / ".hydra" / "overrides.yaml"
+        overrides = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
+        rows.append({"job": job_dir.name, "overrides": " ".join(overrides), **json.loads(metrics_file.read_text())})
+    return rows
+
+
+def write_summary(sweep_dir: Path, metrics: tuple[str, ...] = DEFAULT_METRICS) -> list[dict[str, Any]]:
+    """Write `summary.csv` and `summary.md` in `sweep_dir`; returns the rows."""
+    rows = collect_jobs(sweep_dir)
+    columns = ["job", "overrides", *metrics]
+    with (sweep_dir / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in columns) + " |")
+    (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+class SweepSummary(Callback):
+    """`hydra.callbacks.sweep_summary`: after the last job, summarise the sweep directory."""
+
+    def __init__(self, metrics: list[str] | None = None) -> None:
+        self.metrics = tuple(metrics) if metrics else DEFAULT_METRICS
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_summary(sweep_dir, self.metrics)
+        log.info("sweep summary of %d jobs: %s", len(rows), sweep_dir / "summary.md")
+        print((sweep_dir / "summary.md").read_text())
