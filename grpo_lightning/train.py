@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import lightning as L
@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.callbacks import SavePolicy
 from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
@@ -98,6 +99,11 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     reward_fn = build(cfg.reward)
     datamodule, variant, accumulate = _data_and_variant(cfg)
     build(cfg.optim.schedule)
+    LoraSettings(**cfg.model.lora)
+    SamplingConfig(**{f.name: cfg.generator[f.name] for f in fields(SamplingConfig)})
+    build(cfg.eval)
+    for node in (cfg.get("probe") or {}).values():
+        build(node)
     print(f"grpo_lightning plan (dry run):\n{make_plan(cfg, datamodule, variant, accumulate).render()}")
     return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}
 

@@ -146,10 +146,13 @@ def _cli(*args, cwd):
         ("loss.beta=-1", "loss.beta must be >= 0"),
         ("data.prompts_per_round=0", "data.prompts_per_round must be >= 1"),
         ("trainer.accumulate_grad_batches=3", "trainer.accumulate_grad_batches"),
+        ("generator.temperature=0", "generator.temperature must be > 0"),
+        ("eval.num_problems=0", "eval.num_problems must be >= 1"),
+        ("variant=storpo variant.min_steps=0", "variant.min_steps must be >= 1"),
     ],
 )
 def test_cli_config_mistakes_exit_nonzero_without_traceback(tmp_path, override, words):
-    result = _cli("dry_run=true", f"paths.output_dir={tmp_path}", override, cwd=tmp_path)
+    result = _cli("dry_run=true", f"paths.output_dir={tmp_path}", *override.split(), cwd=tmp_path)
     assert result.returncode == 2
     assert words in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
