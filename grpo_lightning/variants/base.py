@@ -18,7 +18,7 @@ from grpo_lightning.rollouts import Rollout
 
 if TYPE_CHECKING:
     from grpo_lightning.data.datamodule import Prompt
-    from grpo_lightning.generation.base import Generator
+    from grpo_lightning.generation.base import Completion, Generator
 
 VARIANTS: dict[str, type[GRPOVariant]] = {}
 
@@ -70,6 +70,24 @@ class GRPOVariant(ABC):
             return detailed(text, answer)
         reward = float(reward_fn(text, answer))
         return RewardResult(reward=reward, extracted=None, correct=reward >= 1.0)
+
+    def make_rollout(
+        self, prompt: Prompt, completion: Completion, group_id: int, reward_fn: RewardFn, decode, branch_point: int = 0
+    ) -> Rollout:
+        """Decode and score one completion of `prompt`; `branch_point` leading tokens are not trained on."""
+        text = decode(completion.token_ids)
+        result = self.score(reward_fn, text, prompt.answer)
+        return Rollout(
+            prompt_ids=list(prompt.prompt_ids),
+            completion_ids=completion.token_ids,
+            gen_logprobs=completion.logprobs,
+            reward=result.reward,
+            group_id=group_id,
+            truncated=not completion.finished,
+            text=text,
+            branch_point=branch_point,
+            answer_extracted=result.extracted is not None,
+        )
 
     def assign_advantages(self, rollouts: list[Rollout]) -> None:
         """Fill `advantage` per REFERENCE §2 over the rollouts' group ids."""

@@ -21,22 +21,10 @@ class BaselineGRPO(GRPOVariant):
 
     def generate_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
         samples = generator.generate([p.prompt_ids for p in prompts], self.num_generations)
-        rollouts = []
-        for group_id, (prompt, completions) in enumerate(zip(prompts, samples, strict=True)):
-            for c in completions:
-                text = decode(c.token_ids)
-                result = self.score(reward_fn, text, prompt.answer)
-                rollouts.append(
-                    Rollout(
-                        prompt_ids=list(prompt.prompt_ids),
-                        completion_ids=c.token_ids,
-                        gen_logprobs=c.logprobs,
-                        reward=result.reward,
-                        group_id=group_id,
-                        truncated=not c.finished,
-                        text=text,
-                        answer_extracted=result.extracted is not None,
-                    )
-                )
+        rollouts = [
+            self.make_rollout(prompt, c, group_id, reward_fn, decode)
+            for group_id, (prompt, completions) in enumerate(zip(prompts, samples, strict=True))
+            for c in completions
+        ]
         self.assign_advantages(rollouts)
         return rollouts

@@ -109,7 +109,9 @@ class STORPO(GRPOVariant):
             for i, completions in zip(fallback, extra, strict=True):
                 samples[i].extend((c, 0) for c in completions)
         rollouts = [
-            self._rollout(prompts[i], c, k, i, reward_fn, decode) for i in range(len(prompts)) for c, k in samples[i]
+            self.make_rollout(prompts[i], c, i, reward_fn, decode, k)
+            for i in range(len(prompts))
+            for c, k in samples[i]
         ]
         self.assign_advantages(rollouts)
         self.metrics = self._metrics(len(prompts), initial, branches, fallback, rollouts)
@@ -128,21 +130,6 @@ class STORPO(GRPOVariant):
         )
         for (i, k), completions in zip(jobs, continuations, strict=True):
             samples[i].extend((_join(initial[i], k, c), k) for c in completions)
-
-    def _rollout(self, prompt, completion: Completion, branch_point: int, group_id, reward_fn, decode) -> Rollout:
-        text = decode(completion.token_ids)
-        result = self.score(reward_fn, text, prompt.answer)
-        return Rollout(
-            prompt_ids=list(prompt.prompt_ids),
-            completion_ids=completion.token_ids,
-            gen_logprobs=completion.logprobs,
-            reward=result.reward,
-            group_id=group_id,
-            truncated=not completion.finished,
-            text=text,
-            branch_point=branch_point,
-            answer_extracted=result.extracted is not None,
-        )
 
     def _metrics(self, num_prompts: int, initial, branches, fallback, rollouts: list[Rollout]) -> dict[str, float]:
         n = max(num_prompts, 1)
