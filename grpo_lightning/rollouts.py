@@ -65,6 +65,7 @@ class RolloutBatch:
     advantages: Tensor  # [B] float32
     rewards: Tensor  # [B] float32
     group_ids: Tensor  # [B] long
+    branch_points: Tensor  # [B] long, leading completion tokens not trained on (STORPO continuations; else 0)
     prompt_len: int
     """P: width of the left-padded prompt block."""
     old_logprobs: Tensor | None = None  # [B, C] float32, policy log-probs before the round's first update
@@ -124,6 +125,7 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutB
         advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
+        branch_points=torch.tensor([r.branch_point for r in rollouts], dtype=torch.long),
         prompt_len=p_max,
         old_logprobs=old_logprobs,
     )

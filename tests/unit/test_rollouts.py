@@ -31,6 +31,7 @@ def test_collate_left_pads_prompts_and_right_pads_completions():
     assert torch.allclose(batch.gen_logprobs, torch.tensor([[-0.1, -0.2, 0.0], [-0.1, -0.2, -0.3]]))
     assert batch.advantages.tolist() == [0.5, -0.5]
     assert batch.group_ids.tolist() == [0, 1]
+    assert batch.branch_points.tolist() == [0, 1]
     assert batch.old_logprobs is None
 
 

@@ -150,6 +150,7 @@ def test_masks_cover_exactly_the_tokens_after_each_branch_point(tokenizer):
         expected[r.branch_point : n] = 1.0
         assert torch.equal(batch.completion_mask[row], expected)
     assert rollouts[0].branch_point == 0 and all(r.branch_point > 0 for r in rollouts[1:])
+    assert batch.branch_points.tolist() == [r.branch_point for r in rollouts]
 
 
 @pytest.mark.parametrize(
