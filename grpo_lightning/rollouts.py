@@ -11,7 +11,7 @@ Pure: imports neither Lightning nor Hydra.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -71,9 +71,6 @@ class RolloutBatch:
     old_logprobs: Tensor | None = None  # [B, C] float32, policy log-probs before the round's first update
     num_tokens_in_step: float = 0.0
     """Trained tokens in the whole optimizer step this micro-batch belongs to (for loss.type=dapo)."""
-    first_pass: bool = True
-    """True while no optimizer step has consumed this round yet (generator log-probs are comparable)."""
-    extra: dict = field(default_factory=dict)
 
     @property
     def completion_ids(self) -> Tensor:  # [B, C]
