@@ -3,7 +3,8 @@
 The subset is a seeded permutation's first `num_problems` problems of the test split, so every evaluation of a
 run (and every run of a sweep with the same `eval.seed`) scores the same problems. Evaluation uses the training
 generator (HF now, vLLM when configured) and runs at the start, every `every_n_rounds` rounds, and at the end;
-metrics go straight to the loggers at the current optimizer step.
+metrics go straight to the loggers at the current optimizer step. Under DDP each rank generates for every W-th
+problem and the metrics are computed over all of them (rank 0 logs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torchmetrics import MeanMetric
 
 from grpo_lightning.data.datamodule import encode_prompt
 from grpo_lightning.data.gsm8k import GSM8K
+from grpo_lightning.distributed import gather_objects, rank_and_world
 from grpo_lightning.generation.callback import markdown_cell
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class GSM8KEvaluator(L.Callback):
         self.prompts = [
             encode_prompt(self.tokenizer, self.dataset, problems[i], i, self.max_prompt_tokens) for i in picked
         ]
-        if self.at_start:
+        if self.at_start and trainer.ckpt_path is None:  # a resumed run was evaluated before its interruption
             self.evaluate(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -99,28 +101,38 @@ class GSM8KEvaluator(L.Callback):
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer) -> dict[str, float]:
-        prefixes = [p.prompt_ids for p in self.prompts]
+        """Each rank scores every W-th problem; the metrics are computed over all of them on every rank."""
+        rank, world_size = rank_and_world()
+        mine = self.prompts[rank::world_size]
+        prefixes = [p.prompt_ids for p in mine]
         with torch.random.fork_rng():  # evaluation never moves the training RNG
             greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.max_new_tokens, greedy=True)]
             sampled = self.generator.generate(prefixes, self.pass_k, self.max_new_tokens) if self.pass_k else []
-        texts = [self._decode(c.token_ids) for c in greedy]
-        answers = [p.answer for p in self.prompts]
-        result = score_completions(texts, [len(c.token_ids) for c in greedy], answers, self.reward_fn)
+        part = {
+            "texts": [self._decode(c.token_ids) for c in greedy],
+            "lengths": [len(c.token_ids) for c in greedy],
+            "answers": [p.answer for p in mine],
+            "sampled_correct": [
+                [self.reward_fn.score_detailed(self._decode(c.token_ids), p.answer).correct for c in samples]
+                for samples, p in zip(sampled, mine, strict=True)
+            ]
+            if self.pass_k
+            else [],
+        }
+        parts = gather_objects(part)
+        texts, lengths, answers, correct = ([x for q in parts for x in q[key]] for key in part)
+        result = score_completions(texts, lengths, answers, self.reward_fn)
         metrics = {
             "eval/gsm8k_accuracy": result.accuracy,
             "eval/format_rate": result.format_rate,
             "eval/completion_len_mean": result.completion_len_mean,
         }
-        if sampled:
-            correct = [
-                [self.reward_fn.score_detailed(self._decode(c.token_ids), a).correct for c in samples]
-                for samples, a in zip(sampled, answers, strict=True)
-            ]
+        if self.pass_k:
             metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct)
         if trainer.is_global_zero:
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=trainer.global_step)
-            self._log_table(trainer, texts)
+            self._log_table(trainer, texts, answers)
         log.info("eval at step %d: accuracy %.3f on %d problems", trainer.global_step, result.accuracy, len(texts))
         self.final_metrics = metrics
         return metrics
@@ -128,12 +140,12 @@ class GSM8KEvaluator(L.Callback):
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _log_table(self, trainer: L.Trainer, texts: list[str]) -> None:
+    def _log_table(self, trainer: L.Trainer, texts: list[str], answers: list[str]) -> None:
         writer = next((lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if writer is None:
             return
         rows = ["| answer | correct | completion |", "|---|---|---|"]
-        for prompt, text in list(zip(self.prompts, texts, strict=True))[: self.num_samples_logged]:
-            ok = self.reward_fn.score_detailed(text, prompt.answer).correct
-            rows.append(f"| {prompt.answer} | {'yes' if ok else 'no'} | {markdown_cell(text, 1500)} |")
+        for answer, text in list(zip(answers, texts, strict=True))[: self.num_samples_logged]:
+            ok = self.reward_fn.score_detailed(text, answer).correct
+            rows.append(f"| {answer} | {'yes' if ok else 'no'} | {markdown_cell(text, 1500)} |")
         writer.add_text("eval/samples", "\n".join(rows), trainer.global_step)

@@ -3,7 +3,8 @@
 One training step is one micro-batch of whole advantage groups; Lightning accumulates `accumulate_grad_batches`
 of them per optimizer step and divides each loss by that count. That division is right for `grpo`, `bnpo` and
 `dr_grpo` (a mean of per-micro-batch losses, as TRL does) but not for `dapo`, whose loss is already normalised
-by the token count of the whole optimizer step: it is multiplied back (TRL issue #3021).
+by the token count of the whole optimizer step (all micro-batches, all ranks): it is multiplied back by the
+accumulation count and by the world size, since DDP averages gradients over ranks (TRL issue #3021).
 
 Old log-probs: when one optimizer step consumes a round, old_logp = logp.detach() (ratio 1, gradient intact);
 otherwise the rollout callback stores policy log-probs computed once before the round's first update
@@ -11,10 +12,17 @@ otherwise the rollout callback stores policy log-probs computed once before the 
 
 Positions are derived from the attention mask so left-padded rows score exactly as HF `generate` sampled them;
 `rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens) checks it every round.
+
+Non-finite guard: a NaN/inf loss or gradient skips the optimizer step by dropping every `.grad` before the
+step (torch optimizers leave parameters without a gradient untouched: no Adam moment update, no weight decay),
+so Lightning's step counters and the LR schedule advance as usual. Skips are counted (`train/skipped_steps`);
+after `max_consecutive_skips` in a row the run stops at the end of the round with a checkpoint and
+`stop_reason` set (train.py turns it into a clear error).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +31,11 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.losses import GRPOLoss, selective_log_softmax
-from grpo_lightning.rollouts import RolloutBatch, position_ids_from_mask
+from grpo_lightning.forward import completion_logits_and_logprobs
+from grpo_lightning.losses import GRPOLoss
+from grpo_lightning.rollouts import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,8 +73,11 @@ class GRPOModule(L.LightningModule):
         schedule: LRSchedule,
         total_steps: int,
         temperature: float = 1.0,
+        max_consecutive_skips: int = 3,
     ) -> None:
         super().__init__()
+        if max_consecutive_skips < 1:
+            raise ValueError(f"guard.max_consecutive_skipped_steps must be >= 1 (got {max_consecutive_skips})")
         self.policy = policy
         self.reference = reference
         self.loss_fn = loss
@@ -73,27 +87,38 @@ class GRPOModule(L.LightningModule):
         self.temperature = temperature
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
         self.logits_observer: Callable[[Tensor, Tensor, RolloutBatch], None] | None = None  # set by probes
+        self.max_consecutive_skips = max_consecutive_skips
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.stop_reason: str | None = None
+        self.run_info: dict = {}
+        """What a checkpoint must match to be resumed (model, LoRA); set by train.build_run, saved in checkpoints."""
 
     # ---- log-probs -----------------------------------------------------------------------------------------
-    def policy_forward(self, model: nn.Module, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    share_prefix: bool = True
+    """Run each distinct prompt of a micro-batch once and reuse its KV cache for its completions (forward.py)."""
+    logits_chunk_tokens: int | None = 256
+    """Completion positions per chunk of the recomputed LM head + log-softmax when no logits are needed
+    (None: materialise the [B, C, V] logits)."""
+
+    def policy_forward(
+        self, model: nn.Module, batch: RolloutBatch, with_logits: bool | None = None
+    ) -> tuple[Tensor | None, Tensor]:
         """Logits at completion positions [B, C, V] (divided by the temperature) and completion log-probs [B, C].
 
-        Only the completion positions reach the LM head (`logits_to_keep`); the log-softmax is row-chunked.
+        Logits are materialised only when asked (`with_logits`; None = when a probe observes them), else None:
+        then the LM head and log-softmax run chunk by chunk and are recomputed in the backward. Prompts shared
+        by several rows run once (`share_prefix`). See `grpo_lightning.forward`.
         """
-        completion_len = batch.completion_ids.shape[1]
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=position_ids_from_mask(batch.attention_mask),
-            logits_to_keep=completion_len + 1,
-            use_cache=False,
+        if with_logits is None:
+            with_logits = self.logits_observer is not None
+        return completion_logits_and_logprobs(
+            model, batch, self.temperature, with_logits, self.share_prefix, self.logits_chunk_tokens
         )
-        logits = out.logits[:, :-1, :] / self.temperature  # [B, C, V]: position t predicts token t + 1
-        return logits, selective_log_softmax(logits, batch.completion_ids)
 
     def completion_logprobs(self, model: nn.Module, batch: RolloutBatch) -> Tensor:  # [B, C]
         """log pi(completion token | prefix) at the sampling temperature."""
-        return self.policy_forward(model, batch)[1]
+        return self.policy_forward(model, batch, with_logits=False)[1]
 
     @torch.no_grad()
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:  # [B, C]
@@ -126,8 +151,8 @@ class GRPOModule(L.LightningModule):
         ref_logp = self.reference_logprobs(batch)
         out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step)
         loss = out.loss
-        if self.loss_fn.loss_type == "dapo":
-            loss = loss * self.trainer.accumulate_grad_batches
+        if self.loss_fn.loss_type == "dapo":  # undo Lightning's / accumulate and DDP's mean over ranks
+            loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
         b = len(batch)
         metrics = {
             "train/loss": loss.detach(),
@@ -136,7 +161,7 @@ class GRPOModule(L.LightningModule):
             "train/clip_ratio_low": out.clip_ratio_low,
             "train/clip_ratio_high": out.clip_ratio_high,
         }
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b)
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b, sync_dist=True)  # mean over ranks
         if batch.old_logprobs is None:  # no update yet this round: generator and trainer score the same policy
             self.log_logp_diff(logp.detach(), batch)
         return loss
@@ -145,7 +170,14 @@ class GRPOModule(L.LightningModule):
         mask = batch.sequence_mask  # [B, C]
         diff = (logp - batch.gen_logprobs).abs() * mask
         n = mask.sum().clamp(min=1)
-        self.log("rollout/logp_diff_mean", diff.sum() / n, on_step=False, on_epoch=True, batch_size=len(batch))
+        self.log(
+            "rollout/logp_diff_mean",
+            diff.sum() / n,
+            on_step=False,
+            on_epoch=True,
+            batch_size=len(batch),
+            sync_dist=True,
+        )
         self.log(
             "rollout/logp_diff_max",
             diff.max(),
@@ -153,13 +185,41 @@ class GRPOModule(L.LightningModule):
             on_epoch=True,
             reduce_fx="max",
             batch_size=len(batch),
+            sync_dist=True,
         )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else 0.0
-        self.log("train/grad_norm", norm, on_step=False, on_epoch=True, batch_size=1)  # before clipping
-        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=False, on_epoch=True, batch_size=1)
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        norm = grad_norm([p.grad for p in params])  # before clipping; under DDP the grads are already synced
+        if math.isfinite(norm):
+            self.consecutive_skips = 0
+            self.log("train/grad_norm", norm, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+        else:
+            self.skip_step(params)
+        skipped = float(self.skipped_steps)  # equal on every rank (the gradients are synced)
+        self.log("train/skipped_steps", skipped, on_step=False, on_epoch=True, reduce_fx="max", sync_dist=True)
+        lr = optimizer.param_groups[0]["lr"]
+        self.log("train/lr", lr, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+
+    def skip_step(self, params: list[nn.Parameter]) -> None:
+        """Drop this step's gradients so `optimizer.step()` leaves every parameter and its state as it was."""
+        for p in params:
+            p.grad = None
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        log.warning(
+            "non-finite loss or gradient at step %d: optimizer step skipped (%d in a row, %d in total)",
+            self.global_step,
+            self.consecutive_skips,
+            self.skipped_steps,
+        )
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            self.stop_reason = (
+                f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient "
+                f"(guard.max_consecutive_skipped_steps={self.max_consecutive_skips}); the parameters are those "
+                "of the last finite step. Lower optim.optimizer.lr or check the reward, then resume."
+            )
+            self.trainer.should_stop = True
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -175,3 +235,20 @@ class GRPOModule(L.LightningModule):
         """Keep only trainable weights: the frozen base, tied copies and the reference come back from the source."""
         trainable = {f"policy.{n}" for n, p in self.policy.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["grpo_lightning"] = {
+            "run_info": self.run_info,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("grpo_lightning", {})
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
+
+
+def grad_norm(grads: list[Tensor]) -> float:
+    """Global L2 norm of the gradients (inf/nan when any entry is); 0.0 when there are none."""
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))

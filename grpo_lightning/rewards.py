@@ -129,3 +129,52 @@ class GSM8KReward:
     def __call__(self, completion: str, reference: str) -> float:
         """Return the scalar reward of ``completion`` against the reference answer string."""
         return self.score_detailed(completion, reference).reward
+
+
+class SafeReward:
+    """Wraps a reward function so one failing sample scores 0 instead of ending the run.
+
+    A user reward that raises on an odd completion (a regex on unexpected text, a parser bug) should not kill
+    an hours-long run: the sample scores 0.0, the failure is counted (`rollout/reward_errors`, per round) and
+    the first error is logged with its traceback so the bug is still visible. `score_detailed` is offered only
+    when the wrapped function has it, so variants see the same interface as before.
+    """
+
+    def __init__(self, reward_fn) -> None:
+        self.reward_fn = reward_fn
+        self.errors = 0
+        """Failures since the last `pop_errors()`."""
+        self.total_errors = 0
+        if hasattr(reward_fn, "score_detailed"):
+            self.score_detailed = self._score_detailed
+
+    def __call__(self, completion: str, reference: str) -> float:
+        try:
+            return float(self.reward_fn(completion, reference))
+        except Exception as err:  # noqa: BLE001 - any user error becomes a zero reward, counted and logged
+            self._record(err, completion)
+            return 0.0
+
+    def _score_detailed(self, completion: str, reference: str) -> RewardResult:
+        try:
+            return self.reward_fn.score_detailed(completion, reference)
+        except Exception as err:  # noqa: BLE001
+            self._record(err, completion)
+            return RewardResult(reward=0.0, extracted=None, correct=False)
+
+    def pop_errors(self) -> int:
+        """Failures since the previous call (the rollout callback logs them once per round)."""
+        errors, self.errors = self.errors, 0
+        return errors
+
+    def _record(self, err: Exception, completion: str) -> None:
+        if self.total_errors == 0:
+            logger.error(
+                "the reward function raised %s on a completion (scored 0; later failures are only counted in "
+                "rollout/reward_errors): %r",
+                type(err).__name__,
+                completion[:200],
+                exc_info=err,
+            )
+        self.errors += 1
+        self.total_errors += 1

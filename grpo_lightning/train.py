@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,27 +19,86 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.callbacks import SavePolicy
+from grpo_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, check_resumable, resolve_ckpt_path
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.generation.callback import RolloutCallback
+from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import SafeReward
 
 log = logging.getLogger(__name__)
 
 
 def build(node: DictConfig, **kwargs):
-    """`instantiate` that re-raises a constructor's ValueError as itself (its message names the config key)."""
+    """`instantiate`, with every config mistake turned into a ValueError that names the config key.
+
+    A constructor's own ValueError already names its key and passes through; an unknown `_target_`, an unknown
+    or wrongly typed argument gets the node's key prefixed.
+    """
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
         if isinstance(cause, ValueError):
             raise cause from None
+        key = node._get_full_key(None) or "<config>"
+        if isinstance(cause, TypeError):
+            raise ValueError(f"{key}: {cause} (check the keys and values under {key})") from None
+        if "Error locating target" in str(err):
+            raise ValueError(f"{key}._target_: cannot import {node.get('_target_')!r}") from None
         raise
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks of keys no constructor sees before the model is loaded (each error names its key)."""
+    SamplingConfig(**{f.name: cfg.generator[f.name] for f in fields(SamplingConfig)})  # other groups interpolate it
+    build(cfg.optim.optimizer)  # a partial: locates the class, checks nothing else
+    lr = cfg.optim.optimizer.get("lr")
+    if not (is_number(lr) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"optim.optimizer.lr must be a positive number (got {lr!r})")
+    for key, value in [
+        ("trainer.max_epochs", cfg.trainer.max_epochs),
+        ("checkpoint.every_n_rounds", cfg.checkpoint.every_n_rounds),
+        ("guard.max_consecutive_skipped_steps", cfg.guard.max_consecutive_skipped_steps),
+    ]:
+        if not (is_int(value) and value >= 1):
+            raise ValueError(f"{key} must be an integer >= 1 (got {value!r})")
+    if not is_int(cfg.seed):
+        raise ValueError(f"seed must be an integer (got {cfg.seed!r})")
+    check_writable(Path(cfg.paths.output_dir))
+
+
+def rank_zero_print(message: str) -> None:
+    """Print once per run: a DDP child process (LOCAL_RANK / RANK > 0) stays quiet."""
+    if rank_zero_only.rank == 0:
+        print(message)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_writable(directory: Path) -> None:
+    """Fail before any work when the run could not save its checkpoints and logs."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"paths.output_dir: cannot write to {directory} ({err.strerror}); choose another hydra.run.dir"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -71,18 +131,38 @@ class Run:
     module: GRPOModule
     datamodule: RolloutDataModule
     trainer: L.Trainer
+    ckpt_path: Path | None = None
+    """The checkpoint this run resumes from (`ckpt_path` config key), None for a fresh run."""
 
     def fit(self) -> dict[str, float]:
+        """Train; raises TrainingStopped (non-finite guard) or RunInterrupted (signal) after saving."""
         for lg in self.trainer.loggers:
             lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
-        self.trainer.fit(self.module, datamodule=self.datamodule)
-        print(f"TensorBoard logs: tensorboard --logdir {Path(self.cfg.paths.output_dir).resolve()}")
+        if self.ckpt_path is not None:
+            rank_zero_print(f"resuming from {self.ckpt_path}")
+        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=self.ckpt_path, weights_only=False)
+        output_dir = Path(self.cfg.paths.output_dir).resolve()
+        rank_zero_print(f"TensorBoard logs: tensorboard --logdir {output_dir}")
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
         for callback in self.trainer.callbacks:  # e.g. the evaluator logs outside Lightning's metric store
             metrics.update(getattr(callback, "final_metrics", {}))
         if self.trainer.is_global_zero:
-            write_final_metrics(Path(self.cfg.paths.output_dir), metrics)
+            write_final_metrics(output_dir, metrics)
+        last = output_dir / "checkpoints" / "last.ckpt"
+        if self.module.stop_reason is not None:
+            raise TrainingStopped(f"training stopped: {self.module.stop_reason}\ncheckpoint: {last}")
+        stop = next((c for c in self.trainer.callbacks if isinstance(c, GracefulStop)), None)
+        if stop is not None and stop.stopped_after_round is not None:
+            raise RunInterrupted(
+                stop.signum,
+                f"stopped after round {stop.stopped_after_round} (checkpoint saved)\n"
+                f"resume: python -m grpo_lightning <same overrides> ckpt_path={last}",
+            )
         return metrics
+
+
+class TrainingStopped(Exception):
+    """The run stopped itself (non-finite guard) after saving a checkpoint; the CLI prints it and exits 1."""
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -95,31 +175,39 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def dry_run(cfg: DictConfig) -> dict[str, float]:
     """Validate the config, load the data, score the reference answers, print the plan; no model load."""
     L.seed_everything(cfg.seed, workers=True)
+    validate(cfg)
     build(cfg.loss)
     reward_fn = build(cfg.reward)
     datamodule, variant, accumulate = _data_and_variant(cfg)
     build(cfg.optim.schedule)
     LoraSettings(**cfg.model.lora)
-    SamplingConfig(**{f.name: cfg.generator[f.name] for f in fields(SamplingConfig)})
     build(cfg.eval)
-    for node in (cfg.get("probe") or {}).values():
-        build(node)
-    print(f"grpo_lightning plan (dry run):\n{make_plan(cfg, datamodule, variant, accumulate).render()}")
+    plan = make_plan(cfg, datamodule, variant, accumulate)
+    build_probes(cfg, plan)
+    resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
+    print(f"grpo_lightning plan (dry run):\n{plan.render()}")
     return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}
 
 
 def build_run(cfg: DictConfig) -> Run:
     L.seed_everything(cfg.seed, workers=True)
+    validate(cfg)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     loss = build(cfg.loss)
-    reward_fn = build(cfg.reward)
+    reward_fn = SafeReward(build(cfg.reward))
     datamodule, variant, accumulate = _data_and_variant(cfg)
     plan = make_plan(cfg, datamodule, variant, accumulate)
-    print(f"grpo_lightning plan:\n{plan.render()}")
+    probes = build_probes(cfg, plan)
+    rank_zero_print(f"grpo_lightning plan:\n{plan.render()}")
 
     source = build(cfg.model.source)
     with torch.random.fork_rng():  # loading (and a first-run GGUF conversion) must not move the seeded RNG
         model, tokenizer = source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
-    policy, reference = wrap_policy(model, LoraSettings(**cfg.model.lora), loss.needs_reference)
+    lora = LoraSettings(**cfg.model.lora)
+    policy, reference = wrap_policy(model, lora, loss.needs_reference)
+    run_info = {"model": plan.model, "lora": repr(lora) if lora.enabled else "full fine-tuning"}
+    if ckpt_path is not None:
+        check_resumable(ckpt_path, policy, run_info)
     datamodule.tokenizer = tokenizer
     generator = build(cfg.generator, model=policy, tokenizer=tokenizer)
     module = GRPOModule(
@@ -130,21 +218,52 @@ def build_run(cfg: DictConfig) -> Run:
         schedule=build(cfg.optim.schedule),
         total_steps=plan.rounds * plan.optimizer_steps_per_round,
         temperature=cfg.generator.temperature,
+        max_consecutive_skips=cfg.guard.max_consecutive_skipped_steps,
     )
-    trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer)
-    return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer)
+    module.run_info = run_info
+    forward = cfg.get("forward") or {}  # training-forward levers (README: Performance)
+    module.share_prefix = bool(forward.get("share_prefix", True))
+    module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 256)
+    trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
+    return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, ckpt_path=ckpt_path)
 
 
 def _data_and_variant(cfg: DictConfig):
     variant = build(cfg.variant)
     datamodule: RolloutDataModule = build(cfg.data)
+    datamodule.set_world_size(world_size(cfg))
     datamodule.setup("fit")
     return datamodule, variant, accumulate_grad_batches(cfg, datamodule)
 
 
-def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer) -> L.Trainer:
+def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
+    """The `probe` multi-select group's callbacks, each checked against the run's shape."""
+    probes = [build(node) for node in (cfg.get("probe") or {}).values()]
+    micro_batches_per_step = plan.accumulate_grad_batches
+    for probe in probes:
+        check = getattr(probe, "check_setup", None)
+        if check is not None:
+            check(micro_batches_per_step, world_size(cfg))
+    return probes
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Processes the trainer will start: devices (a count or a list of ids) x nodes."""
+    devices = cfg.trainer.get("devices", 1)
+    if OmegaConf.is_list(devices):
+        count = len(devices)
+    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
+        count = int(devices)
+    else:  # "auto" or -1: every GPU when the trainer will use GPUs, else one process
+        gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+        count = torch.cuda.device_count() if gpu else 1
+    return count * int(cfg.trainer.get("num_nodes", 1) or 1)
+
+
+def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes=()) -> L.Trainer:
     output_dir = Path(cfg.paths.output_dir)
     callbacks = [
+        GracefulStop(),  # first: its round-end hook must run before the rollout callback's
         RolloutCallback(
             generator,
             variant,
@@ -153,23 +272,33 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             samples_every_n_rounds=cfg.logging.samples_every_n_rounds,
             num_samples_logged=cfg.logging.num_samples_logged,
+            seed=cfg.seed,
         ),
         ModelCheckpoint(
             dirpath=output_dir / "checkpoints",
             filename="round{epoch:03d}",
             every_n_epochs=cfg.checkpoint.every_n_rounds,
             save_top_k=-1,
-            save_last=True,
+            save_last=False,
         ),
+        LastCheckpoint(output_dir / "checkpoints"),
         SavePolicy(output_dir / "policy", tokenizer),
     ]
+    callbacks.extend(getattr(generator, "callbacks", []))  # stale-weight guard; vLLM sleep and final push
     if cfg.eval.enabled:
         callbacks.append(build(cfg.eval).bind(generator, tokenizer))
-    callbacks.extend(build(node) for node in (cfg.get("probe") or {}).values())  # multi-select group
+    callbacks.extend(probes)
+    callbacks.extend(build(node) for node in (cfg.get("callbacks") or {}).values())  # the user's own
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     logger = build(cfg.logger)
-    return build(cfg.trainer, callbacks=callbacks, logger=logger, accumulate_grad_batches=accumulate)
+    return build(
+        cfg.trainer,
+        callbacks=callbacks,
+        logger=logger,
+        accumulate_grad_batches=accumulate,
+        plugins=[AtomicCheckpointIO()],
+    )
 
 
 def write_final_metrics(output_dir: Path, metrics: dict[str, float]) -> None:

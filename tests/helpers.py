@@ -1,5 +1,10 @@
 """Test-only pieces that are plugged in through config (`reward._target_=tests.helpers.VowelFractionReward`)."""
 
+import os
+
+import lightning as L
+import torch
+
 
 class VowelFractionReward:
     """Fraction of characters that are vowels: a dense reward that varies across a random model's samples.
@@ -10,3 +15,38 @@ class VowelFractionReward:
 
     def __call__(self, completion: str, answer: str) -> float:
         return sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
+
+
+class FlakyReward(VowelFractionReward):
+    """Raises on completions whose length is a multiple of 3 (a user's reward with a bug), else vowel fraction."""
+
+    def __call__(self, completion: str, answer: str) -> float:
+        if len(completion) % 3 == 0:
+            raise ZeroDivisionError("bug in the user's reward")
+        return super().__call__(completion, answer)
+
+
+class RecordingReward(VowelFractionReward):
+    """Vowel fraction, also appended to `<directory>/rewards.<pid>` (one line per call): a hand count of the
+    rewards every process computed, to check the logged reward mean against."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, completion: str, answer: str) -> float:
+        reward = super().__call__(completion, answer)
+        with open(os.path.join(self.directory, f"rewards.{os.getpid()}"), "a") as f:
+            f.write(f"{reward!r}\n")
+        return reward
+
+
+class DumpTrainableParams(L.Callback):
+    """Saves each rank's trainable parameters at the end of training to `<directory>/rank<r>.pt`
+    (plugged in through config: +callbacks.dump._target_=tests.helpers.DumpTrainableParams)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        params = {n: p.detach().clone() for n, p in pl_module.policy.named_parameters() if p.requires_grad}
+        torch.save(params, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))

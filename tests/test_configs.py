@@ -13,13 +13,15 @@ OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for opti
 
 def test_expected_groups_exist():
     assert GROUPS["loss"] == ["bnpo", "dapo", "dr_grpo", "grpo"]
-    assert GROUPS["model"] == ["qwen0.5b", "qwen1.5b", "smollm2_135m", "tiny"]
+    assert GROUPS["model"] == ["local", "qwen0.5b", "qwen1.5b", "smollm2_135m", "tiny"]
+    assert GROUPS["trainer"] == ["cpu", "ddp", "fsdp", "gpu"]
     assert {"variant", "generator", "data", "trainer", "logger"} <= set(GROUPS)
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(tmp_path, group, option):
-    cfg = make_cfg(tmp_path, [f"{group}={option}"])
+    required = [f"model.source.path={tmp_path}"] if (group, option) == ("model", "local") else []
+    cfg = make_cfg(tmp_path, [f"{group}={option}", *required])
     if group == "experiment":  # '# @package _global_' bundles: they set keys across groups, not a node
         assert "experiment" not in cfg and instantiate(cfg.variant) is not None
         return
@@ -27,6 +29,10 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
     if group == "model":
         source = instantiate(node.source)  # builds the source object, loads nothing
         assert source.describe()
+    elif group == "trainer" and option == "ddp":
+        assert instantiate(node, accelerator="cpu").world_size == 2  # builds; processes start only at fit
+    elif group == "trainer" and option == "fsdp":
+        assert type(instantiate(node.strategy)).__name__ == "FSDPStrategy"  # the Trainer itself needs CUDA
     elif group == "trainer" and option != "cpu":
         assert get_class(node._target_) is not None  # a GPU trainer cannot be built on a CPU machine
     elif group == "generator":

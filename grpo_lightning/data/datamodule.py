@@ -6,6 +6,10 @@ every epoch) then serves micro-batches of WHOLE advantage groups, `num_iteration
 
 Prompt order is a pure function of (seed, round): a seeded permutation of the problems per pass over the data
 set, so a resumed run sees the same prompts.
+
+Several processes (DDP): `prompts_per_round` counts the whole round; each rank trains on its contiguous block of
+`prompts_per_round / world_size` prompts (the rollout callback shards them), and a `dapo` step's token count is
+summed over ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from grpo_lightning.data.gsm8k import GSM8K, Problem
+from grpo_lightning.distributed import sum_across_ranks
 from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
 
 
@@ -75,13 +80,25 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.tokenizer = tokenizer
+        self.world_size = 1
         self.problems: list[Problem] = []
         self.micro_batches: list[RolloutBatch] = []
         self.schedule: list[RolloutBatch] = []
 
     @property
     def micro_batches_per_round(self) -> int:
-        return self.prompts_per_round // self.groups_per_micro_batch
+        """Micro-batches of one round on one process."""
+        return self.prompts_per_round // (self.groups_per_micro_batch * self.world_size)
+
+    def set_world_size(self, world_size: int) -> None:
+        """Processes the round is split over (from the trainer config, before the processes start)."""
+        if self.prompts_per_round % (self.groups_per_micro_batch * world_size):
+            raise ValueError(
+                f"data.prompts_per_round ({self.prompts_per_round}) must be a multiple of data.groups_per_micro_batch "
+                f"({self.groups_per_micro_batch}) x the number of processes ({world_size}, trainer.devices x "
+                "trainer.num_nodes)"
+            )
+        self.world_size = world_size
 
     def setup(self, stage: str | None = None) -> None:
         if not self.problems:
@@ -154,12 +171,17 @@ class RolloutDataModule(L.LightningDataModule):
                 gen = torch.Generator().manual_seed(self.seed * 7919 + round_index * 31 + it)
                 ids = torch.randperm(len(ids), generator=gen).tolist()
             order.extend(ids)
-        schedule = []
-        for step_start in range(0, len(order), accumulate):
-            step = order[step_start : step_start + accumulate]
-            tokens = sum(float(self.micro_batches[i].completion_mask.sum()) for i in step)
-            schedule.extend(dataclasses.replace(self.micro_batches[i], num_tokens_in_step=tokens) for i in step)
-        return schedule
+        steps = [order[start : start + accumulate] for start in range(0, len(order), accumulate)]
+        local = torch.tensor(  # [num_steps] trained tokens of each optimizer step on this rank
+            [sum(float(self.micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
+            dtype=torch.float64,
+        )
+        tokens = sum_across_ranks(local).tolist()  # dapo normalises by the whole step, all ranks (REFERENCE §1)
+        return [
+            dataclasses.replace(self.micro_batches[i], num_tokens_in_step=n)
+            for step, n in zip(steps, tokens, strict=True)
+            for i in step
+        ]
 
     def train_dataloader(self) -> DataLoader:
         if not self.schedule:

@@ -29,6 +29,14 @@ class SamplingConfig:
     """0 disables top-k."""
 
     def __post_init__(self) -> None:
+        for key in ("num_generations", "max_new_tokens", "top_k"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"generator.{key} must be an integer (got {value!r})")
+        for key in ("temperature", "top_p"):
+            value = getattr(self, key)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"generator.{key} must be a number (got {value!r})")
         checks = [
             (self.num_generations >= 2, "num_generations", "must be >= 2", self.num_generations),
             (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens),

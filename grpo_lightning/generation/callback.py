@@ -3,19 +3,33 @@
 Lightning builds the epoch's data loader BEFORE `on_train_epoch_start` (and, for epoch 0, even before
 `on_train_start`), so round 0 is produced in `on_fit_start` and round k+1 in `on_train_epoch_end` of round k;
 the trainer runs with `reload_dataloaders_every_n_epochs=1`.
+
+Exact resume: Lightning saves checkpoints at the end of a round AFTER this callback has generated the next
+round (ModelCheckpoint runs last), so `state_dict` holds the next round's rollouts and the RNG states as they
+are at that moment. A resumed run installs those rollouts instead of sampling again and restores the RNGs, so
+it continues bit for bit. A checkpoint written without a next round (a graceful stop) resumes by generating it
+from the saved RNG states, which is what the uninterrupted run did at that point.
+
+Several processes (DDP): each rank generates the rollouts of its block of the round's prompts with its own RNG
+stream (seeded from (seed, rank)), so the run is reproducible for a given number of processes; round metrics
+are computed over every rank's rollouts; checkpoints hold every rank's rollouts and RNG states.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from grpo_lightning.advantages import zero_std_group_fraction
+from grpo_lightning.checkpointing import capture_rng, restore_rng
 from grpo_lightning.data.datamodule import Prompt, RolloutDataModule
+from grpo_lightning.distributed import derive_seed, full_parameters, gather_objects, rank_and_world, shard
 from grpo_lightning.rollouts import Rollout, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -31,6 +45,7 @@ class RolloutCallback(L.Callback):
         decode,
         samples_every_n_rounds: int = 1,
         num_samples_logged: int = 4,
+        seed: int = 0,
     ) -> None:
         self.generator = generator
         self.variant = variant
@@ -39,38 +54,93 @@ class RolloutCallback(L.Callback):
         self.decode = decode
         self.samples_every_n_rounds = samples_every_n_rounds
         self.num_samples_logged = num_samples_logged
+        self.seed = seed
         self.round_metrics: dict[str, float] = {}
         self._train_start = 0.0
+        self.next_round = 0
+        """The round to train next (what a checkpoint written now resumes at)."""
+        self.pending: list[Rollout] | None = None
+        """That round's rollouts, once generated."""
+        self._resume_state: dict | None = None
+
+    # ---- checkpoint state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Called on every rank when a checkpoint is written; rank 0 writes everybody's part."""
+        local = {
+            "pending": None if self.pending is None else [dataclasses.asdict(r) for r in self.pending],
+            "rng": capture_rng(),
+        }
+        return {
+            "next_round": self.next_round,
+            "round_metrics": dict(self.round_metrics),
+            "ranks": gather_objects(local),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume_state = state_dict  # applied in on_fit_start, once the policy weights are restored
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.produce(trainer, pl_module, trainer.current_epoch)
+        state, self._resume_state = self._resume_state, None
+        rank, world_size = rank_and_world()
+        if state is None:
+            if world_size > 1:  # one RNG stream per rank, reproducible for this number of processes
+                torch.manual_seed(derive_seed(self.seed, "rank", rank))
+            self.produce(trainer, pl_module, 0)
+            return
+        if len(state["ranks"]) != world_size:
+            raise ValueError(
+                f"ckpt_path: the checkpoint was written by {len(state['ranks'])} processes and this run has "
+                f"{world_size}; resume with the same trainer.devices x trainer.num_nodes"
+            )
+        mine = state["ranks"][rank]
+        if mine["pending"] is None:
+            restore_rng(mine["rng"])
+            self.produce(trainer, pl_module, state["next_round"])
+            return
+        self.install(trainer, pl_module, [Rollout(**r) for r in mine["pending"]], state["next_round"])
+        self.round_metrics = state["round_metrics"]
+        restore_rng(mine["rng"])
+        log.info("resumed at round %d with its saved rollouts", state["next_round"])
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.log_dict(self.round_metrics, on_step=False, on_epoch=True, batch_size=1)
-        pl_module.log("reward", self.round_metrics["train/reward_mean"], prog_bar=True, logger=False, batch_size=1)
+        # Round metrics are already over all ranks (identical everywhere); sync_dist only averages equal values.
+        pl_module.log_dict(self.round_metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+        reward = self.round_metrics["train/reward_mean"]
+        pl_module.log("reward", reward, prog_bar=True, logger=False, batch_size=1, sync_dist=True)
         self._train_start = time.perf_counter()
+        self.next_round, self.pending = trainer.current_epoch + 1, None  # this round is being consumed
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.log("time/train_s", time.perf_counter() - self._train_start, on_epoch=True, batch_size=1)
+        train_s = time.perf_counter() - self._train_start
+        pl_module.log("time/train_s", train_s, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
         next_round = trainer.current_epoch + 1
-        if trainer.max_epochs is None or next_round < trainer.max_epochs:
+        more = trainer.max_epochs is None or next_round < trainer.max_epochs
+        if more and not trainer.should_stop:  # a graceful stop or the non-finite guard ends the run here
             self.produce(trainer, pl_module, next_round)
 
     # ---- one round -----------------------------------------------------------------------------------------
     def produce(self, trainer: L.Trainer, pl_module: L.LightningModule, round_index: int) -> None:
         self.generator.sync_weights(pl_module.policy)
-        prompts = self.datamodule.prompts_for_round(round_index)
+        reseed = getattr(self.generator, "reseed", None)  # engines that can seed per prefix (HF)
+        if reseed is not None:
+            reseed(derive_seed(self.seed, "round", round_index))
+        rank, world_size = rank_and_world()
+        prompts = shard(self.datamodule.prompts_for_round(round_index), rank, world_size)
         start = time.perf_counter()
-        rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
+        with full_parameters(trainer):  # FSDP: sample from gathered weights
+            rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
         rollout_s = time.perf_counter() - start
-        micro_batches = self.datamodule.micro_batches_per_round * self.datamodule.num_iterations
-        several_steps = micro_batches > trainer.accumulate_grad_batches  # more than one optimizer step this round
-        scorer = (lambda mb: pl_module.score_old_logprobs(mb.to(pl_module.device))) if several_steps else None
-        self.datamodule.set_rollouts(rollouts, round_index, trainer.accumulate_grad_batches, scorer)
-        self.round_metrics = rollout_metrics(rollouts, rollout_s) | self.variant.metrics
-        if several_steps:
-            self.round_metrics.update(logp_diff(self.datamodule.micro_batches))
+        pop_errors = getattr(self.reward_fn, "pop_errors", None)  # SafeReward counts failing reward calls
+        local = {
+            "stats": [RolloutStats.of(r, rank) for r in rollouts],
+            "rollout_s": rollout_s,
+            "variant": dict(self.variant.metrics),
+            "reward_errors": pop_errors() if pop_errors is not None else None,
+        }
+        self.round_metrics = round_metrics(gather_objects(local)) | self.install(
+            trainer, pl_module, rollouts, round_index
+        )
         log.info(
             "round %d: reward %.3f, %d rollouts in %.1f s",
             round_index,
@@ -80,6 +150,16 @@ class RolloutCallback(L.Callback):
         )
         if trainer.is_global_zero and round_index % self.samples_every_n_rounds == 0:
             self.log_samples(trainer, prompts, rollouts)
+
+    def install(self, trainer: L.Trainer, pl_module: L.LightningModule, rollouts: list[Rollout], round_index: int):
+        """Hand a round's rollouts to the data module (scoring old log-probs first when the round takes several
+        optimizer steps); returns the log-prob agreement metrics that scoring yields."""
+        micro_batches = self.datamodule.micro_batches_per_round * self.datamodule.num_iterations
+        several_steps = micro_batches > trainer.accumulate_grad_batches  # more than one optimizer step this round
+        scorer = (lambda mb: pl_module.score_old_logprobs(mb.to(pl_module.device))) if several_steps else None
+        self.datamodule.set_rollouts(rollouts, round_index, trainer.accumulate_grad_batches, scorer)
+        self.next_round, self.pending = round_index, rollouts
+        return logp_diff(self.datamodule.micro_batches) if several_steps else {}  # this rank's share
 
     def log_samples(self, trainer: L.Trainer, prompts: list[Prompt], rollouts: list[Rollout]) -> None:
         """Text table of a few completions and reward / advantage histograms, at the round's first step."""
@@ -103,21 +183,57 @@ class RolloutCallback(L.Callback):
         writer.add_histogram("rollout/advantage_hist", torch.tensor([r.advantage for r in rollouts]), step)
 
 
-def rollout_metrics(rollouts: list[Rollout], rollout_s: float) -> dict[str, float]:
+@dataclass(frozen=True)
+class RolloutStats:
+    """What round metrics need of one rollout (small enough to gather from every rank)."""
+
+    reward: float
+    group: int
+    """Group id, unique across ranks."""
+    length: int
+    generated: int
+    """Sampled tokens (a STORPO continuation's branched prefix was sampled once, by the initial completion)."""
+    truncated: bool
+    extracted: bool
+
+    @staticmethod
+    def of(r: Rollout, rank: int = 0) -> RolloutStats:
+        return RolloutStats(
+            reward=r.reward,
+            group=rank * 1_000_000 + r.group_id,
+            length=len(r.completion_ids),
+            generated=len(r.completion_ids) - r.branch_point,
+            truncated=r.truncated,
+            extracted=r.answer_extracted,
+        )
+
+
+def round_metrics(per_rank: list[dict]) -> dict[str, float]:
+    """Metrics of a whole round from every rank's part (stats over all rollouts; variant metrics: rank mean)."""
+    stats = [s for part in per_rank for s in part["stats"]]
+    metrics = rollout_metrics(stats, max(part["rollout_s"] for part in per_rank))  # ranks generate in parallel
+    for key in per_rank[0]["variant"]:
+        metrics[key] = sum(part["variant"][key] for part in per_rank) / len(per_rank)
+    if per_rank[0]["reward_errors"] is not None:
+        metrics["rollout/reward_errors"] = float(sum(part["reward_errors"] for part in per_rank))
+    return metrics
+
+
+def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, float]:
     """Round-level metrics (TRL meanings): reward stats, zero-std groups, completion lengths, throughput."""
-    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)  # [N]
-    group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)  # [N]
-    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)  # [N]
-    generated = sum(len(r.completion_ids) - r.branch_point for r in rollouts)  # a branched prefix is not resampled
-    num_groups = len(set(group_ids.tolist()))
+    rewards = torch.tensor([s.reward for s in stats], dtype=torch.float32)  # [N]
+    groups = torch.tensor([s.group for s in stats], dtype=torch.long)  # [N]
+    lengths = torch.tensor([s.length for s in stats], dtype=torch.float32)  # [N]
+    generated = sum(s.generated for s in stats)
+    num_groups = len(set(groups.tolist()))
     return {
         "train/reward_mean": float(rewards.mean()),
-        "train/reward_std": float(rewards.std()) if len(rollouts) > 1 else 0.0,
-        "train/frac_zero_std_groups": zero_std_group_fraction(rewards, group_ids),
+        "train/reward_std": float(rewards.std()) if len(stats) > 1 else 0.0,
+        "train/frac_zero_std_groups": zero_std_group_fraction(rewards, groups),
         "rollout/completion_len_mean": float(lengths.mean()),
-        "rollout/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
-        "rollout/format_rate": sum(r.answer_extracted for r in rollouts) / len(rollouts),
-        "rollout/group_size_mean": len(rollouts) / num_groups,
+        "rollout/truncated_frac": sum(s.truncated for s in stats) / len(stats),
+        "rollout/format_rate": sum(s.extracted for s in stats) / len(stats),
+        "rollout/group_size_mean": len(stats) / num_groups,
         "rollout/tokens_generated_per_prompt": generated / num_groups,
         "rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
         "time/rollout_s": rollout_s,

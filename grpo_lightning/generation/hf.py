@@ -9,13 +9,17 @@ truncated while the log-probs are not; TRL makes the same approximation.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Completion, SamplingConfig, per_prefix_budgets, truncate
+from grpo_lightning.generation.fast import StepLogprobRecorder, merged_lora, shared_prefill
+from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
 
 class HFGenerator:
@@ -31,8 +35,17 @@ class HFGenerator:
         top_p: float = 1.0,
         top_k: int = 0,
         batch_size: int = 16,
+        logp_diff_threshold: float | None = 0.1,
+        on_stale: str = "warn",
+        merge_lora: bool = True,
+        share_prefill: bool = True,
+        stream_logprobs: bool = True,
+        seed_per_prefix: bool = False,
     ) -> None:
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
+        # Lightning callbacks the trainer adds (train.py): this engine has no sync, so the guard only flags
+        # trainer / generator disagreement from precision or dropout.
+        self.callbacks = [StaleWeightGuard(logp_diff_threshold, on_stale)]
         if batch_size < 1:
             raise ValueError(f"generator.batch_size must be >= 1 (got {batch_size})")
         if tokenizer.pad_token_id is None:
@@ -41,6 +54,26 @@ class HFGenerator:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        # Speed / memory levers (generation/fast.py), each equal to the plain path up to float rounding.
+        self.merge_lora = merge_lora
+        self.share_prefill = share_prefill
+        self.stream_logprobs = stream_logprobs
+        # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
+        self.seed_per_prefix = seed_per_prefix
+        self.round_seed = 0
+
+    def reseed(self, round_seed: int) -> None:
+        """Base of the per-prefix seeds (the rollout callback passes one derived from (seed, round))."""
+        self.round_seed = round_seed
+
+    def _sampling_rng(self, prefix: list[int]):
+        """With `seed_per_prefix`, a forked RNG seeded from (round seed, prefix tokens); else the global RNG."""
+        if not self.seed_per_prefix:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        torch.manual_seed(derive_seed(self.round_seed, *prefix))
+        return stack
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: this engine samples from the policy module itself."""
@@ -60,7 +93,7 @@ class HFGenerator:
         budgets = per_prefix_budgets(max_new_tokens, self.sampling.max_new_tokens, len(prefixes))
         # Prefixes with similar budgets share a generate call (stable sort: equal budgets keep their order).
         order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
-        prefixes_per_call = max(1, self.batch_size // num_samples)
+        prefixes_per_call = 1 if self.seed_per_prefix else max(1, self.batch_size // num_samples)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -68,7 +101,8 @@ class HFGenerator:
             for start in range(0, len(order), prefixes_per_call):
                 chunk = order[start : start + prefixes_per_call]
                 chunk_budget = max(budgets[i] for i in chunk)
-                outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget, greedy)
+                with self._sampling_rng(prefixes[chunk[0]]):
+                    outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget, greedy)
                 for i, completions in zip(chunk, outputs, strict=True):
                     results[i] = [truncate(c, budgets[i]) for c in completions]
             return results
@@ -92,14 +126,24 @@ class HFGenerator:
             num_return_sequences=num_samples,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.eos_token_ids,
-            output_logits=True,
+            output_logits=not self.stream_logprobs,
             return_dict_in_generate=True,
         )
-        out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
-        )
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1:
+                ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples)
+                inputs = {"input_ids": ids, "attention_mask": mask, "past_key_values": cache}
+                config.num_return_sequences = 1
+            recorder = StepLogprobRecorder(self.model, self.sampling.temperature)
+            with recorder if self.stream_logprobs else contextlib.nullcontext():
+                out = self.model.generate(**inputs, generation_config=config)
         new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [n * K, T_new]
-        logprobs = sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)  # [n * K, T_new]
+        if self.stream_logprobs:
+            logprobs = recorder.finish(new_tokens[:, -1]) if new_tokens.shape[1] else torch.zeros(len(new_tokens), 0)
+        else:
+            logprobs = sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)  # [n * K, T_new]
         completions = [self._trim(new_tokens[row], logprobs[row]) for row in range(new_tokens.shape[0])]
         return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]
 

@@ -19,6 +19,9 @@ Following Cui et al. 2025 ("The Entropy Mechanism of RL for Reasoning LMs", arXi
   steps where a projection had the sign of the actual change.
 
 Zero impact: every extra computation runs without touching `.grad`, and under `torch.random.fork_rng`.
+
+DDP: each rank measures its own micro-batches (its entropy gradient is local, the update delta_theta global);
+the logged values are the mean over ranks (`sync_dist`), NaN kept so every rank logs the same keys.
 """
 
 from __future__ import annotations
@@ -146,11 +149,13 @@ class EntropyProbe(L.Callback):
         if self.measure_actual:
             metrics.update(self._actual(pl_module, metrics))
         self.last_metrics = metrics
+        distributed = trainer.world_size > 1  # every rank must log the same keys: NaN stays, averaged over ranks
         pl_module.log_dict(
-            {f"probe/entropy/{k}": v for k, v in metrics.items() if not math.isnan(v)},
+            {f"probe/entropy/{k}": v for k, v in metrics.items() if distributed or not math.isnan(v)},
             on_step=True,
             on_epoch=False,
             batch_size=1,
+            sync_dist=distributed,
         )
         pl_module.logits_observer = None
         self._reset()
@@ -181,7 +186,7 @@ class EntropyProbe(L.Callback):
         with torch.random.fork_rng():
             for batch in self._batches:
                 b = batch.to(pl_module.device)
-                logits, _ = pl_module.policy_forward(pl_module.policy, b)
+                logits, _ = pl_module.policy_forward(pl_module.policy, b, with_logits=True)
                 total += float((token_entropy(logits, self.chunk_size) * b.completion_mask).sum())
         actual = total / max(self._tokens, 1.0) - metrics["token_mean"]
         out = {"actual_delta": actual}

@@ -85,6 +85,15 @@ class GradientNoiseScaleProbe(L.Callback):
         self._warned = False
         self._reset_step()
 
+    def check_setup(self, micro_batches_per_step: int, world_size: int) -> None:
+        """A run configured so that no estimate can exist is a mistake: say so before training."""
+        if self.enabled and micro_batches_per_step * world_size < 2:
+            raise ValueError(
+                "probe=[gns] needs two batch sizes, but each optimizer step is one micro-batch on one process: "
+                "lower data.groups_per_micro_batch or trainer.accumulate_grad_batches, or train on several "
+                "processes (trainer=ddp)"
+            )
+
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled:

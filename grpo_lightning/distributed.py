@@ -1,0 +1,71 @@
+"""The few multi-process operations the rollout loop needs, written so one process needs no process group.
+
+Rounds are sharded by prompt: rank r of W takes the r-th contiguous block of the round's prompts, so a group
+(one prompt's rollouts) never spans ranks. Round metrics are computed from every rank's rollouts (gathered as
+small summaries), not from rank 0's share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def shard(items: list[T], rank: int, world_size: int) -> list[T]:
+    """Rank `rank`'s contiguous block of `items` (len(items) must be a multiple of world_size)."""
+    if len(items) % world_size:
+        raise ValueError(f"cannot split {len(items)} items evenly over {world_size} processes")
+    size = len(items) // world_size
+    return items[rank * size : (rank + 1) * size]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (a one-element list on one process). Picklable objects only."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum over ranks of a CPU float64 tensor (identity on one process)."""
+    if not is_distributed():
+        return values
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    reduced = values.to(device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    return reduced.cpu()
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from several integers or strings (stable across processes and Python runs)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def full_parameters(trainer) -> contextlib.AbstractContextManager:
+    """Under FSDP, gather every rank's full parameters for generation (the policy module itself is sharded and
+    cannot run outside the FSDP wrapper); a no-op for every other strategy."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if not isinstance(trainer.strategy, FSDPStrategy) or trainer.strategy.model is None:
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.summon_full_params(trainer.strategy.model, writeback=False, recurse=True)

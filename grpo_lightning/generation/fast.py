@@ -1,0 +1,131 @@
+"""Cheaper HF generation, each piece exact up to float rounding (tests/unit/test_fast_generation.py).
+
+* `merged_lora(model)`: for the duration of generation every LoRA linear layer computes with ONE weight,
+  `W + scale * B @ A`, and the adapters are bypassed, so a decoding step runs one matmul per layer instead of
+  three plus an add. The merged weights are new tensors swapped in and the original `Parameter` objects are
+  put back afterwards: the frozen base is never modified (peft's in-place merge/unmerge would round it).
+* `shared_prefill(...)`: the G samples of a prompt share its prefix. The prompt runs once (all but its last
+  token), the KV cache is repeated G times and `generate` continues from it, instead of `generate` expanding
+  the prompt G times before its prefill.
+* `StepLogprobRecorder`: the log-prob of each sampled token under log_softmax(raw logits / T), taken with
+  forward hooks (the LM head's output, then the next step's input token), so no `[N, V]` tensor per step is
+  retained (`output_logits=True` kept T_new of them until the end of the call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from grpo_lightning.rollouts import position_ids_from_mask
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module] | None:
+    """The active LoRA linear layers of a peft model; None when merging is not supported (not peft, DoRA, ...)."""
+    if not hasattr(model, "disable_adapter"):
+        return None
+    layers = []
+    for module in model.modules():
+        if not hasattr(module, "lora_A") or not hasattr(module, "get_delta_weight"):
+            continue
+        base = module.get_base_layer()
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        if not isinstance(base, nn.Linear) or getattr(module, "merged", False):
+            return None
+        if any(module.use_dora.get(a, False) for a in active) or getattr(module, "fan_in_fan_out", False):
+            return None
+        layers.append(module)
+    return layers or None
+
+
+@contextlib.contextmanager
+def merged_lora(model: nn.Module) -> Iterator[bool]:
+    """Generate with LoRA merged into new weight tensors; yields whether it merged (False: unchanged model)."""
+    layers = _lora_layers(model)
+    if layers is None:
+        yield False
+        return
+    saved = []
+    try:
+        with torch.no_grad():
+            for module in layers:
+                base = module.get_base_layer()
+                weight = base.weight.detach().clone()
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        weight += module.get_delta_weight(adapter).to(weight.dtype)
+                saved.append((base, base.weight))
+                base.weight = nn.Parameter(weight, requires_grad=False)
+        with model.disable_adapter():
+            yield True
+    finally:
+        for base, original in saved:
+            base.weight = original
+
+
+def shared_prefill(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, num_samples: int
+) -> tuple[Tensor, Tensor, object]:
+    """Prefill each (left-padded) prefix once; return input ids and mask repeated `num_samples` times and a cache.
+
+    The cache holds all but the last prefix token, so `generate` still runs one step on the prompt (where the
+    first sampled token's logits come from). Rows are repeated in place order: prefix i -> rows i*K .. i*K+K-1,
+    as `num_return_sequences` lays them out.
+    """
+    with torch.inference_mode():
+        out = model(
+            input_ids=input_ids[:, :-1],
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids_from_mask(attention_mask[:, :-1]),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(num_samples)
+    return input_ids.repeat_interleave(num_samples, 0), attention_mask.repeat_interleave(num_samples, 0), cache
+
+
+class StepLogprobRecorder:
+    """Log-prob of every token `generate` feeds back, under log_softmax(logits / T) of the step that sampled it.
+
+    A forward hook on the LM head keeps the last step's `[N, V]` log-softmax; a pre-hook on the input
+    embeddings gathers it at the tokens the next step consumes (the sampled ones). `finish(last_tokens)`
+    gathers the final step. Rows that already ended get pad tokens fed back; callers cut after EOS.
+    """
+
+    def __init__(self, model: nn.Module, temperature: float) -> None:
+        self.temperature = temperature
+        self.columns: list[Tensor] = []
+        self.pending: Tensor | None = None
+        self.head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self.handles = []
+
+    def __enter__(self) -> StepLogprobRecorder:
+        self.handles = [
+            self.embed.register_forward_pre_hook(self._on_input),
+            self.head.register_forward_hook(self._on_logits),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _on_input(self, module: nn.Module, args: tuple) -> None:
+        if self.pending is not None:
+            tokens = args[0][:, -1:]  # [N, 1]: what the previous step sampled
+            self.columns.append(self.pending.gather(-1, tokens.to(self.pending.device)).cpu())
+            self.pending = None
+
+    def _on_logits(self, module: nn.Module, args: tuple, output: Tensor) -> None:
+        self.pending = torch.log_softmax(output[:, -1].float() / self.temperature, dim=-1)  # [N, V]
+
+    def finish(self, last_tokens: Tensor) -> Tensor:  # [N] -> [N, T_new] float32
+        if self.pending is not None:
+            self._on_input(None, (last_tokens[:, None],))
+        return torch.cat(self.columns, dim=-1) if self.columns else torch.zeros(len(last_tokens), 0)

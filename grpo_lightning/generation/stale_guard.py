@@ -1,0 +1,68 @@
+"""StaleWeightGuard: notice when the generator is not sampling from the weights being trained.
+
+Stale weights are the classic failure of RL with a separate inference engine (TRL #5312): the sync silently
+does nothing and the run trains on rollouts from an old policy, which looks like slow learning rather than a
+bug. The trainer already measures the symptom every round: `rollout/logp_diff_mean`, the mean |generator
+log-prob - trainer log-prob| over the round's completion tokens before any update (module.py,
+generation/callback.py). This callback compares it with `generator.logp_diff_threshold` at the end of each
+round and warns (`generator.on_stale=warn`) or stops the run with a RuntimeError (`abort`).
+
+Only the mean is guarded: `rollout/logp_diff_max` is one token, and a single low-probability token can differ
+by more than a nat between bf16 kernels while the policy is right. Rounds whose rollouts came from
+deliberately old weights (`generator.sync_every` > 1) are not judged: the generator says whether its last
+sync pushed (`is_fresh`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import lightning as L
+
+log = logging.getLogger(__name__)
+
+METRIC = "rollout/logp_diff_mean"
+ACTIONS = ("warn", "abort")
+
+
+class StaleWeightGuard(L.Callback):
+    def __init__(
+        self,
+        threshold: float | None = 0.05,
+        on_stale: str = "warn",
+        is_fresh: Callable[[], bool] | None = None,
+    ) -> None:
+        """`threshold` None disables the guard; `is_fresh()` is asked when a round's training starts."""
+        if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
+            raise ValueError(f"generator.logp_diff_threshold must be > 0 or null (got {threshold!r})")
+        if on_stale not in ACTIONS:
+            raise ValueError(f"generator.on_stale must be one of {', '.join(ACTIONS)} (got {on_stale!r})")
+        self.threshold = threshold
+        self.on_stale = on_stale
+        self.is_fresh = is_fresh
+        self.flagged: list[tuple[int, float]] = []
+        """(round, logp_diff_mean) of every round over the threshold."""
+        self._fresh = True
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The round's rollouts exist by now; remember whether they came from freshly pushed weights.
+        self._fresh = self.is_fresh() if self.is_fresh is not None else True
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        value = trainer.callback_metrics.get(METRIC)
+        if self.threshold is None or not self._fresh or value is None:
+            return
+        value = float(value)
+        if value <= self.threshold:  # NaN is never <= anything: it counts as stale
+            return
+        self.flagged.append((trainer.current_epoch, value))
+        message = (
+            f"round {trainer.current_epoch}: {METRIC} = {value:.4g} exceeds generator.logp_diff_threshold = "
+            f"{self.threshold:g}: the generator is not sampling from the weights being trained (stale weight "
+            "sync, a dtype / precision mismatch, or LoRA dropout > 0)"
+        )
+        if self.on_stale == "abort":
+            raise RuntimeError(message + "; generator.on_stale=abort stopped the run")
+        log.warning(message)

@@ -1,0 +1,263 @@
+"""Rollouts with vLLM's V1 engine, in the training process, with the trained weights pushed in place.
+
+The engine runs in this process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode),
+so a sync hands the policy's GPU tensors straight to `model.load_weights` through `LLM.apply_model`, with no
+serialisation (REFERENCE §7, option 1); vllm_weights.py maps the names and merges LoRA. Two layouts:
+
+- colocated (`generator.device: null`): the engine shares the trainer's GPU. Sleep mode gives training the
+  memory back: the engine sleeps when a round's training starts and wakes for the next rollouts.
+- separate (`generator.device: cuda:0` with `trainer.devices=[1]`): the engine keeps its own GPU; every engine
+  call runs under `torch.cuda.device(...)` so its kernels never launch on the trainer's device.
+
+Sleep level 1 (default) offloads the weights to CPU memory and drops the KV cache; level 2 drops the weights
+too, which saves the CPU copy but leaves garbage until every parameter is pushed again (vLLM #29341), so it is
+allowed only when each round pushes everything (`sync_every: 1`, `lora_sync: merge`, full pushes).
+
+Log-probs: the engine is built with `logprobs_mode="processed_logprobs"`, the log-probs after temperature
+(and top-k / top-p), i.e. log_softmax(logits / temperature) as the trainer scores them; vLLM's default,
+`raw_logprobs`, ignores the temperature. With top_p < 1 or top_k > 0 the engine reports the truncated
+distribution it sampled from while the trainer scores the full one (the HF engine reports the full one).
+
+LoRA (`lora_sync`): `merge` pushes W + scaling * B @ A of the adapted layers; `adapter` saves the adapter and
+hot-swaps it through a `LoRARequest` (vLLM's LoRA kernels; base weights untouched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo_lightning.generation.base import Completion, SamplingConfig, per_prefix_budgets
+from grpo_lightning.generation.hf import _eos_token_ids
+from grpo_lightning.generation.stale_guard import StaleWeightGuard
+from grpo_lightning.generation.vllm_io import (
+    VLLMSettings,
+    build_requests,
+    engine_kwargs,
+    engine_model_path,
+    import_vllm,
+    launcher_env,
+    parse_device,
+    parse_outputs,
+    sampling_kwargs,
+)
+from grpo_lightning.generation.vllm_weights import (
+    check_name_mapping,
+    chunked,
+    is_peft_model,
+    policy_checkpoint_names,
+    policy_weights,
+)
+
+log = logging.getLogger(__name__)
+
+PUSH_CHUNK_BYTES = 512 * 2**20
+_MEMORY_HINTS = ("out of memory", "memory utilization", "gpu_memory_utilization", "kv cache", "cache blocks")
+_TAGS = ("weights", "kv_cache")
+
+
+class VLLMGenerator:
+    """`Generator` backed by an in-process `vllm.LLM`; `backend` injects a fake engine (contract tests)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        num_generations: int = 4,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        model_path: str | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        logp_diff_threshold: float | None = 0.05,
+        on_stale: str = "warn",
+        backend=None,
+        **settings,
+    ) -> None:
+        self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
+        self.settings = VLLMSettings(**settings)
+        self.guard = StaleWeightGuard(logp_diff_threshold, on_stale, is_fresh=lambda: self.fresh)
+        self.policy = model
+        self.is_peft = is_peft_model(model)
+        if self.settings.lora_sync == "adapter" and not self.is_peft:
+            raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.real_gpu = backend is None
+        self.backend = import_vllm() if backend is None else backend
+        self.device_index = self._resolve_device()
+        lora_rank = model.peft_config[model.active_adapter].r if self.settings.lora_sync == "adapter" else 0
+        path = engine_model_path(model, model_path)
+        self.engine = self._build_engine(engine_kwargs(self.settings, path, revision, trust_remote_code, lora_rank))
+        if self.settings.lora_sync == "merge":
+            names = self._call(lambda: self.engine.apply_model(_parameter_names))[0]
+            check_name_mapping(policy_checkpoint_names(model), names)
+        self.awake = set(_TAGS)
+        self.weights_valid = True
+        self.sync_calls = 0
+        self.pushes = 0
+        self.fresh = True
+        self.lora_request = None
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_vllm_adapter_")) if lora_rank else None
+        if self.adapter_dir is not None:
+            weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)  # saved adapters die with the generator
+        self.callbacks: list[L.Callback] = [self.guard, VLLMRoundHooks(self)]
+        mode = "colocated" if self.settings.device is None else "separate"
+        log.info(
+            "vLLM engine for %s on cuda:%d (%s, sleep mode %s)", path, self.device_index, mode, self.settings.sleep_mode
+        )
+
+    # ---- construction ----------------------------------------------------------------------------------
+    def _resolve_device(self) -> int:
+        index = parse_device(self.settings.device)
+        if not self.real_gpu:
+            return index or 0
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"generator=vllm needs a CUDA GPU and none is visible (generator.device={self.settings.device!r}); "
+                "use generator=hf on a CPU machine"
+            )
+        if index is None:
+            return torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"generator.device={self.settings.device!r} but only {torch.cuda.device_count()} CUDA devices are "
+                "visible"
+            )
+        return index
+
+    def _build_engine(self, kwargs: dict):
+        try:
+            with launcher_env(self.device_index), self._on_device():
+                return self.backend.LLM(**kwargs)
+        except (ValueError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError
+            if any(hint in str(err).lower() for hint in _MEMORY_HINTS):
+                s = self.settings
+                raise ValueError(
+                    f"the vLLM engine does not fit on cuda:{self.device_index} with generator.gpu_memory_utilization"
+                    f"={s.gpu_memory_utilization} and generator.max_model_len={s.max_model_len}: lower the share if "
+                    "other memory is in use, raise it for a larger model or KV cache, lower max_model_len, or give "
+                    f"the engine its own GPU (generator.device). vLLM said: {err}"
+                ) from err
+            raise
+
+    # ---- the Generator protocol ------------------------------------------------------------------------
+    def generate(
+        self,
+        prefixes: list[list[int]],
+        num_samples: int,
+        max_new_tokens: int | Sequence[int] | None = None,
+        greedy: bool = False,
+    ) -> list[list[Completion]]:
+        if greedy and num_samples != 1:
+            raise ValueError(f"greedy decoding gives one completion per prefix (asked for {num_samples})")
+        budgets = per_prefix_budgets(max_new_tokens, self.sampling.max_new_tokens, len(prefixes))
+        make_params = partial(self._sampling_params, num_samples, greedy=greedy)
+        prompts, params = build_requests(prefixes, budgets, make_params)
+        self.wake_up(_TAGS)
+        if not self.weights_valid:
+            raise RuntimeError("generator.sleep_level=2 discarded the engine's weights and none were pushed since")
+        outputs = self._call(
+            lambda: self.engine.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        )
+        return parse_outputs(outputs, num_samples, budgets, self.eos_token_ids)
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Push the policy's weights on every `sync_every`-th call (one call per round, round 0 included)."""
+        if policy is not self.policy:
+            raise RuntimeError("VLLMGenerator was built for another model than the one being trained")
+        self.fresh = self.sync_calls % self.settings.sync_every == 0
+        self.sync_calls += 1
+        if self.fresh:
+            self.push_weights()
+
+    # ---- weights and memory ----------------------------------------------------------------------------
+    def push_weights(self) -> None:
+        """Make the engine hold the policy's current weights, then drop KV cached under the old ones."""
+        self.wake_up(("weights",))
+        if self.settings.lora_sync == "adapter":
+            self._save_adapter()
+        else:
+            full = not self.is_peft or (self.settings.sleep_mode and self.settings.sleep_level == 2)
+            for chunk in chunked(policy_weights(self.policy, adapted_only=not full), PUSH_CHUNK_BYTES):
+                self._call(lambda chunk=chunk: self.engine.apply_model(partial(_load_weights, weights=chunk)))
+        self._call(self.engine.reset_prefix_cache)
+        self.pushes += 1
+        self.weights_valid = True
+
+    def _save_adapter(self) -> None:
+        """lora_sync=adapter: save the adapter; the next requests name it (a new id makes vLLM load it)."""
+        folder = self.adapter_dir / f"push{self.pushes}"
+        self.policy.save_pretrained(str(folder))
+        self.lora_request = self.backend.LoRARequest(f"policy-{self.pushes}", self.pushes + 1, str(folder))
+        shutil.rmtree(self.adapter_dir / f"push{self.pushes - 1}", ignore_errors=True)
+
+    def sleep(self) -> None:
+        """Give the GPU memory back to training (sleep mode only): weights to CPU (level 1) or dropped (2)."""
+        if not self.settings.sleep_mode or not self.awake:
+            return
+        self._call(lambda: self.engine.sleep(level=self.settings.sleep_level))
+        self.awake = set()
+        self.weights_valid = self.settings.sleep_level == 1
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        missing = [t for t in tags if t not in self.awake]
+        if not missing:
+            return
+        if self.real_gpu:
+            torch.cuda.empty_cache()  # the trainer's cached blocks would otherwise count against the engine
+        self._call(lambda: self.engine.wake_up(tags=missing))
+        self.awake.update(missing)
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+    def _sampling_params(self, num_samples: int, max_tokens: int, greedy: bool):
+        kwargs = sampling_kwargs(self.sampling, num_samples, max_tokens, greedy, self.eos_token_ids)
+        return self.backend.SamplingParams(**kwargs)
+
+    def _on_device(self):
+        return torch.cuda.device(self.device_index) if self.real_gpu else contextlib.nullcontext()
+
+    def _call(self, fn):
+        """Run an engine call with the engine's GPU current (separate mode: never the trainer's)."""
+        with torch.no_grad(), self._on_device():
+            return fn()
+
+
+class VLLMRoundHooks(L.Callback):
+    """Sleeps the engine while a round trains; pushes the final weights after the last round.
+
+    Rollouts sync at the start of each round (RolloutCallback); nothing syncs after the last round, so without
+    the final push an evaluation after training would score the previous round's weights. Runs after the
+    rollout callback and before the evaluator (train.py appends the generator's callbacks in between).
+    """
+
+    def __init__(self, generator: VLLMGenerator) -> None:
+        self.generator = generator
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.generator.sleep()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        last = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+        if last or trainer.should_stop:  # the rollout callback produces (and syncs) no further round
+            self.generator.push_weights()
+
+
+def _load_weights(model: nn.Module, weights: list) -> None:
+    model.load_weights(weights)
+
+
+def _parameter_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters()]

@@ -1,0 +1,205 @@
+"""The pure half of the vLLM generator: settings, engine and request arguments, output parsing.
+
+Nothing here imports vLLM or needs a GPU, so the contract tests (tests/unit/test_vllm_contract.py) exercise it
+on CPU; vllm.py holds the engine-facing class and explains the choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from torch import nn
+
+from grpo_lightning.generation.base import Completion, SamplingConfig, truncate
+from grpo_lightning.generation.vllm_weights import is_peft_model
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """Engine and sync options (config group `generator`, generator=vllm); validated here."""
+
+    device: str | None = None
+    """null: the current CUDA device, colocated with trainer=gpu; 'cuda:N': that GPU (separate mode)."""
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.3
+    """Fraction of the engine GPU's memory vLLM takes (weights + KV cache); colocated training needs the rest."""
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool | None = None
+    """null: on when colocated (device null), off on a separate device."""
+    sleep_level: int = 1
+    sync_every: int = 1
+    lora_sync: str = "merge"
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to `vllm.LLM` as is (enforce_eager, max_num_seqs, ...)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2 or null"),
+            (self.sync_every >= 1, "sync_every", "must be >= 1"),
+            (self.lora_sync in ("merge", "adapter"), "lora_sync", "must be one of merge, adapter"),
+            (self.sleep_level in (1, 2), "sleep_level", "must be 1 or 2"),
+            (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"),
+        ]
+        for ok, key, rule in checks:
+            if not ok:
+                raise ValueError(f"generator.{key} {rule} (got {getattr(self, key)!r})")
+        parse_device(self.device)
+        if self.sleep_mode and self.sleep_level == 2 and (self.sync_every != 1 or self.lora_sync != "merge"):
+            raise ValueError(
+                "generator.sleep_level=2 discards the engine's weights, so every round must push all of them: "
+                f"it needs generator.sync_every=1 and generator.lora_sync=merge (got {self.sync_every}, "
+                f"{self.lora_sync!r})"
+            )
+
+    @property
+    def sleep_mode(self) -> bool:
+        return self.device is None if self.enable_sleep_mode is None else bool(self.enable_sleep_mode)
+
+
+def parse_device(device: str | None) -> int | None:
+    """`generator.device` -> CUDA index; None keeps the current device."""
+    if device is None:
+        return None
+    match = re.fullmatch(r"cuda(?::(\d+))?", str(device))
+    if match is None:
+        raise ValueError(f"generator.device must be null or 'cuda:N' (got {device!r})")
+    return int(match.group(1) or 0)
+
+
+def import_vllm() -> SimpleNamespace:
+    """The three vLLM classes the generator uses (tests pass a fake namespace instead)."""
+    try:
+        import vllm
+        from vllm.lora.request import LoRARequest
+    except ImportError as err:
+        raise ValueError(
+            f"generator=vllm needs vLLM: pip install -e '.[vllm]' on a machine with a CUDA GPU ({err})"
+        ) from None
+    return SimpleNamespace(LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest)
+
+
+def engine_model_path(model: nn.Module, override: str | None) -> str:
+    """Folder or Hub id the engine loads: `generator.model_path`, else where the policy was loaded from."""
+    if override:
+        local = Path(override).expanduser()
+        return str(local) if local.exists() else override  # else a Hub id
+    base = model.get_base_model() if is_peft_model(model) else model
+    path = getattr(getattr(base, "config", None), "_name_or_path", "") or getattr(base, "name_or_path", "")
+    if not path:
+        raise ValueError(
+            "generator=vllm loads the model from a folder or Hub id, but this policy was built in memory "
+            "(model=tiny); set generator.model_path to a save_pretrained folder or use a Hub/local model source"
+        )
+    return str(path)
+
+
+def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_remote_code: bool, lora_rank: int):
+    """Arguments of `vllm.LLM` (see the module docstring for the fixed ones)."""
+    kwargs = {
+        "model": model_path,
+        "revision": revision,
+        "trust_remote_code": trust_remote_code,
+        "dtype": s.dtype,
+        "seed": s.seed,
+        "gpu_memory_utilization": s.gpu_memory_utilization,
+        "max_model_len": s.max_model_len,
+        "enable_prefix_caching": s.enable_prefix_caching,
+        "enable_sleep_mode": s.sleep_mode,
+        "logprobs_mode": "processed_logprobs",
+        "distributed_executor_backend": "external_launcher",
+    }
+    if lora_rank:
+        kwargs |= {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
+    return kwargs | dict(s.engine_kwargs)
+
+
+def sampling_kwargs(
+    sampling: SamplingConfig, num_samples: int, max_tokens: int, greedy: bool, stop_token_ids: Sequence[int]
+) -> dict[str, Any]:
+    """`SamplingParams` of one request: n samples, the sampled token's log-prob, stop at any EOS id."""
+    kwargs: dict[str, Any] = {
+        "n": num_samples,
+        "max_tokens": max_tokens,
+        "logprobs": 0,  # the sampled token's log-prob only
+        "stop_token_ids": list(stop_token_ids),
+        "detokenize": False,  # token ids are all the variants use
+    }
+    if greedy:
+        return kwargs | {"temperature": 0.0}
+    return kwargs | {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+
+
+def build_requests(prefixes: list[list[int]], budgets: list[int], make_params) -> tuple[list[dict], list]:
+    """Token-id prompts and one SamplingParams per prompt (shared between prompts with the same budget)."""
+    if any(len(p) == 0 for p in prefixes):
+        raise ValueError("cannot generate from an empty prefix")
+    by_budget: dict[int, Any] = {}
+    for budget in budgets:
+        if budget not in by_budget:
+            by_budget[budget] = make_params(budget)
+    prompts = [{"prompt_token_ids": list(p)} for p in prefixes]  # a vllm.TokensPrompt is this TypedDict
+    return prompts, [by_budget[b] for b in budgets]
+
+
+def parse_completion(output, eos_token_ids: Sequence[int]) -> Completion:
+    """One `CompletionOutput` -> Completion: ids (EOS included), the sampled ids' log-probs, finished flag."""
+    ids = [int(t) for t in output.token_ids]
+    if output.logprobs is None or len(output.logprobs) != len(ids):
+        raise RuntimeError("vLLM returned no log-prob per sampled token (SamplingParams.logprobs=0 was not applied)")
+    logprobs = [float(step[t].logprob) for step, t in zip(output.logprobs, ids, strict=True)]
+    finished = output.finish_reason == "stop" or (bool(ids) and ids[-1] in eos_token_ids)
+    return Completion(ids, logprobs, finished=finished)
+
+
+def parse_outputs(request_outputs, num_samples: int, budgets: list[int], eos_token_ids) -> list[list[Completion]]:
+    """`LLM.generate`'s RequestOutputs (in prompt order) -> result[i][j], sample j of prefix i."""
+    if len(request_outputs) != len(budgets):
+        raise RuntimeError(f"vLLM answered {len(request_outputs)} of {len(budgets)} prompts")
+    results = []
+    for request, budget in zip(request_outputs, budgets, strict=True):
+        samples = sorted(request.outputs, key=lambda o: o.index)
+        if len(samples) != num_samples:
+            raise RuntimeError(f"vLLM returned {len(samples)} samples for a prompt (asked for {num_samples})")
+        results.append([truncate(parse_completion(s, eos_token_ids), budget) for s in samples])
+    return results
+
+
+@contextlib.contextmanager
+def launcher_env(local_rank: int) -> Iterator[None]:
+    """The torch.distributed variables vLLM's external launcher reads, set while the engine is built."""
+    values = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": str(local_rank),  # the external launcher's worker runs on cuda:LOCAL_RANK
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+    }
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

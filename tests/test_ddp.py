@@ -1,0 +1,123 @@
+"""Two DDP processes (CPU, gloo) through the real CLI against one process on the same prompts and batch.
+
+Truths: the single-process run (SGD) (`generator.seed_per_prefix=true` makes each prompt's samples independent of
+batching and rank, so both runs train on identical rollouts), each rank's own parameters (dumped by a test
+callback), and a hand count of every reward both processes computed (a recording test reward).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 2
+PROMPTS = 4
+G = 4
+
+
+def run(run_dir: Path, devices: int, *extra: str) -> dict:
+    run_dir.mkdir(parents=True)
+    overrides = [
+        f"hydra.run.dir={run_dir}",
+        "model=tiny",
+        f"trainer.max_epochs={ROUNDS}",
+        "generator.max_new_tokens=12",
+        "generator.seed_per_prefix=true",
+        "trainer.enable_progress_bar=false",
+        "reward._target_=tests.helpers.RecordingReward",
+        f"+reward.directory={run_dir}",
+        "~reward.format_bonus",
+        # SGD: the update is linear in the gradient, so float-rounding differences stay float-sized. (Adam's first
+        # steps are ~lr * sign(g): a gradient entry near 0 flips with rounding and moves by a whole lr.)
+        "optim.optimizer._target_=torch.optim.SGD",
+        "~optim.optimizer.betas",
+        "optim.optimizer.lr=1.0",
+        f"data.prompts_per_round={PROMPTS}",
+        "eval.num_problems=3",  # not a multiple of 2: ranks score 2 and 1 problems
+        "eval.every_n_rounds=100",
+        "+callbacks.dump._target_=tests.helpers.DumpTrainableParams",
+        f"+callbacks.dump.directory={run_dir}",
+    ]
+    if devices > 1:
+        overrides += ["trainer=ddp", f"trainer.devices={devices}", "trainer.accelerator=cpu"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_lightning", *overrides, *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {"dir": run_dir, "stdout": result.stdout, "stderr": result.stderr}
+
+
+def scalars(run_dir: Path, tag: str) -> list[float]:
+    events = EventAccumulator(str(next((run_dir / "tensorboard").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    return [e.value for e in events.Scalars(tag)]
+
+
+@pytest.fixture(scope="module", params=["grpo", "dapo"])
+def runs(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    extra = [f"loss={request.param}"]
+    if request.param == "grpo":
+        extra.append("probe=[gns,entropy]")  # the probes' DDP paths; they never change training
+    return {"single": run(root / "single", 1, *extra), "ddp": run(root / "ddp", 2, *extra), "loss": request.param}
+
+
+def test_ranks_hold_identical_parameters_equal_to_one_process(runs):
+    ddp, single = runs["ddp"]["dir"], runs["single"]["dir"]
+    rank0, rank1 = torch.load(ddp / "rank0.pt"), torch.load(ddp / "rank1.pt")
+    reference = torch.load(single / "rank0.pt")
+    assert rank0.keys() == rank1.keys() == reference.keys()
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)  # DDP keeps the replicas bitwise equal
+    for name in reference:  # same rollouts, same effective batch: equal up to the order of float sums
+        torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    lora_b = [n for n in reference if "lora_B" in n]
+    assert any(reference[n].abs().max() > 0 for n in lora_b)  # it trained (LoRA B starts at zero)
+
+
+def test_reward_mean_is_over_all_ranks_and_logged_once(runs):
+    ddp = runs["ddp"]["dir"]
+    files = sorted(ddp.glob("rewards.*"))
+    assert len(files) == 2  # both processes scored rollouts
+    per_process = [[float(x) for x in f.read_text().split()] for f in files]
+    per_rank_round = PROMPTS // 2 * G
+    assert all(len(rewards) == ROUNDS * per_rank_round for rewards in per_process)
+    hand = [
+        sum(sum(r[k * per_rank_round : (k + 1) * per_rank_round]) for r in per_process) / (PROMPTS * G)
+        for k in range(ROUNDS)
+    ]
+    logged = scalars(ddp, "train/reward_mean")
+    assert len(logged) == ROUNDS  # once per round, not once per rank
+    assert logged == pytest.approx(hand, rel=1e-6)
+    assert scalars(runs["single"]["dir"], "train/reward_mean") == pytest.approx(hand, rel=1e-6)  # same rollouts
+
+
+def test_only_rank_zero_writes(runs):
+    ddp = runs["ddp"]["dir"]
+    assert len(list((ddp / "tensorboard").rglob("events.out.tfevents.*"))) == 1
+    assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert runs["ddp"]["stdout"].count("TensorBoard logs:") == 1
+    assert scalars(ddp, "eval/gsm8k_accuracy")  # 3 problems split over 2 ranks, gathered
+
+
+def test_probes_log_under_ddp(runs):
+    if runs["loss"] != "grpo":
+        pytest.skip("probes run with the grpo pair")
+    ddp = runs["ddp"]["dir"]
+    assert len(scalars(ddp, "probe/gns/gns_G2_big")) == ROUNDS
+    assert len(scalars(ddp, "probe/gns/gns_tr_sigma")) == ROUNDS  # 2 micro-batches x 2 ranks: estimable
+    assert len(scalars(ddp, "probe/gns/gns_G2")) == ROUNDS  # (B_simple only once its EMA of |G|^2 is > 0)
+    assert len(scalars(ddp, "probe/entropy/seq_mean")) == ROUNDS

@@ -1,0 +1,157 @@
+"""A run killed at any point and resumed ends bit for bit where an uninterrupted run ends.
+
+The truth is the uninterrupted run itself: same seed, same config, its final `last.ckpt` (trainable weights,
+AdamW moments, step counters). Runs go through the real CLI in subprocesses so SIGKILL and SIGINT are real.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lightning.checkpointing import AtomicCheckpointIO
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 4
+BASE = [
+    "model=tiny",
+    f"trainer.max_epochs={ROUNDS}",
+    "generator.max_new_tokens=12",
+    "trainer.enable_progress_bar=false",
+    "reward._target_=tests.helpers.VowelFractionReward",
+    "~reward.format_bonus",
+    "optim.optimizer.lr=1e-3",
+    "data.prompts_per_round=2",
+    "eval.num_problems=2",
+    "eval.every_n_rounds=2",
+    "checkpoint.every_n_rounds=2",
+]
+SETUPS = {
+    "grpo": [],
+    # STORPO branches, and two passes over each round: old log-probs are scored before the round's first update.
+    "storpo_two_passes": ["variant=storpo", "data.num_iterations=2", "trainer.accumulate_grad_batches=1"],
+}
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpo_lightning", f"hydra.run.dir={run_dir}", *overrides],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, expect: int = 0) -> str:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    return out + err
+
+
+def wait_for(path: Path, proc: subprocess.Popen, writes: int = 1, timeout: float = 300) -> float:
+    """Wait until `path` has been written `writes` times; returns the seconds between the last two writes."""
+    deadline = time.monotonic() + timeout
+    seen, stamps = None, [time.monotonic()]
+    while len(stamps) <= writes:
+        stamp = path.stat().st_mtime_ns if path.exists() else None
+        if stamp != seen and stamp is not None:
+            seen = stamp
+            stamps.append(time.monotonic())
+            continue
+        assert proc.poll() is None, (
+            f"the run ended before {path} was written {writes}x: {proc.communicate()[1][-3000:]}"
+        )
+        assert time.monotonic() < deadline, f"{path} was not written {writes} times"
+        time.sleep(0.02)
+    return stamps[-1] - stamps[-2]
+
+
+def final_state(run_dir: Path) -> dict:
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    return {
+        "weights": ckpt["state_dict"],
+        "adam": ckpt["optimizer_states"][0]["state"],
+        "global_step": ckpt["global_step"],
+        "epoch": ckpt["epoch"],
+    }
+
+
+def assert_bitwise_equal(a: dict, b: dict, context: str = "") -> None:
+    assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"]), context
+    assert a["weights"].keys() == b["weights"].keys() and a["weights"], context
+    for name in a["weights"]:
+        assert torch.equal(a["weights"][name], b["weights"][name]), f"{name} {context}"
+    for index, state in a["adam"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["adam"][index][key]), f"adam {index} {key} {context}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The truth: each setup run once without interruption (started together: 2 cores)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    procs = {name: start(root / name, *BASE, *extra) for name, extra in SETUPS.items()}
+    for proc in procs.values():
+        finish(proc)
+    return {name: final_state(root / name) for name in SETUPS}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_sigkill_at_a_random_point_then_resume_is_bitwise_equal(tmp_path, uninterrupted, setup):
+    seed = int(os.environ.get("RESUME_TEST_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    writes, fraction = rng.randint(1, ROUNDS - 2), rng.uniform(0.0, 0.9)  # kill inside round `writes`, anywhere
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE, *SETUPS[setup])
+    round_s = wait_for(run_dir / "checkpoints" / "last.ckpt", proc, writes)
+    time.sleep(fraction * (round_s if writes > 1 else 1.0))
+    assert proc.poll() is None, f"the run finished before the kill (RESUME_TEST_SEED={seed})"
+    proc.kill()  # SIGKILL: no handler runs
+    proc.wait()
+    err = finish(start(run_dir, *BASE, *SETUPS[setup], "ckpt_path=last"))
+    assert "resuming from" in err
+    assert_bitwise_equal(uninterrupted[setup], final_state(run_dir), context=f"RESUME_TEST_SEED={seed}")
+
+
+def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *BASE)
+    wait_for(run_dir / "checkpoints" / "last.ckpt", proc)  # round 0 done; round 1 is being generated or trained
+    proc.send_signal(signal.SIGINT)
+    err = finish(proc, expect=128 + signal.SIGINT)
+    assert "SIGINT received: finishing this round" in err
+    assert "stopped after round" in err and "ckpt_path=" in err and "Traceback" not in err
+    stopped = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert 1 <= stopped["epoch"] < ROUNDS - 1  # stopped early, at a round boundary
+    finish(start(run_dir, *BASE, "ckpt_path=last"))
+    assert_bitwise_equal(uninterrupted["grpo"], final_state(run_dir))
+
+
+def test_checkpoint_write_killed_midway_leaves_the_previous_file(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"round": 1, "w": torch.arange(4.0)}, path)
+
+    def dies_midway(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 partial zip")
+        raise KeyboardInterrupt  # as if the process died here
+
+    monkeypatch.setattr(torch, "save", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"round": 2, "w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    saved = torch.load(path, weights_only=True)
+    assert saved["round"] == 1 and torch.equal(saved["w"], torch.arange(4.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind

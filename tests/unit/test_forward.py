@@ -1,0 +1,100 @@
+"""Training-forward levers (grpo_lightning/forward.py) equal the plain path: log-probs, logits and gradients."""
+
+import copy
+
+import pytest
+import torch
+
+from grpo_lightning.forward import completion_logits_and_logprobs, shared_prompts
+from grpo_lightning.models import LoraSettings, wrap_policy
+from grpo_lightning.rollouts import Rollout, collate_rollouts
+
+
+@pytest.fixture
+def policy(tiny_model):
+    model, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=True)
+    with torch.no_grad():  # non-zero adapters, so LoRA gradients reach A as well as B
+        gen = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.train()
+
+
+def make_batch(pad_id: int, groups=((7, 3), (12, 3)), seed: int = 0):
+    """Groups of rollouts sharing a prompt (prompt length, group size), completions of random lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for gid, (prompt_len, size) in enumerate(groups):
+        prompt = torch.randint(10, 1000, (prompt_len,), generator=gen).tolist()
+        for k in range(size):
+            length = int(torch.randint(1, 9, (1,), generator=gen))
+            completion = torch.randint(10, 1000, (length,), generator=gen).tolist()
+            rollouts.append(Rollout(prompt, completion, [0.0] * length, 0.0, gid, False, branch_point=k % 2))
+    return collate_rollouts(rollouts, pad_id)
+
+
+def run(policy, batch, **kwargs):
+    policy.zero_grad()
+    logits, logp = completion_logits_and_logprobs(policy, batch, 0.7, **kwargs)
+    (logp * batch.completion_mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    return logits, logp.detach() * batch.sequence_mask, grads
+
+
+PLAIN = {"with_logits": True, "share_prefix": False, "chunk_tokens": None}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"with_logits": True, "share_prefix": True, "chunk_tokens": None},  # prefix sharing alone
+        {"with_logits": False, "share_prefix": False, "chunk_tokens": 5},  # chunked recomputed head alone
+        {"with_logits": False, "share_prefix": True, "chunk_tokens": 7},  # both (the default)
+        {"with_logits": True, "share_prefix": True, "chunk_tokens": 256},  # logits asked for (probes)
+    ],
+)
+def test_levers_equal_the_plain_path(policy, tokenizer, kwargs):
+    batch = make_batch(tokenizer.pad_token_id)
+    plain_logits, plain_logp, plain_grads = run(policy, batch, **PLAIN)
+    logits, logp, grads = run(policy, batch, **kwargs)
+    assert torch.allclose(logp, plain_logp, atol=1e-5)
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    for name, g in grads.items():
+        assert torch.allclose(g, plain_grads[name], atol=1e-5, rtol=1e-4), name
+    if kwargs["with_logits"]:
+        mask = batch.sequence_mask.bool()
+        assert torch.allclose(logits[mask], plain_logits[mask], atol=1e-5)
+    else:
+        assert logits is None
+
+
+def test_reference_under_disabled_adapter_matches(policy, tokenizer):
+    batch = make_batch(tokenizer.pad_token_id)
+    with torch.no_grad(), policy.disable_adapter():
+        _, plain = completion_logits_and_logprobs(policy, batch, 1.0, **PLAIN)
+        _, fast = completion_logits_and_logprobs(policy, batch, 1.0, with_logits=False)
+    assert torch.allclose(plain * batch.sequence_mask, fast * batch.sequence_mask, atol=1e-5)
+
+
+def test_shared_prompts_groups_rows_by_prompt_block(tokenizer):
+    batch = make_batch(tokenizer.pad_token_id, groups=((5, 2), (9, 3), (5, 1)))
+    first, inverse = shared_prompts(batch)
+    assert inverse.tolist()[:2] == [inverse[0]] * 2 and len(set(inverse.tolist())) == 3
+    assert all(int(inverse[f]) == u for u, f in enumerate(first.tolist()))
+    distinct = make_batch(tokenizer.pad_token_id, groups=((5, 1), (6, 1)))
+    assert shared_prompts(distinct) is None  # nothing shared: the plain forward
+
+
+def test_module_uses_the_levers_and_keeps_logits_for_observers(policy, tokenizer):
+    from grpo_lightning.losses import GRPOLoss
+    from grpo_lightning.module import GRPOModule, LRSchedule
+
+    module = GRPOModule(policy, None, GRPOLoss(), optimizer=None, schedule=LRSchedule(), total_steps=1)
+    batch = make_batch(tokenizer.pad_token_id)
+    logits, logp = module.policy_forward(policy, batch)
+    assert logits is None  # no observer: no [B, C, V] logits
+    module.logits_observer = lambda *args: None
+    logits, logp_obs = module.policy_forward(policy, batch)
+    assert logits.shape == (*batch.completion_ids.shape, policy.config.vocab_size)
+    assert torch.allclose(logp * batch.sequence_mask, logp_obs * batch.sequence_mask, atol=1e-5)

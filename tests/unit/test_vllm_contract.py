@@ -1,0 +1,513 @@
+"""vLLM generator, contract tests: the adapter's own logic against a fake engine that records its calls.
+
+These are contract tests, not vLLM tests: no vLLM is imported and nothing runs on a GPU. They pin what the
+adapter asks of the engine (LLM arguments, SamplingParams per prompt, sleep / wake / reset order, which named
+tensors it pushes) and what it makes of the engine's answers (RequestOutputs -> Completions), assuming
+vLLM behaves as documented; tests/test_vllm.py (marker `vllm`, GPU) checks that assumption on a real engine.
+
+The fake engine model is written by hand from vLLM's Llama layout (q/k/v fused into `qkv_proj`, gate/up into
+`gate_up_proj`, tied embeddings without an `lm_head`), and its `load_weights` writes HF-named tensors into
+hand-computed slices of the fused parameters, as vLLM's stacked loaders do.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_lightning.generation.vllm import VLLMGenerator, VLLMRoundHooks
+from grpo_lightning.generation.vllm_io import (
+    VLLMSettings,
+    build_requests,
+    engine_model_path,
+    import_vllm,
+    parse_completion,
+    parse_outputs,
+    sampling_kwargs,
+)
+from grpo_lightning.generation.vllm_weights import check_name_mapping, checkpoint_name, policy_checkpoint_names
+from grpo_lightning.models import LoraSettings, wrap_policy
+
+# The tiny model (conftest `tiny_model`): hidden 64, 4 heads of 16, 2 KV heads, MLP 128, 2 layers, tied embeddings.
+HIDDEN, KV, MLP, LAYERS = 64, 32, 128, 2
+# HF name -> (vLLM parameter, first row, last row + 1): q rows 0..64, k 64..96, v 96..128; gate 0..128, up 128..256.
+FUSED_ROWS = {
+    "q_proj": ("qkv_proj", 0, HIDDEN),
+    "k_proj": ("qkv_proj", HIDDEN, HIDDEN + KV),
+    "v_proj": ("qkv_proj", HIDDEN + KV, HIDDEN + 2 * KV),
+    "gate_proj": ("gate_up_proj", 0, MLP),
+    "up_proj": ("gate_up_proj", MLP, 2 * MLP),
+}
+
+
+def vllm_llama_shapes(vocab: int) -> dict[str, tuple[int, ...]]:
+    """vLLM's LlamaForCausalLM parameters for the tiny model, listed by hand."""
+    shapes = {"model.embed_tokens.weight": (vocab, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.qkv_proj.weight": (HIDDEN + 2 * KV, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            p + "mlp.gate_up_proj.weight": (2 * MLP, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, MLP),
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+        }
+    return shapes
+
+
+# ---- the fake engine -----------------------------------------------------------------------------------------
+class FakeSamplingParams:
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+
+
+@dataclass
+class FakeLoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class FakeEngineModel:
+    """Stands for the model inside a vLLM worker: named parameters and a stacking `load_weights`."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], log: list) -> None:
+        self.params = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
+        self.log = log
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def load_weights(self, weights) -> None:
+        names = []
+        for name, tensor in weights:
+            parts = name.split(".")
+            fused = next((p for p in parts if p in FUSED_ROWS), None)
+            if fused is None:
+                self.params[name].copy_(tensor)  # KeyError for a name vLLM does not have
+            else:
+                target, start, stop = FUSED_ROWS[fused]
+                self.params[name.replace(fused, target)][start:stop].copy_(tensor)
+            names.append(name)
+        self.log.append(("load_weights", names))
+
+
+@dataclass
+class FakeLLM:
+    """Records every call in `log`; `generate` answers from `responder(prompt_ids, kwargs) -> [(ids, lps, reason)]`."""
+
+    shapes: dict
+    log: list
+    responder: object
+    kwargs: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.model = FakeEngineModel(self.shapes, self.log)
+
+    def apply_model(self, fn):
+        self.log.append(("apply_model",))
+        return [fn(self.model)]
+
+    def generate(self, prompts, params, use_tqdm=True, lora_request=None):
+        self.log.append(("generate", prompts, params, lora_request))
+        pairs = zip(prompts, params, strict=True)
+        return [_request_output(self.responder(p["prompt_token_ids"], sp.kwargs)) for p, sp in pairs]
+
+    def sleep(self, level=1):
+        self.log.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.log.append(("wake_up", list(tags)))
+
+    def reset_prefix_cache(self):
+        self.log.append(("reset_prefix_cache",))
+
+
+def _request_output(samples):
+    outputs = [
+        SimpleNamespace(
+            index=j,
+            token_ids=ids,
+            logprobs=[{t: SimpleNamespace(logprob=lp, rank=1)} for t, lp in zip(ids, lps, strict=True)],
+            finish_reason=reason,
+        )
+        for j, (ids, lps, reason) in reversed(list(enumerate(samples)))  # out of order: the parser sorts
+    ]
+    return SimpleNamespace(outputs=outputs)
+
+
+def counting_responder(prompt_ids, kwargs):
+    """Sample j of a prompt: max_tokens ids counting up from last prompt id + 10 * (j + 1); log-probs -0.1 * (t + 1)."""
+    first = prompt_ids[-1]
+    return [
+        (
+            [first + 10 * (j + 1) + t for t in range(kwargs["max_tokens"])],
+            [-0.1 * (t + 1) for t in range(kwargs["max_tokens"])],
+            "length",
+        )
+        for j in range(kwargs["n"])
+    ]
+
+
+class FakeBackend:
+    def __init__(self, vocab: int, responder=counting_responder) -> None:
+        self.log: list = []
+        self.engines: list[FakeLLM] = []
+        self.shapes = vllm_llama_shapes(vocab)
+        self.responder = responder
+        self.SamplingParams = FakeSamplingParams
+        self.LoRARequest = FakeLoRARequest
+
+    def LLM(self, **kwargs):  # noqa: N802 (stands for the class vllm.LLM)
+        engine = FakeLLM(self.shapes, self.log, self.responder, kwargs, env=dict(os.environ))
+        self.engines.append(engine)
+        return engine
+
+    def calls(self, *names):
+        return [c for c in self.log if c[0] in names]
+
+
+# ---- fixtures ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def lora_policy(tiny_model):
+    """The tiny Llama wrapped by the project's LoRA code, with non-zero B so merging changes weights."""
+    policy, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=False)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return policy
+
+
+@pytest.fixture
+def backend(tokenizer):
+    return FakeBackend(len(tokenizer))
+
+
+def make_generator(policy, tokenizer, backend, **kwargs) -> VLLMGenerator:
+    defaults = {"model_path": "/models/tiny", "num_generations": 2, "max_new_tokens": 4}
+    return VLLMGenerator(policy, tokenizer, backend=backend, **(defaults | kwargs))
+
+
+def engine_state(backend) -> dict[str, torch.Tensor]:
+    return backend.engines[-1].model.params
+
+
+# ---- engine construction and errors --------------------------------------------------------------------------
+def test_engine_arguments_colocated(lora_policy, tokenizer, backend):
+    make_generator(lora_policy, tokenizer, backend, dtype="bfloat16", seed=7, max_model_len=512)
+    kwargs = backend.engines[0].kwargs
+    assert kwargs["model"] == "/models/tiny"
+    assert kwargs["logprobs_mode"] == "processed_logprobs"  # temperature-scaled, as the trainer scores
+    assert kwargs["distributed_executor_backend"] == "external_launcher"  # in-process worker: direct pushes
+    assert kwargs["enable_prefix_caching"] is True
+    assert kwargs["enable_sleep_mode"] is True  # device null = colocated
+    assert (kwargs["dtype"], kwargs["seed"], kwargs["max_model_len"]) == ("bfloat16", 7, 512)
+    assert kwargs["gpu_memory_utilization"] == 0.3
+    assert "enable_lora" not in kwargs  # lora_sync=merge needs no LoRA in the engine
+
+
+def test_separate_device_sets_local_rank_only_while_building(lora_policy, tokenizer, backend, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    make_generator(lora_policy, tokenizer, backend, device="cuda:1")
+    engine = backend.engines[0]
+    assert engine.env["LOCAL_RANK"] == "1" and engine.env["WORLD_SIZE"] == "1" and engine.env["RANK"] == "0"
+    assert engine.kwargs["enable_sleep_mode"] is False  # its own GPU: nothing to give back
+    assert "LOCAL_RANK" not in os.environ  # restored: Lightning never sees it
+
+
+def test_missing_vllm_is_a_one_line_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ValueError, match=r"generator=vllm needs vLLM: pip install -e '\.\[vllm\]'"):
+        import_vllm()
+
+
+def test_no_cuda_names_generator_device(lora_policy, tokenizer, backend, monkeypatch):
+    monkeypatch.setattr("grpo_lightning.generation.vllm.import_vllm", lambda: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="generator.device"):
+        VLLMGenerator(lora_policy, tokenizer, model_path="/models/tiny")  # backend None = the real vLLM path
+    assert backend.engines == []
+
+
+def test_too_little_memory_names_gpu_memory_utilization(lora_policy, tokenizer, backend):
+    def refuse(**kwargs):
+        raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization`")
+
+    backend.LLM = refuse
+    with pytest.raises(ValueError, match=r"generator.gpu_memory_utilization=0.1 .*generator.max_model_len"):
+        make_generator(lora_policy, tokenizer, backend, gpu_memory_utilization=0.1)
+
+
+@pytest.mark.parametrize(
+    ("key", "kwargs"),
+    [
+        ("gpu_memory_utilization", {"gpu_memory_utilization": 1.5}),
+        ("sync_every", {"sync_every": 0}),
+        ("lora_sync", {"lora_sync": "push"}),
+        ("sleep_level", {"sleep_level": 3}),
+        ("dtype", {"dtype": "fp8"}),
+        ("device", {"device": "cpu"}),
+        ("sleep_level", {"sleep_level": 2, "sync_every": 2}),
+        ("sleep_level", {"sleep_level": 2, "lora_sync": "adapter"}),
+    ],
+)
+def test_settings_name_the_bad_key(key, kwargs):
+    with pytest.raises(ValueError, match=f"generator.{key}"):
+        VLLMSettings(**kwargs)
+
+
+def test_engine_model_path(tiny_model, lora_policy):
+    with pytest.raises(ValueError, match="generator.model_path"):
+        engine_model_path(tiny_model, None)  # a random model exists only in memory
+    model = copy.deepcopy(tiny_model)
+    model.config._name_or_path = "Qwen/Qwen2.5-0.5B-Instruct"
+    assert engine_model_path(model, None) == "Qwen/Qwen2.5-0.5B-Instruct"
+    policy, _ = wrap_policy(model, LoraSettings(r=2, alpha=4), needs_reference=False)
+    assert engine_model_path(policy, None) == "Qwen/Qwen2.5-0.5B-Instruct"  # through the peft wrapper
+    assert engine_model_path(policy, "org/other") == "org/other"
+
+
+# ---- requests and outputs ------------------------------------------------------------------------------------
+def test_sampling_kwargs():
+    from grpo_lightning.generation.base import SamplingConfig
+
+    sampling = SamplingConfig(num_generations=4, max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20)
+    assert sampling_kwargs(sampling, 4, 10, False, [2, 7]) == {
+        "n": 4,
+        "max_tokens": 10,
+        "logprobs": 0,
+        "stop_token_ids": [2, 7],
+        "detokenize": False,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+    }
+    greedy = sampling_kwargs(sampling, 1, 10, True, [2])
+    assert greedy["temperature"] == 0.0 and "top_p" not in greedy
+
+
+def test_requests_share_params_per_budget():
+    made = []
+
+    def make(budget):
+        made.append(budget)
+        return {"max_tokens": budget}
+
+    prompts, params = build_requests([[1, 2], [3], [4, 5, 6]], [5, 3, 5], make)
+    assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}, {"prompt_token_ids": [4, 5, 6]}]
+    assert [p["max_tokens"] for p in params] == [5, 3, 5]
+    assert made == [5, 3] and params[0] is params[2]
+    with pytest.raises(ValueError, match="empty prefix"):
+        build_requests([[1], []], [2, 2], make)
+
+
+def test_parse_completion_picks_the_sampled_ids_logprob_and_finish():
+    lp = lambda x: SimpleNamespace(logprob=x, rank=1)  # noqa: E731
+    # logprobs=N returns top-N plus the sampled id: the parser must index by the sampled id.
+    steps = [{5: lp(-0.25), 9: lp(-1.5)}, {9: lp(-0.5), 2: lp(-2.0)}]
+    out = SimpleNamespace(index=0, token_ids=[9, 2], logprobs=steps, finish_reason="stop")
+    c = parse_completion(out, eos_token_ids=[2])
+    assert (c.token_ids, c.logprobs, c.finished) == ([9, 2], [-1.5, -2.0], True)
+    length_at_eos = SimpleNamespace(index=0, token_ids=[9, 2], logprobs=steps, finish_reason="length")
+    assert parse_completion(length_at_eos, [2]).finished  # budget hit exactly on EOS: still finished
+    cut = SimpleNamespace(index=0, token_ids=[9, 9], logprobs=[steps[0], steps[1]], finish_reason="length")
+    assert not parse_completion(cut, [2]).finished
+    with pytest.raises(RuntimeError, match="log-prob"):
+        parse_completion(SimpleNamespace(index=0, token_ids=[9], logprobs=None, finish_reason="stop"), [2])
+
+
+def test_parse_outputs_orders_samples_and_checks_counts():
+    request = _request_output([([1], [-0.5], "length"), ([2, 3], [-0.1, -0.2], "stop")])  # reversed inside
+    (group,) = parse_outputs([request], num_samples=2, budgets=[4], eos_token_ids=[3])
+    assert [c.token_ids for c in group] == [[1], [2, 3]]
+    assert [c.finished for c in group] == [False, True]
+    with pytest.raises(RuntimeError, match="asked for 3"):
+        parse_outputs([request], num_samples=3, budgets=[4], eos_token_ids=[3])
+
+
+def test_generate_sends_one_request_per_prefix_with_its_budget(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend, temperature=0.5)
+    # STORPO-style: continuations of prompt + k completion tokens, with the budget left (max_new_tokens - k).
+    result = gen.generate([[11, 12], [11, 12, 30], [40]], num_samples=3, max_new_tokens=[4, 3, 4])
+    (_, prompts, params, lora_request) = backend.calls("generate")[-1]
+    assert prompts == [{"prompt_token_ids": [11, 12]}, {"prompt_token_ids": [11, 12, 30]}, {"prompt_token_ids": [40]}]
+    assert [p.kwargs["max_tokens"] for p in params] == [4, 3, 4]
+    assert all(p.kwargs["n"] == 3 and p.kwargs["temperature"] == 0.5 for p in params)
+    assert params[0].kwargs["stop_token_ids"] == gen.eos_token_ids and lora_request is None
+    # counting_responder: sample j of prefix ending in x is x + 10(j+1) + t, log-prob -0.1(t+1), cut by length.
+    assert [c.token_ids for c in result[1]] == [[40, 41, 42], [50, 51, 52], [60, 61, 62]]
+    assert result[0][0].logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert not any(c.finished for group in result for c in group)
+    greedy = gen.generate([[5]], num_samples=1, greedy=True)
+    assert backend.calls("generate")[-1][2][0].kwargs["temperature"] == 0.0
+    assert greedy[0][0].token_ids == [15, 16, 17, 18]  # default budget: generator.max_new_tokens
+    with pytest.raises(ValueError, match="greedy"):
+        gen.generate([[5]], num_samples=2, greedy=True)
+
+
+# ---- names and weights ---------------------------------------------------------------------------------------
+def test_checkpoint_names_of_a_peft_policy(lora_policy, tokenizer):
+    assert checkpoint_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == (
+        "model.layers.0.self_attn.q_proj.weight"
+    )
+    assert checkpoint_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    assert checkpoint_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
+    assert checkpoint_name("base_model.model.lm_head.original_module.weight") is None
+    names = policy_checkpoint_names(lora_policy)
+    expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{m}.weight"
+        for i in range(LAYERS)
+        for m in [
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+        ]
+    }  # fmt: skip
+    assert len(names) == len(expected) and set(names) == expected
+    check_name_mapping(names, vllm_llama_shapes(len(tokenizer)))  # every name lands, every vLLM param fed
+
+
+def test_name_mismatch_is_a_clear_error(lora_policy, tokenizer):
+    engine = vllm_llama_shapes(len(tokenizer))
+    engine["model.final_norm.weight"] = engine.pop("model.norm.weight")  # an architecture the sync does not know
+    with pytest.raises(ValueError, match=r"1 trainer parameters .*model\.norm\.weight.*model\.final_norm\.weight"):
+        check_name_mapping(policy_checkpoint_names(lora_policy), engine)
+
+
+def test_construction_checks_names_against_the_engine(lora_policy, tokenizer, backend):
+    backend.shapes = {k: v for k, v in backend.shapes.items() if "layers.1.mlp" not in k}
+    with pytest.raises(ValueError, match="generator=vllm cannot sync this model"):
+        make_generator(lora_policy, tokenizer, backend)
+
+
+def test_lora_sync_pushes_merged_layers_and_leaves_the_policy_bitwise_unchanged(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend)
+    before = {n: p.detach().clone() for n, p in lora_policy.named_parameters()}
+    gen.sync_weights(lora_policy)
+    after = dict(lora_policy.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)  # nothing merged in place, nothing drifted
+    pushed = [n for call in backend.calls("load_weights") for n in call[1]]
+    assert len(pushed) == 7 * LAYERS and len(set(pushed)) == len(pushed)  # the adapted layers, once each
+    assert all(n.endswith("proj.weight") for n in pushed)
+    state = engine_state(backend)
+    merged = copy.deepcopy(lora_policy).merge_and_unload()  # peft's own merge: a second implementation
+    for i in range(LAYERS):
+        layer = lora_policy.base_model.model.model.layers[i]
+        for module, name in [(layer.self_attn.k_proj, "k_proj"), (layer.mlp.up_proj, "up_proj")]:
+            w, a, b = module.base_layer.weight, module.lora_A["default"].weight, module.lora_B["default"].weight
+            by_hand = w + (b @ a) * (8 / 4)  # W + (alpha / r) * B @ A
+            target, start, stop = FUSED_ROWS[name]
+            section = "self_attn" if name == "k_proj" else "mlp"
+            got = state[f"model.layers.{i}.{section}.{target}.weight"][start:stop]
+            torch.testing.assert_close(got, by_hand.detach(), rtol=0, atol=1e-6)
+            peft_layer = getattr(getattr(merged.model.layers[i], section), name)
+            assert torch.equal(got, peft_layer.weight)
+        assert torch.isnan(state[f"model.layers.{i}.input_layernorm.weight"]).all()  # frozen: never pushed
+    assert backend.log[-1] == ("reset_prefix_cache",)  # KV computed under the old weights is dropped
+
+
+def test_full_finetune_pushes_every_parameter(tiny_model, tokenizer, backend):
+    model = copy.deepcopy(tiny_model)
+    gen = make_generator(model, tokenizer, backend)
+    gen.sync_weights(model)
+    state = engine_state(backend)
+    assert not any(torch.isnan(t).any() for t in state.values())  # every engine parameter was written
+    hf = dict(model.named_parameters())
+    assert torch.equal(state["model.norm.weight"], hf["model.norm.weight"])
+    assert torch.equal(state["model.layers.1.mlp.gate_up_proj.weight"][MLP:], hf["model.layers.1.mlp.up_proj.weight"])
+
+
+# ---- sync schedule, sleep and wake ---------------------------------------------------------------------------
+def test_sync_every_counts_calls(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend, sync_every=3)
+    fresh = []
+    for _ in range(7):
+        gen.sync_weights(lora_policy)
+        fresh.append(gen.fresh)
+    assert fresh == [True, False, False, True, False, False, True]
+    assert gen.pushes == 3 and len(backend.calls("reset_prefix_cache")) == 3
+    with pytest.raises(RuntimeError, match="another model"):
+        gen.sync_weights(copy.deepcopy(lora_policy))
+
+
+def _events(backend):
+    names = ("generate", "sleep", "wake_up", "reset_prefix_cache", "load_weights")
+    return [c[0] if c[0] not in ("sleep", "wake_up") else c[:2] for c in backend.log if c[0] in names]
+
+
+def test_sleep_wake_order_over_two_rounds(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend)  # colocated: sleep mode on
+    hooks = VLLMRoundHooks(gen)
+    trainer = SimpleNamespace(max_epochs=2, current_epoch=0, should_stop=False)
+    backend.log.clear()
+    for epoch in range(2):
+        trainer.current_epoch = epoch
+        gen.sync_weights(lora_policy)  # RolloutCallback.produce: sync, then sample
+        gen.generate([[3, 4]], num_samples=2)
+        hooks.on_train_epoch_start(trainer, None)  # the round trains: memory back to the trainer
+        hooks.on_train_epoch_end(trainer, None)
+    expected_round = ["load_weights", "reset_prefix_cache", "generate", ("sleep", 1)]
+    wake_weights, wake_kv = ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])
+    assert _events(backend) == [
+        *expected_round,
+        wake_weights, "load_weights", "reset_prefix_cache", wake_kv, "generate", ("sleep", 1),
+        wake_weights, "load_weights", "reset_prefix_cache",  # after the last round: the final push, for eval
+    ]  # fmt: skip
+    assert gen.awake == {"weights"}  # the KV cache wakes with the next generate call
+
+
+def test_separate_device_never_sleeps(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend, device="cuda:0")
+    gen.sync_weights(lora_policy)
+    gen.generate([[3]], num_samples=2)
+    gen.sleep()
+    assert backend.calls("sleep", "wake_up") == []
+
+
+def test_sleep_level_2_pushes_everything_and_refuses_discarded_weights(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend, sleep_level=2)
+    gen.sync_weights(lora_policy)
+    gen.generate([[3]], num_samples=2)
+    gen.sleep()
+    with pytest.raises(RuntimeError, match="discarded"):
+        gen.generate([[3]], num_samples=2)  # woken without a push: the weights are garbage
+    backend.log.clear()
+    gen.sync_weights(lora_policy)
+    pushed = [n for call in backend.calls("load_weights") for n in call[1]]
+    assert set(pushed) == set(policy_checkpoint_names(lora_policy))  # the whole model, not just the adapters
+    gen.generate([[3]], num_samples=2)
+
+
+def test_adapter_sync_hot_swaps_a_saved_adapter(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend, lora_sync="adapter")
+    kwargs = backend.engines[0].kwargs
+    assert kwargs["enable_lora"] is True and kwargs["max_lora_rank"] == 4
+    requests = []
+    for _ in range(2):
+        gen.sync_weights(lora_policy)
+        gen.generate([[3]], num_samples=2)
+        requests.append(backend.calls("generate")[-1][3])
+    assert [r.lora_int_id for r in requests] == [1, 2]  # a new id makes vLLM load the new adapter
+    assert (gen.adapter_dir / "push1" / "adapter_config.json").is_file()
+    assert not (gen.adapter_dir / "push0").exists()  # the previous adapter is removed
+    assert backend.calls("load_weights") == [] and len(backend.calls("reset_prefix_cache")) == 2
+
+
+def test_config_group_instantiates_with_a_fake_engine(tmp_path, lora_policy, tokenizer, backend):
+    from grpo_lightning.train import build
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, ["generator=vllm", "model=tiny", "generator.model_path=/models/tiny"])
+    gen = build(cfg.generator, model=lora_policy, tokenizer=tokenizer, backend=backend)
+    assert isinstance(gen, VLLMGenerator) and gen.settings.sync_every == 1
+    assert backend.engines[0].kwargs["dtype"] == "float32"  # generator.dtype follows model.dtype
+    assert [type(c).__name__ for c in gen.callbacks] == ["StaleWeightGuard", "VLLMRoundHooks"]
