@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -25,12 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_lightning.callbacks import SavePolicy
 from grpo_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, check_resumable, resolve_ckpt_path
 from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import SafeReward
+from grpo_lightning.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -55,50 +54,10 @@ def build(node: DictConfig, **kwargs):
         raise
 
 
-def validate(cfg: DictConfig) -> None:
-    """Checks of keys no constructor sees before the model is loaded (each error names its key)."""
-    SamplingConfig(**{f.name: cfg.generator[f.name] for f in fields(SamplingConfig)})  # other groups interpolate it
-    build(cfg.optim.optimizer)  # a partial: locates the class, checks nothing else
-    lr = cfg.optim.optimizer.get("lr")
-    if not (is_number(lr) and lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"optim.optimizer.lr must be a positive number (got {lr!r})")
-    for key, value in [
-        ("trainer.max_epochs", cfg.trainer.max_epochs),
-        ("checkpoint.every_n_rounds", cfg.checkpoint.every_n_rounds),
-        ("guard.max_consecutive_skipped_steps", cfg.guard.max_consecutive_skipped_steps),
-    ]:
-        if not (is_int(value) and value >= 1):
-            raise ValueError(f"{key} must be an integer >= 1 (got {value!r})")
-    if not is_int(cfg.seed):
-        raise ValueError(f"seed must be an integer (got {cfg.seed!r})")
-    check_writable(Path(cfg.paths.output_dir))
-
-
 def rank_zero_print(message: str) -> None:
     """Print once per run: a DDP child process (LOCAL_RANK / RANK > 0) stays quiet."""
     if rank_zero_only.rank == 0:
         print(message)
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def check_writable(directory: Path) -> None:
-    """Fail before any work when the run could not save its checkpoints and logs."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(
-            f"paths.output_dir: cannot write to {directory} ({err.strerror}); choose another hydra.run.dir"
-        ) from None
 
 
 @dataclass(frozen=True)

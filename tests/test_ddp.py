@@ -121,3 +121,16 @@ def test_probes_log_under_ddp(runs):
     assert len(scalars(ddp, "probe/gns/gns_tr_sigma")) == ROUNDS  # 2 micro-batches x 2 ranks: estimable
     assert len(scalars(ddp, "probe/gns/gns_G2")) == ROUNDS  # (B_simple only once its EMA of |G|^2 is > 0)
     assert len(scalars(ddp, "probe/entropy/seq_mean")) == ROUNDS
+
+
+def test_ddp_resume_continues_exactly(tmp_path):
+    """2 rounds, then resumed to 3 (each rank restores its own RNG stream and generates round 2), equals 3 rounds
+    straight; both with 2 processes and the default per-rank sampling streams (no seed_per_prefix)."""
+    common = ["generator.seed_per_prefix=false", "loss=grpo"]
+    straight = run(tmp_path / "straight", 2, *common, "trainer.max_epochs=3")
+    split = run(tmp_path / "split", 2, *common, "trainer.max_epochs=2")
+    resumed = run(tmp_path / "resumed", 2, *common, "trainer.max_epochs=3", f"ckpt_path={split['dir']}")
+    assert "resuming from" in resumed["stdout"]
+    a = torch.load(straight["dir"] / "rank1.pt")
+    b = torch.load(resumed["dir"] / "rank1.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
