@@ -29,7 +29,7 @@ from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import SafeReward
-from grpo_lightning.validation import validate
+from grpo_lightning.validation import validate, world_size
 
 log = logging.getLogger(__name__)
 
@@ -204,19 +204,6 @@ def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
         if check is not None:
             check(micro_batches_per_step, world_size(cfg))
     return probes
-
-
-def world_size(cfg: DictConfig) -> int:
-    """Processes the trainer will start: devices (a count or a list of ids) x nodes."""
-    devices = cfg.trainer.get("devices", 1)
-    if OmegaConf.is_list(devices):
-        count = len(devices)
-    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
-        count = int(devices)
-    else:  # "auto" or -1: every GPU when the trainer will use GPUs, else one process
-        gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-        count = torch.cuda.device_count() if gpu else 1
-    return count * int(cfg.trainer.get("num_nodes", 1) or 1)
 
 
 def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes=()) -> L.Trainer:

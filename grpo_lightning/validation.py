@@ -9,8 +9,9 @@ import math
 from dataclasses import fields
 from pathlib import Path
 
+import torch
 from hydra.utils import get_class
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.generation.base import SamplingConfig
 
@@ -35,6 +36,12 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be an integer >= 1 (got {value!r})")
     if not is_int(cfg.seed):
         raise ValueError(f"seed must be an integer (got {cfg.seed!r})")
+    if str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator") and world_size(cfg) > 1:
+        raise ValueError(
+            f"generator=vllm runs one in-process engine and cannot be combined with several training processes yet "
+            f"(trainer.devices x trainer.num_nodes = {world_size(cfg)}); train on one device (colocated, or "
+            "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
+        )
     check_writable(Path(cfg.paths.output_dir))
     previous = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     if cfg.get("ckpt_path") is None and previous.exists():
@@ -63,3 +70,16 @@ def check_writable(directory: Path) -> None:
         raise ValueError(
             f"paths.output_dir: cannot write to {directory} ({err.strerror}); choose another hydra.run.dir"
         ) from None
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Processes the trainer will start: devices (a count or a list of ids) x nodes."""
+    devices = cfg.trainer.get("devices", 1)
+    if OmegaConf.is_list(devices):
+        count = len(devices)
+    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
+        count = int(devices)
+    else:  # "auto" or -1: every GPU when the trainer will use GPUs, else one process
+        gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+        count = torch.cuda.device_count() if gpu else 1
+    return count * int(cfg.trainer.get("num_nodes", 1) or 1)

@@ -76,6 +76,11 @@ CONFIG_MISTAKES = [
     ("resume from a missing checkpoint", ["ckpt_path=/nope/last.ckpt"], ["ckpt_path", "/nope/last.ckpt"]),
     ("resume=last in a fresh dir", ["ckpt_path=last"], ["ckpt_path=last: no checkpoint", "hydra.run.dir"]),
     ("data path missing", ["data.dataset.source=path"], ["data.dataset.path must be set"]),
+    (
+        "vLLM with several training processes",
+        ["generator=vllm", "trainer=ddp", "trainer.devices=2"],
+        ["generator=vllm", "several training processes", "trainer.devices"],
+    ),
 ]
 
 
