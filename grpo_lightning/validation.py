@@ -36,10 +36,11 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be an integer >= 1 (got {value!r})")
     if not is_int(cfg.seed):
         raise ValueError(f"seed must be an integer (got {cfg.seed!r})")
-    if str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator") and world_size(cfg) > 1:
+    processes = world_size(cfg)
+    if str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator") and processes > 1:
         raise ValueError(
             f"generator=vllm runs one in-process engine and cannot be combined with several training processes yet "
-            f"(trainer.devices x trainer.num_nodes = {world_size(cfg)}); train on one device (colocated, or "
+            f"(trainer.devices x trainer.num_nodes = {processes}); train on one device (colocated, or "
             "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
         )
     check_writable(Path(cfg.paths.output_dir))

@@ -107,6 +107,19 @@ def per_prefix_budgets(max_new_tokens: int | Sequence[int] | None, default: int,
     return budgets
 
 
+def request_budgets(
+    sampling: SamplingConfig,
+    num_prefixes: int,
+    num_samples: int,
+    max_new_tokens: int | Sequence[int] | None,
+    greedy: bool,
+) -> list[int]:
+    """Check a `Generator.generate` request (one greedy sample per prefix) and return each prefix's budget."""
+    if greedy and num_samples != 1:
+        raise ValueError(f"greedy decoding gives one completion per prefix (asked for {num_samples})")
+    return per_prefix_budgets(max_new_tokens, sampling.max_new_tokens, num_prefixes)
+
+
 def truncate(completion: Completion, budget: int) -> Completion:
     """Cut a completion to `budget` tokens; a cut completion is unfinished (truncated)."""
     if len(completion.token_ids) <= budget:

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from grpo_lightning.distributed import derive_seed
-from grpo_lightning.generation.base import Completion, SamplingConfig, per_prefix_budgets, truncate
+from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets, truncate
 from grpo_lightning.generation.fast import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
@@ -88,9 +88,7 @@ class HFGenerator:
         max_new_tokens: int | Sequence[int] | None = None,
         greedy: bool = False,
     ) -> list[list[Completion]]:
-        if greedy and num_samples != 1:
-            raise ValueError(f"greedy decoding gives one completion per prefix (asked for {num_samples})")
-        budgets = per_prefix_budgets(max_new_tokens, self.sampling.max_new_tokens, len(prefixes))
+        budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
         # Prefixes with similar budgets share a generate call (stable sort: equal budgets keep their order).
         order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
         prefixes_per_call = 1 if self.seed_per_prefix else max(1, self.batch_size // num_samples)

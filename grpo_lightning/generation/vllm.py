@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.generation.base import Completion, SamplingConfig, per_prefix_budgets
+from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets
 from grpo_lightning.generation.hf import _eos_token_ids
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.generation.vllm_io import (
@@ -161,9 +161,7 @@ class VLLMGenerator:
         max_new_tokens: int | Sequence[int] | None = None,
         greedy: bool = False,
     ) -> list[list[Completion]]:
-        if greedy and num_samples != 1:
-            raise ValueError(f"greedy decoding gives one completion per prefix (asked for {num_samples})")
-        budgets = per_prefix_budgets(max_new_tokens, self.sampling.max_new_tokens, len(prefixes))
+        budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
         make_params = partial(self._sampling_params, num_samples, greedy=greedy)
         prompts, params = build_requests(prefixes, budgets, make_params)
         self.wake_up(_TAGS)
