@@ -38,6 +38,7 @@ PROMPTS_PER_STEP, GROUP, MAX_NEW, MICRO = 4, 4, 128, 4
 BETA, LR = 0.04, 5e-5
 # grpo_lightning with every lever of issue #9 off: plain `generate` (output_logits), full forward, full logits.
 PLAIN = [
+    "generator.custom_decode=false",
     "generator.merge_lora=false",
     "generator.share_prefill=false",
     "generator.stream_logprobs=false",

@@ -67,19 +67,20 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
 
 
 def shared_prefill(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, num_samples: int
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, num_samples: int, cache: object | None = None
 ) -> tuple[Tensor, Tensor, object]:
     """Prefill each (left-padded) prefix once; return input ids and mask repeated `num_samples` times and a cache.
 
     The cache holds all but the last prefix token, so `generate` still runs one step on the prompt (where the
     first sampled token's logits come from). Rows are repeated in place order: prefix i -> rows i*K .. i*K+K-1,
-    as `num_return_sequences` lays them out.
+    as `num_return_sequences` lays them out. `cache`: an empty cache object to fill (default: the model's own).
     """
     with torch.inference_mode():
         out = model(
             input_ids=input_ids[:, :-1],
             attention_mask=attention_mask[:, :-1],
             position_ids=position_ids_from_mask(attention_mask[:, :-1]),
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )

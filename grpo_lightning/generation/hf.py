@@ -18,6 +18,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets, truncate
+from grpo_lightning.generation.decode import SAMPLERS, new_cache, sample_loop
 from grpo_lightning.generation.fast import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
@@ -41,6 +42,8 @@ class HFGenerator:
         share_prefill: bool = True,
         stream_logprobs: bool = True,
         seed_per_prefix: bool = False,
+        custom_decode: bool = True,
+        sampler: str = "inverse_cdf",
     ) -> None:
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
         # Lightning callbacks the trainer adds (train.py): this engine has no sync, so the guard only flags
@@ -58,6 +61,11 @@ class HFGenerator:
         self.merge_lora = merge_lora
         self.share_prefill = share_prefill
         self.stream_logprobs = stream_logprobs
+        # Our own loop (generation/decode.py) instead of `generate`: pre-allocated KV cache, O(V) sampler.
+        if sampler not in SAMPLERS:
+            raise ValueError(f"generator.sampler must be one of {SAMPLERS} (got {sampler!r})")
+        self.custom_decode = custom_decode
+        self.sampler = sampler
         # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
         self.seed_per_prefix = seed_per_prefix
         self.round_seed = 0
@@ -112,6 +120,9 @@ class HFGenerator:
     ) -> list[list[Completion]]:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = left_pad(prefixes, self.tokenizer.pad_token_id)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        if self.custom_decode:
+            return self._decode_chunk(input_ids, attention_mask, num_samples, max_new_tokens, greedy)
         sampling = {
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
@@ -127,7 +138,6 @@ class HFGenerator:
             output_logits=not self.stream_logprobs,
             return_dict_in_generate=True,
         )
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
             inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
             if self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1:
@@ -144,6 +154,35 @@ class HFGenerator:
             logprobs = sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)  # [n * K, T_new]
         completions = [self._trim(new_tokens[row], logprobs[row]) for row in range(new_tokens.shape[0])]
         return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]
+
+    def _decode_chunk(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_samples: int, max_new_tokens: int, greedy: bool
+    ) -> list[list[Completion]]:  # input_ids, attention_mask: [n, L]
+        """`_generate_chunk` through our own loop (generation/decode.py) instead of `generate`."""
+        n = input_ids.shape[0]
+        with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+            cache = new_cache(self.model, input_ids.shape[1] + max_new_tokens)
+            if self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1:
+                ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples, cache)
+            else:
+                ids = input_ids.repeat_interleave(num_samples, 0)  # [n * K, L]
+                mask = attention_mask.repeat_interleave(num_samples, 0)
+            tokens, logprobs = sample_loop(  # [n * K, T_new] each
+                self.model,
+                ids,
+                mask,
+                cache,
+                max_new_tokens,
+                self.eos_token_ids,
+                self.tokenizer.pad_token_id,
+                self.sampling.temperature,
+                self.sampling.top_k,
+                self.sampling.top_p,
+                greedy=greedy,
+                sampler=self.sampler,
+            )
+        completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]
+        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(n)]
 
     def _trim(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Completion:  # [T_new], [T_new]
         """Cut a generated row after its first EOS (what follows is padding)."""

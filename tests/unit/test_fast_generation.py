@@ -9,7 +9,8 @@ from grpo_lightning.generation.fast import merged_lora
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.models import LoraSettings, wrap_policy
 
-PLAIN = {"merge_lora": False, "share_prefill": False, "stream_logprobs": False}
+PLAIN = {"merge_lora": False, "share_prefill": False, "stream_logprobs": False, "custom_decode": False}
+HF_LOOP = {"custom_decode": False}  # levers inside `generate`
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,13 @@ def sample(policy, tokenizer, greedy=False, **levers):
 @pytest.mark.parametrize(
     "levers",
     [
-        {"merge_lora": True, "share_prefill": False, "stream_logprobs": False},
-        {"merge_lora": False, "share_prefill": True, "stream_logprobs": False},
-        {"merge_lora": False, "share_prefill": False, "stream_logprobs": True},
-        {},  # all on (the default)
+        {**HF_LOOP, "merge_lora": True, "share_prefill": False, "stream_logprobs": False},
+        {**HF_LOOP, "merge_lora": False, "share_prefill": True, "stream_logprobs": False},
+        {**HF_LOOP, "merge_lora": False, "share_prefill": False, "stream_logprobs": True},
+        HF_LOOP,
+        # our decode loop (pre-allocated cache) drawing with torch.multinomial, as `generate` does
+        {"merge_lora": False, "share_prefill": False, "sampler": "multinomial"},
+        {"sampler": "multinomial"},  # every lever on, the multinomial draw
     ],
 )
 @pytest.mark.parametrize("greedy", [False, True])

@@ -1,0 +1,107 @@
+"""Our decode loop (generation/decode.py): the sampler against brute force and frequencies, the cache against HF's."""
+
+import copy
+
+import pytest
+import torch
+
+from grpo_lightning.generation.decode import PreallocatedLayer, new_cache, sample_inverse_cdf
+from grpo_lightning.generation.hf import HFGenerator
+from grpo_lightning.models import LoraSettings, wrap_policy
+
+
+def brute_force_index(probs: list[float], u: float) -> int:
+    """The first index whose running sum exceeds u * total (a plain Python loop)."""
+    total, running = sum(probs), 0.0
+    for i, p in enumerate(probs):
+        running += p
+        if running > u * total:
+            return i
+    return len(probs) - 1
+
+
+def test_inverse_cdf_picks_the_brute_force_index():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(7, 11, generator=gen) ** 3  # unnormalised rows
+    probs[:, 4] = 0.0
+    uniform = torch.rand(7, generator=gen, dtype=torch.float64)
+    got = sample_inverse_cdf(probs, uniform).tolist()
+    expected = [brute_force_index(row.double().tolist(), float(u)) for row, u in zip(probs, uniform, strict=True)]
+    assert got == expected
+    # the edges: u = 0 takes the first non-zero entry, u -> 1 the last non-zero one
+    row = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]])
+    assert sample_inverse_cdf(row, torch.tensor([0.0], dtype=torch.float64)).item() == 1
+    assert sample_inverse_cdf(row, torch.tensor([1.0 - 1e-12], dtype=torch.float64)).item() == 3
+
+
+def test_inverse_cdf_frequencies_match_the_probabilities():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.25, 0.0, 0.125, 0.0625, 0.0625])
+    n = 200_000
+    draws = sample_inverse_cdf(probs.expand(n, -1).contiguous())
+    freq = torch.bincount(draws, minlength=6).double() / n
+    stderr = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert freq[2] == 0  # a zero-probability token is never drawn
+    assert torch.all((freq - probs.double()).abs() <= 5 * stderr + 1e-12), freq
+
+
+def test_preallocated_layer_holds_what_concatenation_holds():
+    gen = torch.Generator().manual_seed(0)
+    layer = PreallocatedLayer(capacity=9)
+    chunks = [torch.randn(2, 3, n, 4, generator=gen) for n in (5, 1, 1, 2)]
+    for chunk in chunks:
+        keys, values = layer.update(chunk, -chunk)
+    expected = torch.cat(chunks, dim=2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert layer.get_seq_length() == 9
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.keys, expected.repeat_interleave(2, dim=0))
+    with pytest.raises(RuntimeError, match="capacity"):
+        layer.update(chunks[1].repeat_interleave(2, 0), chunks[1].repeat_interleave(2, 0))
+
+
+def test_new_cache_preallocates_full_attention_models_only(tiny_model):
+    cache = new_cache(tiny_model, 32)
+    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+    sliding = copy.deepcopy(tiny_model.config)
+    sliding.layer_types = ["sliding_attention"] * sliding.num_hidden_layers
+    sliding.sliding_window = 8
+
+    class Stub:
+        config = sliding
+
+    assert not any(isinstance(layer, PreallocatedLayer) for layer in new_cache(Stub(), 32).layers)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model):
+    model, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=True)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.8), (7, 0.9)])
+def test_loop_with_warpers_samples_what_generate_samples(policy, tokenizer, top_k, top_p):
+    """HF's top-k / top-p warpers in HF's order: the multinomial draw reproduces `generate` token for token."""
+    prompts = [tokenizer(t)["input_ids"] for t in ("What is 2 + 2?", "A longer prompt with more words")]
+    results = []
+    for custom_decode in (False, True):
+        gen = HFGenerator(
+            policy, tokenizer, 3, 10, temperature=0.8, top_k=top_k, top_p=top_p, custom_decode=custom_decode
+        )
+        gen.sampler = "multinomial"
+        torch.manual_seed(3)
+        results.append(gen.generate(prompts, 3))
+    for plain_group, loop_group in zip(*results, strict=True):
+        for a, b in zip(plain_group, loop_group, strict=True):
+            assert a.token_ids == b.token_ids
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_unknown_sampler_names_the_key(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="generator.sampler"):
+        HFGenerator(tiny_model, tokenizer, sampler="gumbel")
