@@ -10,8 +10,11 @@ gradient in the backward). Two levers, each exact up to float rounding (tests/un
   variant's groups (GRPO, STORPO's prompt) share automatically; a micro-batch of distinct prompts takes the
   plain path.
 * Completion logits chunk by chunk: the LM head, the temperature, the logsumexp and the gather run on
-  `chunk_tokens` hidden states at a time under activation checkpointing, so neither the forward nor the
-  backward ever holds more than one chunk's `[chunk, V]` logits (the backward recomputes them).
+  `chunk_tokens` hidden states at a time, so no more than one chunk's `[chunk, V]` logits ever exist. When the
+  head is frozen (LoRA), `HeadLogprobs` also takes the gradient with respect to the hidden states in the
+  forward, `d logp / d h = (W[token] - softmax @ W) / T`, a `[chunk, H]` tensor, so the backward is a
+  multiplication (no recomputed logits, no `[chunk, V]` gradient). A trainable head recomputes each chunk
+  under activation checkpointing instead.
 
 Models whose logits are not `lm_head(hidden)` (final-logit soft-capping, logit scales) take the plain path.
 """
@@ -94,6 +97,35 @@ def completion_hidden(backbone: nn.Module, batch: RolloutBatch, share_prefix: bo
     return torch.cat([last, rest.last_hidden_state], dim=1)
 
 
+class HeadLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ W^T + b) / T)[index] for one chunk, with its gradient in `hidden` found in the forward.
+
+    Only for a frozen head (W and b get no gradient). The `[n, V]` logits are overwritten in place by the
+    unnormalised softmax; the saved state is `[n, H]`.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float) -> Tensor:
+        logits = nn.functional.linear(hidden, weight, bias).float()  # [n, V]
+        if temperature != 1.0:
+            logits.div_(temperature)
+        chosen = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [n]
+        peak = logits.amax(dim=-1, keepdim=True)  # [n, 1]
+        unnormalised = logits.sub_(peak).exp_()  # [n, V], in place: exp(z - max)
+        total = unnormalised.sum(dim=-1, keepdim=True)  # [n, 1]
+        logp = chosen - (peak + total.log()).squeeze(-1)  # [n]
+        ctx.hidden_dtype = hidden.dtype
+        if ctx.needs_input_grad[0]:
+            expected = (unnormalised.to(weight.dtype) @ weight).float() / total  # [n, H]: softmax @ W
+            ctx.save_for_backward((weight[index].float() - expected) / temperature)  # d logp / d hidden
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor):  # [n]
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_logp.unsqueeze(-1) * grad_hidden).to(ctx.hidden_dtype), None, None, None, None
+
+
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float) -> Tensor:
     logits = nn.functional.linear(hidden, weight, bias).float() / temperature  # [n, V]
     return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -104,16 +136,19 @@ def chunked_logprobs(
     head: nn.Linear,
     index: Tensor,  # [B, C] long
     temperature: float,
-    chunk_tokens: int = 256,
+    chunk_tokens: int = 128,
 ) -> Tensor:  # [B, C] float32
-    """log_softmax(head(hidden) / T)[index], `chunk_tokens` positions at a time, recomputed in the backward."""
+    """log_softmax(head(hidden) / T)[index], `chunk_tokens` positions at a time (module docstring)."""
     b, c, h = hidden.shape
     flat, flat_index = hidden.reshape(b * c, h), index.reshape(b * c)
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    head_trains = any(p is not None and p.requires_grad for p in (head.weight, head.bias))
+    recompute = torch.is_grad_enabled() and head_trains
     out = []
     for start in range(0, b * c, chunk_tokens):
         args = (flat[start : start + chunk_tokens], head.weight, head.bias, flat_index[start : start + chunk_tokens])
-        if recompute:
+        if not head_trains:
+            out.append(HeadLogprobs.apply(*args, temperature))
+        elif recompute:
             out.append(checkpoint(_chunk_logprobs, *args, temperature, use_reentrant=False))
         else:
             out.append(_chunk_logprobs(*args, temperature))
@@ -126,7 +161,7 @@ def completion_logits_and_logprobs(
     temperature: float,
     with_logits: bool,
     share_prefix: bool = True,
-    chunk_tokens: int | None = 256,
+    chunk_tokens: int | None = 128,
 ) -> tuple[Tensor | None, Tensor]:
     """(logits [B, C, V] / T or None, log-probs [B, C]) of the completion tokens; see the module docstring.
 

@@ -97,7 +97,7 @@ class GRPOModule(L.LightningModule):
     # ---- log-probs -----------------------------------------------------------------------------------------
     share_prefix: bool = True
     """Run each distinct prompt of a micro-batch once and reuse its KV cache for its completions (forward.py)."""
-    logits_chunk_tokens: int | None = 256
+    logits_chunk_tokens: int | None = 128
     """Completion positions per chunk of the recomputed LM head + log-softmax when no logits are needed
     (None: materialise the [B, C, V] logits)."""
 

@@ -182,7 +182,7 @@ def build_run(cfg: DictConfig) -> Run:
     module.run_info = run_info
     forward = cfg.get("forward") or {}  # training-forward levers (README: Performance)
     module.share_prefix = bool(forward.get("share_prefix", True))
-    module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 256)
+    module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 128)
     trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
     return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, ckpt_path=ckpt_path)
 

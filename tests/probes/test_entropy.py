@@ -53,8 +53,14 @@ def test_first_order_projection_predicts_the_actual_change_at_small_lr(tiny_cfg,
     run.trainer.callbacks.append(_Recorder(probe, rows))
     run.fit()
     assert len(rows) == 3
+    print([(r["projected_delta_first_order"], r["actual_delta"]) for r in rows])
+    print([(r["projected_delta_first_order"], r["actual_delta"]) for r in rows])
+    # The first-order error is O(lr^2) in absolute terms: compare it with the typical size of a step's change,
+    # not with each step's own change, which can cancel to near zero (one step here moved the entropy 1.5e-9
+    # while the others moved it ~3e-8).
+    scale = sum(abs(r["actual_delta"]) for r in rows) / len(rows)
     for row in rows:
-        assert row["projected_delta_first_order"] == pytest.approx(row["actual_delta"], rel=0.10)
+        assert row["projected_delta_first_order"] == pytest.approx(row["actual_delta"], abs=0.10 * scale)
     assert 0.0 <= rows[-1]["sign_agreement"] <= 1.0
     assert rows[-1]["sign_agreement_first_order"] == 1.0
 
