@@ -182,7 +182,10 @@ def completion_logits_and_logprobs(
         return logits, selective_log_softmax(logits, batch.completion_ids)
     backbone, head = parts
     hidden = completion_hidden(backbone, batch, share_prefix)  # [B, C, H]
-    if with_logits or not chunk_tokens:
+    if not chunk_tokens:
         logits = head(hidden) / temperature  # [B, C, V]
         return logits, selective_log_softmax(logits, batch.completion_ids)
-    return None, chunked_logprobs(hidden, head, batch.completion_ids, temperature, chunk_tokens)
+    # The log-probs (hence the loss and its gradient) come from the chunked head whether or not observers ask
+    # for logits, so a probe that does leaves training bitwise unchanged (tests/probes/test_zero_impact.py).
+    logprobs = chunked_logprobs(hidden, head, batch.completion_ids, temperature, chunk_tokens)
+    return (head(hidden) / temperature if with_logits else None), logprobs
