@@ -98,17 +98,17 @@ class GRPOModule(L.LightningModule):
     share_prefix: bool = True
     """Run each distinct prompt of a micro-batch once and reuse its KV cache for its completions (forward.py)."""
     logits_chunk_tokens: int | None = 128
-    """Completion positions per chunk of the recomputed LM head + log-softmax when no logits are needed
-    (None: materialise the [B, C, V] logits)."""
+    """Completion positions per chunk of the LM head + log-softmax (forward.py; None: materialise the [B, C, V]
+    logits and take the log-probs from them)."""
 
     def policy_forward(
         self, model: nn.Module, batch: RolloutBatch, with_logits: bool | None = None
     ) -> tuple[Tensor | None, Tensor]:
         """Logits at completion positions [B, C, V] (divided by the temperature) and completion log-probs [B, C].
 
-        Logits are materialised only when asked (`with_logits`; None = when a probe observes them), else None:
-        then the LM head and log-softmax run chunk by chunk and are recomputed in the backward. Prompts shared
-        by several rows run once (`share_prefix`). See `grpo_lightning.forward`.
+        Logits are materialised only when asked (`with_logits`; None = when a probe observes them), else None;
+        the log-probs come from the chunked LM head either way. Prompts shared by several rows run once
+        (`share_prefix`). See `grpo_lightning.forward`.
         """
         if with_logits is None:
             with_logits = self.logits_observer is not None

@@ -105,8 +105,8 @@ def sample_inverse_cdf(probs: Tensor, uniform: Tensor | None = None) -> Tensor: 
     return index.clamp_(max=probs.shape[-1] - 1)
 
 
-def warpers(temperature: float, top_k: int, top_p: float) -> list:
-    """HF's logits processors for these settings, in `generate`'s order (temperature, top-k, top-p)."""
+def warpers(top_k: int, top_p: float) -> list:
+    """HF's top-k / top-p warpers, in `generate`'s order; they run on logits already divided by the temperature."""
     out = []
     if top_k:
         out.append(TopKLogitsWarper(top_k=top_k))
@@ -141,7 +141,7 @@ def sample_loop(
     positions.masked_fill_(attention_mask == 0, 1)
     step_ids, step_positions = input_ids[:, cached:], positions[:, cached:]
     next_position = positions[:, -1:] + 1  # [N, 1]
-    processors = warpers(temperature, top_k, top_p)
+    processors = warpers(top_k, top_p)
     eos = torch.tensor(eos_token_ids, device=device)
     unfinished = torch.ones(n, dtype=torch.bool, device=device)
     tokens, logprobs = [], []

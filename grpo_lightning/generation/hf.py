@@ -1,10 +1,11 @@
-"""Rollouts with Hugging Face `generate`: the CPU engine, and the reference for every other engine.
+"""Rollouts from a Hugging Face model: the CPU engine, and the reference for every other engine.
 
 The generator samples from the policy object itself (LoRA adapters active), so there are no weights to sync:
-`sync_weights` only checks that it is still bound to the policy being trained. Log-probs are recomputed from
-the raw logits (`output_logits=True`) as log_softmax(logits / temperature), the same distribution the trainer
-scores (TRL divides logits by the temperature too). With top_p < 1 or top_k > 0 the sampling distribution is
-truncated while the log-probs are not; TRL makes the same approximation.
+`sync_weights` only checks that it is still bound to the policy being trained. By default it runs our own
+decode loop (generation/decode.py: pre-allocated KV cache, O(V) sampler); `custom_decode=false` calls HF
+`generate`. Log-probs are taken from the raw logits as log_softmax(logits / temperature), the same
+distribution the trainer scores (TRL divides logits by the temperature too). With top_p < 1 or top_k > 0
+the sampling distribution is truncated while the log-probs are not; TRL makes the same approximation.
 """
 
 from __future__ import annotations
