@@ -23,7 +23,16 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from grpo_lightning.rollouts import position_ids_from_mask
+
 SAMPLERS = ("inverse_cdf", "multinomial")
+
+
+def check_sampler(sampler: str) -> str:
+    """The sampler's name, or a ValueError naming `generator.sampler`."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"generator.sampler must be one of {SAMPLERS} (got {sampler!r})")
+    return sampler
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -131,14 +140,12 @@ def sample_loop(
     sampler: str = "inverse_cdf",
 ) -> tuple[Tensor, Tensor]:  # tokens [N, T_new] long, log-probs [N, T_new] float32
     """Sample up to `max_new_tokens` per row; the log-prob of each token is under log_softmax(logits / T)."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"generator.sampler must be one of {SAMPLERS} (got {sampler!r})")
+    check_sampler(sampler)
     n, width = input_ids.shape
     device = input_ids.device
     cached = cache.get_seq_length()
     mask = torch.cat([attention_mask, attention_mask.new_ones(n, max_new_tokens)], dim=1)  # [N, L + T]
-    positions = attention_mask.long().cumsum(-1) - 1  # [N, L]: HF's positions under left padding
-    positions.masked_fill_(attention_mask == 0, 1)
+    positions = position_ids_from_mask(attention_mask)  # [N, L]: real tokens count from 0 under left padding
     step_ids, step_positions = input_ids[:, cached:], positions[:, cached:]
     next_position = positions[:, -1:] + 1  # [N, 1]
     processors = warpers(top_k, top_p)

@@ -19,7 +19,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets, truncate
-from grpo_lightning.generation.decode import SAMPLERS, new_cache, sample_loop
+from grpo_lightning.generation.decode import check_sampler, new_cache, sample_loop
 from grpo_lightning.generation.fast import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
@@ -63,10 +63,8 @@ class HFGenerator:
         self.share_prefill = share_prefill
         self.stream_logprobs = stream_logprobs
         # Our own loop (generation/decode.py) instead of `generate`: pre-allocated KV cache, O(V) sampler.
-        if sampler not in SAMPLERS:
-            raise ValueError(f"generator.sampler must be one of {SAMPLERS} (got {sampler!r})")
         self.custom_decode = custom_decode
-        self.sampler = sampler
+        self.sampler = check_sampler(sampler)
         # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
         self.seed_per_prefix = seed_per_prefix
         self.round_seed = 0
@@ -122,8 +120,54 @@ class HFGenerator:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = left_pad(prefixes, self.tokenizer.pad_token_id)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        if self.custom_decode:
-            return self._decode_chunk(input_ids, attention_mask, num_samples, max_new_tokens, greedy)
+        share = self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1
+        sample = self._sample_with_loop if self.custom_decode else self._sample_with_generate
+        with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+            tokens, logprobs = sample(input_ids, attention_mask, num_samples, max_new_tokens, greedy, share)
+        completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]
+        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]
+
+    def _sample_with_loop(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_samples: int,
+        max_new_tokens: int,
+        greedy: bool,
+        share_prefill: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, L] x 2 -> tokens, log-probs [n * K, T_new]
+        """Our own loop (generation/decode.py)."""
+        cache = new_cache(self.model, input_ids.shape[1] + max_new_tokens)
+        if share_prefill:
+            ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples, cache)
+        else:
+            ids = input_ids.repeat_interleave(num_samples, 0)  # [n * K, L]
+            mask = attention_mask.repeat_interleave(num_samples, 0)
+        return sample_loop(
+            self.model,
+            ids,
+            mask,
+            cache,
+            max_new_tokens,
+            self.eos_token_ids,
+            self.tokenizer.pad_token_id,
+            self.sampling.temperature,
+            self.sampling.top_k,
+            self.sampling.top_p,
+            greedy=greedy,
+            sampler=self.sampler,
+        )
+
+    def _sample_with_generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_samples: int,
+        max_new_tokens: int,
+        greedy: bool,
+        share_prefill: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, L] x 2 -> tokens, log-probs [n * K, T_new]
+        """HF `generate` (`custom_decode=false`)."""
         sampling = {
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
@@ -139,51 +183,20 @@ class HFGenerator:
             output_logits=not self.stream_logprobs,
             return_dict_in_generate=True,
         )
-        with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
-            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            if self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1:
-                ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples)
-                inputs = {"input_ids": ids, "attention_mask": mask, "past_key_values": cache}
-                config.num_return_sequences = 1
-            recorder = StepLogprobRecorder(self.model, self.sampling.temperature)
-            with recorder if self.stream_logprobs else contextlib.nullcontext():
-                out = self.model.generate(**inputs, generation_config=config)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if share_prefill:
+            ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples)
+            inputs = {"input_ids": ids, "attention_mask": mask, "past_key_values": cache}
+            config.num_return_sequences = 1
+        recorder = StepLogprobRecorder(self.model, self.sampling.temperature)
+        with recorder if self.stream_logprobs else contextlib.nullcontext():
+            out = self.model.generate(**inputs, generation_config=config)
         new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [n * K, T_new]
-        if self.stream_logprobs:
-            logprobs = recorder.finish(new_tokens[:, -1]) if new_tokens.shape[1] else torch.zeros(len(new_tokens), 0)
-        else:
-            logprobs = sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)  # [n * K, T_new]
-        completions = [self._trim(new_tokens[row], logprobs[row]) for row in range(new_tokens.shape[0])]
-        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]
-
-    def _decode_chunk(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_samples: int, max_new_tokens: int, greedy: bool
-    ) -> list[list[Completion]]:  # input_ids, attention_mask: [n, L]
-        """`_generate_chunk` through our own loop (generation/decode.py) instead of `generate`."""
-        n = input_ids.shape[0]
-        with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
-            cache = new_cache(self.model, input_ids.shape[1] + max_new_tokens)
-            if self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1:
-                ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples, cache)
-            else:
-                ids = input_ids.repeat_interleave(num_samples, 0)  # [n * K, L]
-                mask = attention_mask.repeat_interleave(num_samples, 0)
-            tokens, logprobs = sample_loop(  # [n * K, T_new] each
-                self.model,
-                ids,
-                mask,
-                cache,
-                max_new_tokens,
-                self.eos_token_ids,
-                self.tokenizer.pad_token_id,
-                self.sampling.temperature,
-                self.sampling.top_k,
-                self.sampling.top_p,
-                greedy=greedy,
-                sampler=self.sampler,
-            )
-        completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]
-        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(n)]
+        if not self.stream_logprobs:
+            return new_tokens, sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)
+        if not new_tokens.shape[1]:
+            return new_tokens, torch.zeros(len(new_tokens), 0)
+        return new_tokens, recorder.finish(new_tokens[:, -1])
 
     def _trim(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Completion:  # [T_new], [T_new]
         """Cut a generated row after its first EOS (what follows is padding)."""
