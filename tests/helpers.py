@@ -1,5 +1,6 @@
-"""Test-only pieces that are plugged in through config (`reward._target_=tests.helpers.VowelFractionReward`)."""
+"""Test-only pieces plugged in through config (`reward._target_=tests.helpers.VowelFractionReward`), and builders."""
 
+import copy
 import os
 
 import lightning as L
@@ -50,3 +51,17 @@ class DumpTrainableParams(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         params = {n: p.detach().clone() for n, p in pl_module.policy.named_parameters() if p.requires_grad}
         torch.save(params, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
+
+
+def lora_policy_with_random_adapters(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """A LoRA (r 4) copy of `model` whose B matrices are random, not zero: adapters that change samples and let
+    gradients reach A as well as B."""
+    from grpo_lightning.models import LoraSettings, wrap_policy
+
+    policy, _ = wrap_policy(copy.deepcopy(model), LoraSettings(r=4, alpha=8), needs_reference=True)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return policy

@@ -7,7 +7,7 @@ import torch
 
 from grpo_lightning.generation.decode import PreallocatedLayer, new_cache, sample_inverse_cdf
 from grpo_lightning.generation.hf import HFGenerator
-from grpo_lightning.models import LoraSettings, wrap_policy
+from tests.helpers import lora_policy_with_random_adapters
 
 
 def brute_force_index(probs: list[float], u: float) -> int:
@@ -75,13 +75,7 @@ def test_new_cache_preallocates_full_attention_models_only(tiny_model):
 
 @pytest.fixture(scope="module")
 def policy(tiny_model):
-    model, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=True)
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+    return lora_policy_with_random_adapters(tiny_model)
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.8), (7, 0.9)])

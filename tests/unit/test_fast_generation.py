@@ -1,13 +1,11 @@
 """Generation levers (grpo_lightning/generation/fast.py) equal plain `generate`: same tokens, same log-probs."""
 
-import copy
-
 import pytest
 import torch
 
 from grpo_lightning.generation.fast import merged_lora
 from grpo_lightning.generation.hf import HFGenerator
-from grpo_lightning.models import LoraSettings, wrap_policy
+from tests.helpers import lora_policy_with_random_adapters
 
 PLAIN = {"merge_lora": False, "share_prefill": False, "stream_logprobs": False, "custom_decode": False}
 HF_LOOP = {"custom_decode": False}  # levers inside `generate`
@@ -15,13 +13,7 @@ HF_LOOP = {"custom_decode": False}  # levers inside `generate`
 
 @pytest.fixture(scope="module")
 def policy(tiny_model):
-    model, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=True)
-    with torch.no_grad():  # adapters that change the samples
-        gen = torch.Generator().manual_seed(0)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
+    return lora_policy_with_random_adapters(tiny_model)
 
 
 def sample(policy, tokenizer, greedy=False, **levers):

@@ -1,24 +1,16 @@
 """Training-forward levers (grpo_lightning/forward.py) equal the plain path: log-probs, logits and gradients."""
 
-import copy
-
 import pytest
 import torch
 
 from grpo_lightning.forward import completion_logits_and_logprobs, shared_prompts
-from grpo_lightning.models import LoraSettings, wrap_policy
 from grpo_lightning.rollouts import Rollout, collate_rollouts
+from tests.helpers import lora_policy_with_random_adapters
 
 
 @pytest.fixture
 def policy(tiny_model):
-    model, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=True)
-    with torch.no_grad():  # non-zero adapters, so LoRA gradients reach A as well as B
-        gen = torch.Generator().manual_seed(0)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.train()
+    return lora_policy_with_random_adapters(tiny_model).train()
 
 
 def make_batch(pad_id: int, groups=((7, 3), (12, 3)), seed: int = 0):
