@@ -17,24 +17,14 @@ import contextlib
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from round_profile import train_round  # noqa: E402
 from vs_trl import compose  # noqa: E402
-
-
-def train_pass(module, schedule) -> float:
-    """Policy forward + backward and reference forward over one round's micro-batches: wall seconds."""
-    start = time.perf_counter()
-    for batch in schedule:
-        logp = module.completion_logprobs(module.policy, batch)
-        ref = module.reference_logprobs(batch)
-        out = module.loss_fn(logp, logp.detach(), ref, batch.advantages, batch.completion_mask)
-        (out.loss / len(schedule)).backward()
-    module.policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -51,7 +41,8 @@ def main() -> None:
         module, dm = run.module, run.datamodule
         rollout = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
         module.policy.train()
-        bf16_vs_fp32, gen_vs_fp32, times = [], [], {"fp32": [], "bf16 autocast": []}
+        precisions = {"fp32": contextlib.nullcontext, "bf16 autocast": partial(torch.autocast, "cpu", torch.bfloat16)}
+        bf16_vs_fp32, gen_vs_fp32, times = [], [], {name: [] for name in precisions}
         for r in range(args.rounds):
             torch.manual_seed(r)
             rollouts = rollout.variant.generate_rollouts(
@@ -62,13 +53,15 @@ def main() -> None:
                 for batch in dm.schedule:
                     mask = batch.sequence_mask.bool()  # [B, C]
                     fp32 = module.completion_logprobs(module.policy, batch)
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                    with precisions["bf16 autocast"]():
                         bf16 = module.completion_logprobs(module.policy, batch)
                     bf16_vs_fp32.append((bf16 - fp32)[mask].abs())
                     gen_vs_fp32.append((batch.gen_logprobs - fp32)[mask].abs())
-            for name, ctx in (("fp32", contextlib.nullcontext), ("bf16 autocast", torch.autocast)):
-                with ctx("cpu", dtype=torch.bfloat16) if name != "fp32" else ctx():
-                    times[name].append(train_pass(module, dm.schedule))
+            for name, precision in precisions.items():
+                start = time.perf_counter()
+                with precision():
+                    train_round(module, dm.schedule)
+                times[name].append(time.perf_counter() - start)
 
     def describe(diffs: list[torch.Tensor]) -> str:
         d = torch.cat(diffs).double()

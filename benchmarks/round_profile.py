@@ -34,6 +34,17 @@ def rss_gb() -> tuple[float, float]:
     return vals["VmRSS"], vals["VmHWM"]
 
 
+def train_round(module, schedule) -> None:
+    """One round's training work by hand: policy forward + backward and reference forward per micro-batch."""
+    module.policy.train()
+    for batch in schedule:
+        _, logp = module.policy_forward(module.policy, batch)
+        ref = module.reference_logprobs(batch)
+        out = module.loss_fn(logp, logp.detach(), ref, batch.advantages, batch.completion_mask)
+        (out.loss / len(schedule)).backward()
+    module.policy.zero_grad(set_to_none=True)
+
+
 def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
     import torch
 
@@ -68,13 +79,7 @@ def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
                 mark(f"rollout{it}", start)
                 dm.set_rollouts(rollouts, it, dm.micro_batches_per_round)
                 start = time.perf_counter()
-                module.policy.train()
-                for batch in dm.schedule:
-                    _, logp = module.policy_forward(module.policy, batch)
-                    ref = module.reference_logprobs(batch)
-                    out = module.loss_fn(logp, logp.detach(), ref, batch.advantages, batch.completion_mask)
-                    (out.loss / len(dm.schedule)).backward()
-                module.policy.zero_grad(set_to_none=True)
+                train_round(module, dm.schedule)
                 mark(f"train{it}", start)
                 lengths = [len(r.completion_ids) for r in rollouts]
                 prompt_lengths = [len(r.prompt_ids) for r in rollouts]
