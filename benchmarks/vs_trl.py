@@ -39,11 +39,14 @@ BETA, LR = 0.04, 5e-5
 # grpo_lightning with every lever of issue #9 off: plain `generate` (output_logits), full forward, full logits.
 PLAIN = [
     "generator.custom_decode=false",
+    "generator.packed_weights=false",
     "generator.merge_lora=false",
     "generator.share_prefill=false",
     "generator.stream_logprobs=false",
     "forward.share_prefix=false",
     "forward.logits_chunk_tokens=null",
+    "forward.runs_by_length=false",
+    "forward.fused_lora=false",
 ]
 
 

@@ -100,6 +100,8 @@ class GRPOModule(L.LightningModule):
     logits_chunk_tokens: int | None = 128
     """Completion positions per chunk of the LM head + log-softmax (forward.py; None: materialise the [B, C, V]
     logits and take the log-probs from them)."""
+    runs_by_length: bool = True
+    """Run rows in runs of similar completion length, each only as far as its longest row (forward.py)."""
 
     def policy_forward(
         self, model: nn.Module, batch: RolloutBatch, with_logits: bool | None = None
@@ -113,7 +115,13 @@ class GRPOModule(L.LightningModule):
         if with_logits is None:
             with_logits = self.logits_observer is not None
         return completion_logits_and_logprobs(
-            model, batch, self.temperature, with_logits, self.share_prefix, self.logits_chunk_tokens
+            model,
+            batch,
+            self.temperature,
+            with_logits,
+            self.share_prefix,
+            self.logits_chunk_tokens,
+            self.runs_by_length,
         )
 
     def completion_logprobs(self, model: nn.Module, batch: RolloutBatch) -> Tensor:  # [B, C]

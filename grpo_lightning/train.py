@@ -26,6 +26,7 @@ from grpo_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, che
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
+from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import SafeReward
@@ -164,6 +165,8 @@ def build_run(cfg: DictConfig) -> Run:
         model, tokenizer = source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
     lora = LoraSettings(**cfg.model.lora)
     policy, reference = wrap_policy(model, lora, loss.needs_reference)
+    if (cfg.get("forward") or {}).get("fused_lora", True):
+        install_fused_lora_forward(policy)  # no-op without LoRA layers
     run_info = {"model": plan.model, "lora": repr(lora) if lora.enabled else "full fine-tuning"}
     if ckpt_path is not None:
         check_resumable(ckpt_path, policy, run_info)
@@ -183,6 +186,7 @@ def build_run(cfg: DictConfig) -> Run:
     forward = cfg.get("forward") or {}  # training-forward levers (README: Performance)
     module.share_prefix = bool(forward.get("share_prefix", True))
     module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 128)
+    module.runs_by_length = bool(forward.get("runs_by_length", True))
     trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
     return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, ckpt_path=ckpt_path)
 

@@ -21,6 +21,7 @@ from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets, truncate
 from grpo_lightning.generation.decode import check_sampler, new_cache, sample_loop
 from grpo_lightning.generation.fast import StepLogprobRecorder, merged_lora, shared_prefill
+from grpo_lightning.generation.packed import packed_linears
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
 
@@ -45,6 +46,7 @@ class HFGenerator:
         seed_per_prefix: bool = False,
         custom_decode: bool = True,
         sampler: str = "inverse_cdf",
+        packed_weights: bool = True,
     ) -> None:
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
         # Lightning callbacks the trainer adds (train.py): this engine has no sync, so the guard only flags
@@ -65,6 +67,8 @@ class HFGenerator:
         # Our own loop (generation/decode.py) instead of `generate`: pre-allocated KV cache, O(V) sampler.
         self.custom_decode = custom_decode
         self.sampler = check_sampler(sampler)
+        # Linear layers through MKL's packed GEMM while generating (generation/packed.py); CPU float32 only.
+        self.packed_weights = packed_weights
         # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
         self.seed_per_prefix = seed_per_prefix
         self.round_seed = 0
@@ -122,7 +126,11 @@ class HFGenerator:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         share = self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1
         sample = self._sample_with_loop if self.custom_decode else self._sample_with_generate
-        with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+        rows = input_ids.shape[0] * num_samples
+        with (
+            merged_lora(self.model) if self.merge_lora else contextlib.nullcontext(),
+            packed_linears(self.model, rows) if self.packed_weights else contextlib.nullcontext(),
+        ):
             tokens, logprobs = sample(input_ids, attention_mask, num_samples, max_new_tokens, greedy, share)
         completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]
         return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]

@@ -7,7 +7,13 @@ from grpo_lightning.generation.fast import merged_lora
 from grpo_lightning.generation.hf import HFGenerator
 from tests.helpers import lora_policy_with_random_adapters
 
-PLAIN = {"merge_lora": False, "share_prefill": False, "stream_logprobs": False, "custom_decode": False}
+PLAIN = {
+    "merge_lora": False,
+    "share_prefill": False,
+    "stream_logprobs": False,
+    "custom_decode": False,
+    "packed_weights": False,
+}
 HF_LOOP = {"custom_decode": False}  # levers inside `generate`
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from grpo_lightning.forward import completion_logits_and_logprobs, shared_prompts
+from grpo_lightning import forward
+from grpo_lightning.forward import completion_logits_and_logprobs, length_runs, shared_prompts
 from grpo_lightning.rollouts import Rollout, collate_rollouts
 from tests.helpers import lora_policy_with_random_adapters
 
@@ -34,16 +35,17 @@ def run(policy, batch, **kwargs):
     return logits, logp.detach() * batch.sequence_mask, grads
 
 
-PLAIN = {"with_logits": True, "share_prefix": False, "chunk_tokens": None}
+PLAIN = {"with_logits": True, "share_prefix": False, "chunk_tokens": None, "by_length": False}
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"with_logits": True, "share_prefix": True, "chunk_tokens": None},  # prefix sharing alone
-        {"with_logits": False, "share_prefix": False, "chunk_tokens": 5},  # chunked recomputed head alone
-        {"with_logits": False, "share_prefix": True, "chunk_tokens": 7},  # both (the default)
-        {"with_logits": True, "share_prefix": True, "chunk_tokens": 256},  # logits asked for (probes)
+        {"with_logits": True, "share_prefix": True, "chunk_tokens": None, "by_length": False},  # prefix sharing
+        {"with_logits": False, "share_prefix": False, "chunk_tokens": 5, "by_length": False},  # chunked head
+        {"with_logits": True, "share_prefix": False, "chunk_tokens": None, "by_length": True},  # runs by length
+        {"with_logits": False, "share_prefix": True, "chunk_tokens": 7, "by_length": True},  # all (the default)
+        {"with_logits": True, "share_prefix": True, "chunk_tokens": 256, "by_length": True},  # logits for probes
     ],
 )
 def test_levers_equal_the_plain_path(policy, tokenizer, kwargs):
@@ -51,6 +53,8 @@ def test_levers_equal_the_plain_path(policy, tokenizer, kwargs):
     plain_logits, plain_logp, plain_grads = run(policy, batch, **PLAIN)
     logits, logp, grads = run(policy, batch, **kwargs)
     assert torch.allclose(logp, plain_logp, atol=1e-5)
+    padding = ~batch.sequence_mask.bool()
+    assert completion_logits_and_logprobs(policy, batch, 0.7, **kwargs)[1][padding].eq(0).all()  # 0 on padding
     assert grads.keys() == plain_grads.keys() and len(grads) > 0
     for name, g in grads.items():
         assert torch.allclose(g, plain_grads[name], atol=1e-5, rtol=1e-4), name
@@ -59,6 +63,21 @@ def test_levers_equal_the_plain_path(policy, tokenizer, kwargs):
         assert torch.allclose(logits[mask], plain_logits[mask], atol=1e-5)
     else:
         assert logits is None
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_several_runs_by_length_equal_the_plain_path(policy, tokenizer, monkeypatch, share_prefix):
+    """With calls costed at 0 tokens every distinct length is its own run: the split and the re-ordering."""
+    monkeypatch.setattr(forward, "RUN_CALL_COST_TOKENS", 0)
+    batch = make_batch(tokenizer.pad_token_id, groups=((7, 4), (12, 3)), seed=3)
+    assert len(forward.length_runs(forward.completion_lengths(batch))) >= 3
+    _, plain_logp, plain_grads = run(policy, batch, **PLAIN)
+    kwargs = {"with_logits": False, "share_prefix": share_prefix, "chunk_tokens": 4, "by_length": True}
+    _, logp, grads = run(policy, batch, **kwargs)
+    assert torch.allclose(logp, plain_logp, atol=1e-5)
+    assert grads.keys() == plain_grads.keys()
+    for name, g in grads.items():
+        assert torch.allclose(g, plain_grads[name], atol=1e-5, rtol=1e-4), name
 
 
 def test_reference_under_disabled_adapter_matches(policy, tokenizer):
@@ -90,3 +109,41 @@ def test_module_uses_the_levers_and_keeps_logits_for_observers(policy, tokenizer
     logits, logp_obs = module.policy_forward(policy, batch)
     assert logits.shape == (*batch.completion_ids.shape, policy.config.vocab_size)
     assert torch.allclose(logp * batch.sequence_mask, logp_obs * batch.sequence_mask, atol=1e-5)
+
+
+def brute_force_runs_cost(lengths, call_cost):
+    """Cheapest cost over EVERY set partition of the rows (not only contiguous runs of the sorted rows)."""
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        head, rest = items[0], items[1:]
+        for part in partitions(rest):
+            for i in range(len(part)):
+                yield part[:i] + [[head, *part[i]]] + part[i + 1 :]
+            yield [[head], *part]
+
+    return min(
+        sum(len(p) * max(lengths[i] for i in p) + call_cost for p in part)
+        for part in partitions(list(range(len(lengths))))
+    )
+
+
+@pytest.mark.parametrize("call_cost", [0, 3, 32, 1000])
+def test_length_runs_is_the_cheapest_partition(call_cost):
+    gen = torch.Generator().manual_seed(call_cost)
+    for n in range(1, 8):
+        lengths = torch.randint(1, 130, (n,), generator=gen).tolist()
+        runs = length_runs(lengths, call_cost)
+        assert sorted(r for rows, _ in runs for r in rows) == list(range(n))  # every row exactly once
+        assert all(length == max(lengths[r] for r in rows) for rows, length in runs)
+        cost = sum(len(rows) * length + call_cost for rows, length in runs)
+        assert cost == brute_force_runs_cost(lengths, call_cost)
+
+
+def test_length_runs_hand_cases():
+    assert length_runs([128, 13, 128, 44], 32) == [([1, 3], 44), ([0, 2], 128)]  # 2*44 + 2*128 + 64 < 4*128 + 32
+    assert length_runs([128, 121, 128, 84], 32) == [([3], 84), ([1, 0, 2], 128)]  # 84 + 3*128 + 64 < 4*128 + 32
+    assert length_runs([5, 5, 5], 32) == [([0, 1, 2], 5)]
+    assert length_runs([1, 100], 1000) == [([0, 1], 100)]  # a call costs more than the padding it saves
