@@ -30,6 +30,7 @@ from grpo_lightning.advantages import zero_std_group_fraction
 from grpo_lightning.checkpointing import capture_rng, restore_rng
 from grpo_lightning.data.datamodule import Prompt, RolloutDataModule
 from grpo_lightning.distributed import derive_seed, full_parameters, gather_objects, rank_and_world, shard
+from grpo_lightning.memory import release_freed_memory
 from grpo_lightning.rollouts import Rollout, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -128,8 +129,10 @@ class RolloutCallback(L.Callback):
         rank, world_size = rank_and_world()
         prompts = shard(self.datamodule.prompts_for_round(round_index), rank, world_size)
         start = time.perf_counter()
+        release_freed_memory()  # the training phase's freed activations, before generation adds its own
         with full_parameters(trainer):  # FSDP: sample from gathered weights
             rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
+        release_freed_memory()  # generation's merged / packed weights and KV cache, before training
         rollout_s = time.perf_counter() - start
         pop_errors = getattr(self.reward_fn, "pop_errors", None)  # SafeReward counts failing reward calls
         local = {
