@@ -4,7 +4,8 @@ For the few rows of a decoding step (16 x 576 times 576 x 1536), MKL's `sgemm` s
 re-packing the weight into its blocked layout: 147 us a call here, against 81 us with the weight packed once
 beforehand by `torch.ops.mkl._mkl_reorder_linear_weight` (the op PyTorch's own CPU freezing pass uses). The
 packed product runs the same kernel, and its outputs equal `F.linear`'s bit for bit
-(tests/unit/test_packed_linears.py), for any number of rows.
+(tests/unit/test_packed_linears.py). A call with another number of rows than the weight was packed for (the prefill,
+the last rows of a batch) runs the plain product with the original weight, so it is exact too, just not faster.
 
 The cost is a packed copy of the weights (about the model's size) held while generating. CPU float32 with
 MKL only, and inference only (the packed op has no gradient): elsewhere the context is a no-op.
