@@ -21,7 +21,7 @@ from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets, truncate
 from grpo_lightning.generation.decode import check_sampler, new_cache, sample_loop
 from grpo_lightning.generation.fast import StepLogprobRecorder, merged_lora, shared_prefill
-from grpo_lightning.generation.packed import packed_linears
+from grpo_lightning.generation.packed import check_packed_weights, packed_linears
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
 
@@ -46,7 +46,7 @@ class HFGenerator:
         seed_per_prefix: bool = False,
         custom_decode: bool = True,
         sampler: str = "inverse_cdf",
-        packed_weights: bool = True,
+        packed_weights: bool | str = "auto",
     ) -> None:
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
         # Lightning callbacks the trainer adds (train.py): this engine has no sync, so the guard only flags
@@ -67,8 +67,9 @@ class HFGenerator:
         # Our own loop (generation/decode.py) instead of `generate`: pre-allocated KV cache, O(V) sampler.
         self.custom_decode = custom_decode
         self.sampler = check_sampler(sampler)
-        # Linear layers through MKL's packed GEMM while generating (generation/packed.py); CPU float32 only.
-        self.packed_weights = packed_weights
+        # Linear layers through MKL's packed GEMM while generating (generation/packed.py); CPU float32 only;
+        # "auto" packs only the shapes a one-off trial finds exact, small and faster on this CPU.
+        self.packed_weights = check_packed_weights(packed_weights)
         # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
         self.seed_per_prefix = seed_per_prefix
         self.round_seed = 0
@@ -129,7 +130,7 @@ class HFGenerator:
         rows = input_ids.shape[0] * num_samples
         with (
             merged_lora(self.model) if self.merge_lora else contextlib.nullcontext(),
-            packed_linears(self.model, rows) if self.packed_weights else contextlib.nullcontext(),
+            packed_linears(self.model, rows, self.packed_weights),
         ):
             tokens, logprobs = sample(input_ids, attention_mask, num_samples, max_new_tokens, greedy, share)
         completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]

@@ -1,28 +1,91 @@
 """Linear layers through MKL's packed GEMM while generating: each weight packed once per call, not per matmul.
 
-For the few rows of a decoding step (16 x 576 times 576 x 1536), MKL's `sgemm` spends much of every call
-re-packing the weight into its blocked layout: 147 us a call here, against 81 us with the weight packed once
-beforehand by `torch.ops.mkl._mkl_reorder_linear_weight` (the op PyTorch's own CPU freezing pass uses). The
-packed product runs the same kernel, and its outputs equal `F.linear`'s bit for bit
-(tests/unit/test_packed_linears.py). A call with another number of rows than the weight was packed for (the prefill,
-the last rows of a batch) runs the plain product with the original weight, so it is exact too, just not faster.
+For the few rows of a decoding step (16 x 576 times 576 x 1536), MKL's `sgemm` can spend much of every call
+re-packing the weight into its blocked layout. On an Intel Xeon with AVX-512 / AMX a call took 147 us, against
+81 us with the weight packed once beforehand by `torch.ops.mkl._mkl_reorder_linear_weight` (the op PyTorch's own
+CPU freezing pass uses), and the packed product equalled `F.linear` bit for bit. Whether it pays depends on the
+CPU: on an AMD EPYC without AVX-512 the packed buffer is 2-16x the weight's size, an isolated call is only ~5%
+faster, a whole rollout took 21-24 s instead of 15-17 s (cache pressure) and peaked 0.8 GB higher, and products
+with other row counts than 16 differ from `F.linear` by float rounding (1e-5), enough to change a sampled token
+now and then.
 
-The cost is a packed copy of the weights (about the model's size) held while generating. CPU float32 with
-MKL only, and inference only (the packed op has no gradient): elsewhere the context is a no-op.
+So the default, `auto`, runs a trial per weight shape and row count, once per process (`packing_trial`: exact
+equality with `F.linear` on a random input, packed size, best-of-3 speed), and packs only the shapes whose
+packed product is exact, at most 1.5x the weight's size and at least 15% faster. Where it packs, generation is
+bit for bit what it is without packing (tests/unit/test_packed_linears.py). `true` packs every layer (equal
+within float rounding). CPU float32 with MKL only, and inference only (the packed op has no gradient):
+elsewhere the context is a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+log = logging.getLogger(__name__)
+
+MIN_SPEEDUP = 1.15  # `auto` packs a shape only if its packed product is this much faster...
+MAX_SIZE_RATIO = 1.5  # ...and its packed buffer at most this many times the weight's size
+
+
+def check_packed_weights(mode: bool | str) -> bool | str:
+    """The mode, or a ValueError naming `generator.packed_weights`."""
+    if not (mode is True or mode is False or mode == "auto"):
+        raise ValueError(f"generator.packed_weights must be true, false or auto (got {mode!r})")
+    return mode
+
 
 def packing_available() -> bool:
     return torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@dataclass(frozen=True)
+class PackingTrial:
+    """How MKL's packed product compares with `F.linear` for one weight shape and row count on this CPU."""
+
+    exact: bool  # equal to F.linear bit for bit on a random input
+    size_ratio: float  # packed buffer bytes / weight bytes
+    speedup: float  # F.linear time / packed time (best of 3)
+
+    def pays(self, min_speedup: float = MIN_SPEEDUP, max_size_ratio: float = MAX_SIZE_RATIO) -> bool:
+        return self.exact and self.size_ratio <= max_size_ratio and self.speedup >= min_speedup
+
+
+def _best_time(fn: Callable[[], Tensor], calls: int, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def packing_trial(out_features: int, in_features: int, rows: int) -> PackingTrial:
+    """Measure the packed product once per process for this shape (tens of ms; ~0.3 s for a 49k-row LM head)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)  # [out, in]
+    x = torch.randn(rows, in_features, generator=generator)  # [rows, in]
+    with torch.inference_mode():
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        plain_out = nn.functional.linear(x, weight)  # [rows, out]
+        packed_out = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+        calls = max(2, min(50, 20_000_000 // (out_features * in_features)))  # ~1-20 ms per timing
+        plain_s = _best_time(lambda: nn.functional.linear(x, weight), calls)
+        packed_s = _best_time(lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows), calls)
+    return PackingTrial(
+        exact=torch.equal(plain_out, packed_out),
+        size_ratio=packed.numel() * packed.element_size() / (weight.numel() * weight.element_size()),
+        speedup=plain_s / packed_s,
+    )
 
 
 def _packable(module: nn.Module) -> bool:
@@ -42,13 +105,27 @@ def _packed_forward(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | No
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
-@contextlib.contextmanager
-def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
-    """Inside, every CPU float32 `nn.Linear` of `model` multiplies with its weight packed for `rows` rows.
+def _trial_pays(layer: nn.Linear, rows: int) -> bool:
+    return packing_trial(layer.out_features, layer.in_features, rows).pays()
 
-    Weights are read once, on entry: do not change them inside. Yields how many layers were packed.
+
+@functools.cache
+def _log_auto_choice(rows: int, packed: int, packable: int) -> None:
+    log.info("generator.packed_weights=auto: %d of %d linear layers packed for %d rows", packed, packable, rows)
+
+
+@contextlib.contextmanager
+def packed_linears(model: nn.Module, rows: int, mode: bool | str = True) -> Iterator[int]:
+    """Inside, CPU float32 `nn.Linear`s of `model` multiply with their weight packed for `rows` rows.
+
+    `mode=True` packs every such layer; `"auto"` only those whose shape passes `packing_trial` on this CPU;
+    `False` none. Weights are read once, on entry: do not change them inside. Yields how many layers were packed.
     """
-    layers = [m for m in model.modules() if _packable(m)] if packing_available() else []
+    mode = check_packed_weights(mode)
+    candidates = [m for m in model.modules() if _packable(m)] if mode and packing_available() else []
+    layers = [m for m in candidates if _trial_pays(m, rows)] if mode == "auto" else candidates
+    if mode == "auto" and candidates:
+        _log_auto_choice(rows, len(layers), len(candidates))
     try:
         with torch.no_grad():
             for layer in layers:
