@@ -80,7 +80,7 @@ def test_grad_inputs_and_other_dtypes_are_left_to_f_linear():
 def test_generation_with_auto_packed_weights_is_identical(tiny_model, tokenizer, custom_decode, monkeypatch):
     """`auto` packs exact shapes only, so sampled tokens and log-probs are those of the plain path bit for bit.
 
-    The speed criterion is dropped here so that every exact shape is packed (4 prompts x G 4 = 16 rows).
+    The speed and size criteria are dropped here so that every exact shape is packed (4 prompts x G 4 = 16 rows).
     """
 
     def exact_only(layer, rows):
