@@ -150,6 +150,9 @@ class RandomSource:
     num_key_value_heads: int = 2
     intermediate_size: int = 128
     seed: int = 0
+    initializer_range: float = 0.02
+    """Std of the random weights (Llama's default). Larger values give peaked next-token distributions, where a
+    few tokens have sizeable probability: what a learning test needs to see a reward move within seconds."""
 
     def describe(self) -> str:
         return f"random-llama(h={self.hidden_size}, layers={self.num_hidden_layers})"
@@ -164,6 +167,7 @@ class RandomSource:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             intermediate_size=self.intermediate_size,
+            initializer_range=self.initializer_range,
             max_position_embeddings=2048,
             tie_word_embeddings=True,
             bos_token_id=tokenizer.bos_token_id,

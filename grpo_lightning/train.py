@@ -24,12 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_lightning.callbacks import SavePolicy
 from grpo_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, check_resumable, resolve_ckpt_path
 from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.evaluation import GSM8KEvaluator
 from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import SafeReward
+from grpo_lightning.summary import render as render_summary
+from grpo_lightning.summary import summary_metrics
 from grpo_lightning.validation import validate, world_size
 
 log = logging.getLogger(__name__)
@@ -106,6 +109,12 @@ class Run:
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
         for callback in self.trainer.callbacks:  # e.g. the evaluator logs outside Lightning's metric store
             metrics.update(getattr(callback, "final_metrics", {}))
+        rounds = next(c for c in self.trainer.callbacks if isinstance(c, RolloutCallback)).history
+        evaluator = next((c for c in self.trainer.callbacks if isinstance(c, GSM8KEvaluator)), None)
+        evals = evaluator.history if evaluator is not None else []
+        summary = summary_metrics(rounds, evals)
+        metrics.update(summary)
+        rank_zero_print(render_summary(summary, len(rounds), len(evals)))
         if self.trainer.is_global_zero:
             write_final_metrics(output_dir, metrics)
         last = output_dir / "checkpoints" / "last.ckpt"

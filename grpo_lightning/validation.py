@@ -25,8 +25,8 @@ def validate(cfg: DictConfig) -> None:
     except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
         raise ValueError(f"optim.optimizer._target_: cannot import {target!r}") from None
     lr = cfg.optim.optimizer.get("lr")
-    if not (is_number(lr) and lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"optim.optimizer.lr must be a positive number (got {lr!r})")
+    if not (is_number(lr) and lr >= 0 and math.isfinite(lr)):  # 0: a control run that never updates
+        raise ValueError(f"optim.optimizer.lr must be a finite number >= 0 (got {lr!r})")
     for key, value in [
         ("trainer.max_epochs", cfg.trainer.max_epochs),
         ("checkpoint.every_n_rounds", cfg.checkpoint.every_n_rounds),

@@ -13,7 +13,7 @@ class PairsPerPrompt(GRPOVariant):
     def rollouts_per_round(self, num_prompts: int) -> int:
         return 2 * num_prompts
 
-    def generate_rollouts(self, generator, prompts, reward_fn, decode):
+    def sample_rollouts(self, generator, prompts, reward_fn, decode):
         rollouts = []
         pairs = generator.generate([p.prompt_ids for p in prompts], 2)
         for group_id, (prompt, pair) in enumerate(zip(prompts, pairs, strict=True)):
@@ -23,7 +23,6 @@ class PairsPerPrompt(GRPOVariant):
                 rollouts.append(
                     Rollout(prompt.prompt_ids, c.token_ids, c.logprobs, reward, group_id, not c.finished, text)
                 )
-        self.assign_advantages(rollouts)
         return rollouts
 
 

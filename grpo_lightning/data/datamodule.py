@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.data.gsm8k import GSM8K, Problem
 from grpo_lightning.distributed import sum_across_ranks
+from grpo_lightning.dynamic_sampling import DynamicSampling
 from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
 
 
@@ -58,6 +59,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_prompt_tokens: int = 512,
         seed: int = 0,
         tokenizer=None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         super().__init__()
         for key, value in [
@@ -80,6 +82,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.tokenizer = tokenizer
+        self.dynamic_sampling = dynamic_sampling or DynamicSampling()
+        """Whether rounds drop zero-variance groups and draw fresh prompts (grpo_lightning/dynamic_sampling.py)."""
         self.world_size = 1
         self.problems: list[Problem] = []
         self.micro_batches: list[RolloutBatch] = []
@@ -105,13 +109,16 @@ class RolloutDataModule(L.LightningDataModule):
             self.problems = self.dataset.load()
 
     # ---- prompts -------------------------------------------------------------------------------------------
-    def problem_indices_for_round(self, round_index: int) -> list[int]:
-        """Indices of the round's problems: consecutive slices of one seeded permutation per data pass."""
+    def problem_indices(self, start: int, count: int) -> list[int]:
+        """Indices of the problems at positions [start, start + count) of the prompt stream.
+
+        The stream is one seeded permutation of the problems per pass over the data set, concatenated, so any
+        position maps to the same problem in every run with this seed (a resumed run included).
+        """
         n = len(self.problems)
-        start = round_index * self.prompts_per_round
         permutations: dict[int, list[int]] = {}
         indices = []
-        for k in range(start, start + self.prompts_per_round):
+        for k in range(start, start + count):
             data_pass, offset = divmod(k, n)
             if data_pass not in permutations:
                 gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_pass)
@@ -119,10 +126,18 @@ class RolloutDataModule(L.LightningDataModule):
             indices.append(permutations[data_pass][offset])
         return indices
 
+    def problem_indices_for_round(self, round_index: int) -> list[int]:
+        """Indices of round `round_index`'s problems when every round takes `prompts_per_round` of the stream."""
+        return self.problem_indices(round_index * self.prompts_per_round, self.prompts_per_round)
+
     def prompts_for_round(self, round_index: int) -> list[Prompt]:
+        return self.prompts_at(round_index * self.prompts_per_round, self.prompts_per_round)
+
+    def prompts_at(self, start: int, count: int) -> list[Prompt]:
+        """The prompts at stream positions [start, start + count) (dynamic sampling draws past a round's own)."""
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule needs a tokenizer to build prompts")
-        return [self.encode(i) for i in self.problem_indices_for_round(round_index)]
+        return [self.encode(i) for i in self.problem_indices(start, count)]
 
     def encode(self, problem_index: int) -> Prompt:
         return encode_prompt(

@@ -1,7 +1,8 @@
 """The variant interface and its registry.
 
 A variant decides how rollouts are sampled and grouped; the loss and the training step are shared. To add
-one: subclass `GRPOVariant`, decorate it with `@register_variant("name")`, and point `variant._target_` at it.
+one: subclass `GRPOVariant`, implement `sample_rollouts` (one advantage group per prompt), decorate it with
+`@register_variant("name")`, and point `variant._target_` at it.
 """
 
 from __future__ import annotations
@@ -53,11 +54,23 @@ class GRPOVariant(ABC):
             raise ValueError(f"variant.scale_rewards must be one of {choices} (got {scale_rewards!r})")
         self.scale_rewards = scale_rewards
 
-    @abstractmethod
     def generate_rollouts(
         self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardFn, decode: Callable
     ) -> list[Rollout]:
-        """Sample, score and group completions; return rollouts with `advantage` filled in."""
+        """Sample and score completions of `prompts`, then fill in every rollout's `advantage`."""
+        rollouts = self.sample_rollouts(generator, prompts, reward_fn, decode)
+        self.assign_advantages(rollouts)
+        return rollouts
+
+    @abstractmethod
+    def sample_rollouts(
+        self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardFn, decode: Callable
+    ) -> list[Rollout]:
+        """Sample, score and group completions (group id = index of the prompt in `prompts`); no advantages yet.
+
+        Kept apart from `assign_advantages` so that dynamic sampling can drop groups and draw more before the
+        advantages of the round's final groups are computed.
+        """
 
     def rollouts_per_round(self, num_prompts: int) -> int:
         """How many rollouts a round of `num_prompts` prompts yields (for the dry-run plan)."""

@@ -90,7 +90,7 @@ class STORPO(GRPOVariant):
         """Upper bound: every prompt branches at max_steps boundaries."""
         return num_prompts * max(1 + self.completions_per_step * self.max_steps, self.fallback_generations)
 
-    def generate_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
+    def sample_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
         initial = [group[0] for group in generator.generate([p.prompt_ids for p in prompts], 1)]
         branches: dict[int, list[int]] = {}  # prompt index -> branch points (token counts)
         fallback: list[int] = []  # prompt indices sampled plainly
@@ -113,7 +113,6 @@ class STORPO(GRPOVariant):
             for i in range(len(prompts))
             for c, k in samples[i]
         ]
-        self.assign_advantages(rollouts)
         self.metrics = self._metrics(len(prompts), initial, branches, fallback, rollouts)
         return rollouts
 
