@@ -70,7 +70,7 @@ CONFIG_MISTAKES = [
     ("missing model path", ["model=local", "model.source.path=/nope"], ["model.source.path is not a directory"]),
     (
         "probe on an incompatible setup",
-        ["probe=[gns]", "data.groups_per_micro_batch=4"],
+        ["probe=[gns]", "data.groups_per_micro_batch=2"],
         ["probe=[gns] needs two batch sizes", "data.groups_per_micro_batch"],
     ),
     ("resume from a missing checkpoint", ["ckpt_path=/nope/last.ckpt"], ["ckpt_path", "/nope/last.ckpt"]),

@@ -38,6 +38,12 @@ SETUPS = {
     "grpo": [],
     # STORPO branches, and two passes over each round: old log-probs are scored before the round's first update.
     "storpo_two_passes": ["variant=storpo", "data.num_iterations=2", "trainer.accumulate_grad_batches=1"],
+    # Dynamic sampling: odd-answer problems score 0 everywhere, so rounds draw extra batches and the prompt
+    # stream position (checkpointed) moves by a varying amount per round.
+    "dynamic_sampling": [
+        "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
+        "data.dynamic_sampling.enabled=true",
+    ],
 }
 
 
