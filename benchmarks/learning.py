@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_lightning.analysis import read_run, series, time_to_target
+from grpo_lightning.analysis import RunData, read_run, series, time_to_target
 
 ARMS = {
     "trained": [],
@@ -112,17 +112,17 @@ def gap_report(results: dict[str, dict[int, dict[str, float]]], seeds: list[int]
     return "\n".join(lines)
 
 
-def time_to_target_report(runs: dict[str, dict[int, Path]], target: float) -> str:
+def time_to_target_report(runs: dict[str, dict[int, RunData]], target: float) -> str:
     lines = [f"time until rollout/format_rate (mean of 3 rounds) >= {target}:", ""]
     lines += ["| arm | seed | seconds |", "|---|---|---|"]
     for arm, by_seed in runs.items():
-        for seed, run_dir in sorted(by_seed.items()):
-            t = time_to_target(read_run(run_dir), "rollout/format_rate", target)
+        for seed, run in sorted(by_seed.items()):
+            t = time_to_target(run, "rollout/format_rate", target)
             lines.append(f"| {arm} | {seed} | {'not reached' if t is None else f'{t:.0f}'} |")
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, dict[int, Path]], path: Path) -> None:
+def plot(runs: dict[str, dict[int, RunData]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,8 +132,8 @@ def plot(runs: dict[str, dict[int, Path]], path: Path) -> None:
     colors = {"trained": "tab:blue", "control": "tab:gray", "no_ds": "tab:orange"}
     for ax, tag in zip(axes[0], ROUND_TAGS, strict=True):
         for arm, by_seed in runs.items():
-            for i, (_, run_dir) in enumerate(sorted(by_seed.items())):
-                values = series(read_run(run_dir), tag)
+            for i, (_, run) in enumerate(sorted(by_seed.items())):
+                values = series(run, tag)
                 label = f"{arm} (lr=0)" if arm == "control" else arm
                 ax.plot(range(len(values)), values, color=colors.get(arm), alpha=0.75, label=label if i == 0 else None)
         ax.set_title(f"{tag} per round (one line per seed)")
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm, run_dir in dirs.items():
             runs[arm][seed] = run_dir
     results = {arm: {s: summarise(d) for s, d in by_seed.items()} for arm, by_seed in runs.items()}
+    scalars = {arm: {s: read_run(d) for s, d in by_seed.items()} for arm, by_seed in runs.items()}  # read once
     rows = [(arm, s, results[arm][s]) for s in args.seeds for arm in args.arms]
     report = "\n\n".join(
         part
@@ -168,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             f"experiment={args.experiment}, seeds {args.seeds}",
             table(rows),
             gap_report(results, args.seeds),
-            time_to_target_report(runs, args.target),
+            time_to_target_report(scalars, args.target),
         )
         if part
     )
     print(report)
     (args.out / "learning.md").write_text(report + "\n")
-    plot(runs, args.out / "learning.png")
+    plot(scalars, args.out / "learning.png")
     print(f"wrote {args.out / 'learning.md'} and {args.out / 'learning.png'}")
     return 0
 

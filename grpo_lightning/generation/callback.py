@@ -57,7 +57,6 @@ class RolloutCallback(L.Callback):
         self.samples_every_n_rounds = samples_every_n_rounds
         self.num_samples_logged = num_samples_logged
         self.seed = seed
-        self.dynamic_sampling = datamodule.dynamic_sampling
         self.prompt_cursor = 0
         """Dynamic sampling: the prompt stream position of the next unused prompt."""
         self.history: list[tuple[int, float, float]] = []
@@ -140,7 +139,7 @@ class RolloutCallback(L.Callback):
         start = time.perf_counter()
         release_freed_memory()  # the training phase's freed activations, before generation adds its own
         with full_parameters(trainer):  # FSDP: sample from gathered weights
-            if self.dynamic_sampling.enabled:
+            if self.datamodule.dynamic_sampling.enabled:
                 prompts, rollouts, sampled, sampling_metrics = self.sample_informative(rank, world_size)
             else:
                 prompts = shard(self.datamodule.prompts_for_round(round_index), rank, world_size)
@@ -195,7 +194,7 @@ class RolloutCallback(L.Callback):
             for prompt, group in zip(prompts, groups_in_order(rollouts, len(prompts)), strict=True):
                 (kept if is_informative(group) else dropped).append((prompt, group))
             still_short = max(gather_objects(needed - len(kept)))
-            if still_short <= 0 or batches > self.dynamic_sampling.max_extra_batches:
+            if still_short <= 0 or batches > self.datamodule.dynamic_sampling.max_extra_batches:
                 break
         chosen = kept[:needed] + dropped[: max(0, needed - len(kept))]
         rollouts = renumbered([group for _, group in chosen])

@@ -11,6 +11,19 @@ from grpo_lightning.train import build_run
 from tests.helpers import is_even_integer
 
 
+def even_answer_run(tiny_cfg, max_extra_batches: int, rounds: int):
+    """A tiny-model run with dynamic sampling whose reward is 0 on every odd-answer problem."""
+    return build_run(
+        tiny_cfg(
+            "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
+            "data.dynamic_sampling.enabled=true",
+            f"data.dynamic_sampling.max_extra_batches={max_extra_batches}",
+            f"trainer.max_epochs={rounds}",
+            "eval.enabled=false",
+        )
+    )
+
+
 def rollout(group: int, reward: float) -> Rollout:
     return Rollout([1], [2], [0.0], reward, group, False)
 
@@ -44,14 +57,7 @@ def test_rounds_train_only_informative_groups_and_draw_the_next_prompts_of_the_s
     """The reward is 0 for every completion of a problem with an odd answer, so exactly those groups have equal
     rewards: the trained groups must be the first even-answer problems of the prompt stream, in stream order,
     and the stream position must advance by whole batches of prompts_per_round."""
-    cfg = tiny_cfg(
-        "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
-        "data.dynamic_sampling.enabled=true",
-        "data.dynamic_sampling.max_extra_batches=6",
-        "trainer.max_epochs=2",
-        "eval.enabled=false",
-    )
-    run = build_run(cfg)
+    run = even_answer_run(tiny_cfg, max_extra_batches=6, rounds=2)
     callback = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
     dm = run.datamodule
     per_round = dm.prompts_per_round
@@ -94,14 +100,7 @@ def test_rounds_train_only_informative_groups_and_draw_the_next_prompts_of_the_s
 
 def test_a_round_that_stays_short_is_filled_with_dropped_groups(tiny_cfg):
     """With no extra batch allowed, the odd-answer groups stay in the round (zero advantage) and are counted."""
-    cfg = tiny_cfg(
-        "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
-        "data.dynamic_sampling.enabled=true",
-        "data.dynamic_sampling.max_extra_batches=0",
-        "trainer.max_epochs=1",
-        "eval.enabled=false",
-    )
-    run = build_run(cfg)
+    run = even_answer_run(tiny_cfg, max_extra_batches=0, rounds=1)
     metrics = run.fit()
     dm = run.datamodule
     odd = sum(not is_even_integer(dm.problems[i].answer) for i in dm.problem_indices(0, dm.prompts_per_round))
