@@ -1,23 +1,27 @@
-"""What the probes cost: optimizer-step time with each probe on and off, side by side, in one invocation.
+"""What the probes cost: optimizer-step time with each probe setting and with none, side by side, in one run.
 
-    python benchmarks/probe_overhead.py                       # embedded default (LoRA) and full fine-tuning
-    python benchmarks/probe_overhead.py --steps 14 --only lora
-    python benchmarks/probe_overhead.py --override model=tiny  # any config override, appended to each run
+    python benchmarks/probe_overhead.py                          # embedded default: LoRA, then full fine-tuning
+    python benchmarks/probe_overhead.py --only lora --rounds 3   # 3 steps of each setting
+    python benchmarks/probe_overhead.py --override model=tiny    # any config override, appended
 
-Each measurement is one real `build_run(cfg).fit()` of the default config (eval off) with one probe selected and
-`every_n_steps=2`: even optimizer steps are probed, odd ones are not, so "on" and "off" steps interleave in the
-same process, on the same weights and the same machine load. The round's rollouts are generated once and
-served again every round (the generator is wrapped), so every step trains on identical batches and step times
-differ only by the probe. A step is timed from its first micro-batch's `on_train_batch_start` to its last
-micro-batch's `on_train_batch_end` (forward, reference forward, backward, optimizer step and every probe hook);
-the first two steps are warm-up and dropped. Reported: the median step time on and off, their ratio, and the
-overhead as a fraction of the training step and of the whole round (training step + the measured rollout).
+One real `build_run(cfg).fit()` per mode (LoRA / full fine-tuning) of the default config (eval off) with both
+probes attached. A rotation callback, placed before the probes, switches them per optimizer step: step k runs
+setting k mod 5 of: none, gns, entropy (default settings), entropy + first_order, entropy + measure_actual +
+first_order. So every setting and "off" interleave in the same process, on the same weights and the same machine
+load. The first round's rollouts are generated once and served again every round (the variant is wrapped),
+so every step trains on identical batches and step times differ only by the probe. A step is timed from its
+first micro-batch's `on_train_batch_start` to its last micro-batch's `on_train_batch_end` (forward, reference
+forward, backward, optimizer step, every probe hook); the first rotation is warm-up and dropped. Printed: the
+median step time of each setting, its overhead over "none" as a fraction of the training step and of the whole
+round (training step + the measured rollout generation).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +31,12 @@ import lightning as L
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "conf")
 
-PROBES = {
-    "gns": ["probe=[gns]", "probe.gns.every_n_steps=2"],
-    "entropy": ["probe=[entropy]", "probe.entropy.every_n_steps=2"],
-    "entropy+actual": ["probe=[entropy]", "probe.entropy.every_n_steps=2", "probe.entropy.measure_actual=true"],
+SETTINGS = {  # name: (gns on, entropy on, entropy.first_order, entropy.measure_actual)
+    "none": (False, False, False, False),
+    "gns": (True, False, False, False),
+    "entropy": (False, True, False, False),
+    "entropy+first_order": (False, True, True, False),
+    "entropy+first_order+actual": (False, True, True, True),
 }
 MODES = {"lora": [], "full": ["model.lora.enabled=false"]}
 
@@ -65,60 +71,96 @@ class FrozenRollouts:
         return self.rollouts
 
 
-class StepTimer(L.Callback):
-    """Wall time of each optimizer step, first micro-batch start to last micro-batch end (runs after the probes)."""
+class Rotation(L.Callback):
+    """Before the probes: sets which probe runs on this optimizer step, and times the step (after everything)."""
 
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, float]] = []
+    def __init__(self, gns, entropy) -> None:
+        self.gns, self.entropy = gns, entropy
+        self.names = list(SETTINGS)
+        self.rows: list[tuple[int, str, float]] = []
         self._start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if batch_idx % trainer.accumulate_grad_batches == 0:
-            self._start = time.perf_counter()
+        if batch_idx % trainer.accumulate_grad_batches:
+            return
+        name = self.names[trainer.global_step % len(self.names)]
+        gns_on, entropy_on, first_order, actual = SETTINGS[name]
+        self.gns.enabled, self.entropy.enabled = gns_on, entropy_on
+        self.entropy.first_order, self.entropy.measure_actual = first_order, actual
+        self._name, self._start = name, time.perf_counter()
+
+    def stop(self, trainer, batch_idx: int) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.rows.append((trainer.global_step - 1, self._name, time.perf_counter() - self._start))
+
+
+class StepEnd(L.Callback):
+    """After the probes: closes the step's timing window."""
+
+    def __init__(self, rotation: Rotation) -> None:
+        self.rotation = rotation
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.rows.append((trainer.global_step - 1, time.perf_counter() - self._start))
+        self.rotation.stop(trainer, batch_idx)
 
 
-def measure(probe: str, mode: str, steps: int, extra: list[str]) -> dict:
+def measure(mode: str, rounds: int, extra: list[str]) -> tuple[dict[str, float], float]:
+    """Median step seconds per setting and the rollout seconds of one round."""
     from grpo_lightning.generation.callback import RolloutCallback
+    from grpo_lightning.probes.entropy import EntropyProbe
+    from grpo_lightning.probes.gns import GradientNoiseScaleProbe
     from grpo_lightning.train import build_run
 
+    steps = len(SETTINGS) * (rounds + 1)
     with tempfile.TemporaryDirectory() as tmp:
-        run = build_run(compose(tmp, steps, [*MODES[mode], *PROBES[probe], *extra]))
-        rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
+        overrides = [*MODES[mode], "probe=[gns,entropy]", *extra]
+        run = build_run(compose(tmp, steps, overrides))
+        callbacks = run.trainer.callbacks
+        rollout_cb = next(c for c in callbacks if isinstance(c, RolloutCallback))
         rollout_cb.variant = frozen = FrozenRollouts(rollout_cb.variant)
-        timer = StepTimer()
-        run.trainer.callbacks.append(timer)
+        gns = next(c for c in callbacks if isinstance(c, GradientNoiseScaleProbe))
+        entropy = next(c for c in callbacks if isinstance(c, EntropyProbe))
+        rotation = Rotation(gns, entropy)
+        callbacks.insert(callbacks.index(gns), rotation)  # switches the probes before they look at the step
+        callbacks.append(StepEnd(rotation))  # stops the clock after every probe hook
         run.fit()
-    rows = [(s, t) for s, t in timer.rows if s >= 2]
-    on = statistics.median(t for s, t in rows if s % 2 == 0)
-    off = statistics.median(t for s, t in rows if s % 2 == 1)
-    return {"probe": probe, "mode": mode, "on": on, "off": off, "rollout": frozen.seconds, "n": len(rows)}
+    rows = [(step, name, s) for step, name, s in rotation.rows if step >= len(SETTINGS)]
+    medians = {name: statistics.median(s for _, n, s in rows if n == name) for name in SETTINGS}
+    return medians, frozen.seconds
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return "unknown CPU"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per measurement (2 are warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="measured steps of each setting (after 1 warm-up)")
     parser.add_argument("--only", choices=sorted(MODES), action="append", help="lora and/or full (default both)")
-    parser.add_argument("--probe", choices=sorted(PROBES), action="append", help="default: all")
     parser.add_argument("--override", action="append", default=[], help="extra config override (repeatable)")
     args = parser.parse_args()
-    results = [
-        measure(probe, mode, args.steps, args.override)
-        for mode in args.only or list(MODES)
-        for probe in args.probe or list(PROBES)
-    ]
-    print(f"\nmedian optimizer-step time, probe on (even steps) vs off (odd steps), {args.steps - 2} steps each")
-    print(f"{'mode':<5} {'probe':<15} {'off s':>7} {'on s':>7} {'on/off':>7} {'+% step':>8} {'round s':>8} {'+% round':>9}")
-    for r in results:
-        extra_s = r["on"] - r["off"]
-        round_s = r["off"] + r["rollout"]
-        print(
-            f"{r['mode']:<5} {r['probe']:<15} {r['off']:7.3f} {r['on']:7.3f} {r['on'] / r['off']:7.3f} "
-            f"{100 * extra_s / r['off']:+7.1f}% {round_s:8.2f} {100 * extra_s / round_s:+8.1f}%"
-        )
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    load = os.getloadavg()
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, OMP_NUM_THREADS={threads}, load average {load[0]:.1f}")
+    table = []
+    for mode in args.only or list(MODES):
+        medians, rollout_s = measure(mode, args.rounds, args.override)
+        table.append((mode, medians, rollout_s))
+    print(f"\nmedian optimizer-step time over {args.rounds} steps per setting, interleaved in one run per mode")
+    print(f"{'mode':<5} {'setting':<27} {'step s':>8} {'+% step':>8} {'round s':>8} {'+% round':>9}")
+    for mode, medians, rollout_s in table:
+        off = medians["none"]
+        for name, seconds in medians.items():
+            extra_s = seconds - off
+            print(
+                f"{mode:<5} {name:<27} {seconds:8.2f} {100 * extra_s / off:+7.1f}% "
+                f"{off + rollout_s:8.2f} {100 * extra_s / (off + rollout_s):+8.1f}%"
+            )
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

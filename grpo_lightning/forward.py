@@ -257,11 +257,20 @@ def chunked_logprobs(
     return torch.cat(out).reshape(index.shape) if out else hidden.new_zeros(index.shape, dtype=torch.float32)
 
 
+def _shifted_softmax_terms(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # [..., V]
+    """(z - max z, exp(z - max z), their sums S, entropy) in float64; H = log S - sum(u z') / S."""
+    z = logits.detach().to(torch.float64, copy=True)
+    z.sub_(z.amax(dim=-1, keepdim=True))
+    u = z.exp()
+    total = u.sum(-1)
+    entropy = total.log() - torch.einsum("...v,...v->...", u, z) / total
+    return z, u, total, entropy
+
+
 @torch.no_grad()
 def token_entropy(logits: Tensor) -> Tensor:  # [..., V] -> [...] float64
     """H = -sum_v p log p of softmax(logits), computed in float64 (see `entropy_and_logit_grad`)."""
-    logp = torch.log_softmax(logits.detach().double(), dim=-1)
-    return -torch.einsum("...v,...v->...", logp.exp(), logp)
+    return _shifted_softmax_terms(logits)[3]
 
 
 @torch.no_grad()
@@ -272,10 +281,9 @@ def entropy_and_logit_grad(logits: Tensor, weights: Tensor | None = None) -> tup
     The entropy is computed in float64 from the given logits: one step's entropy change (~1e-7 nats per token
     at small learning rates) is below the float32 rounding of a ~10-nat sum over the vocabulary.
     """
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    p = logp.exp()
-    entropy = -torch.einsum("...v,...v->...", p, logp)
-    grad = p.mul_(logp.add_(entropy.unsqueeze(-1))).neg_()  # in place: p, log p are not needed any more
+    z, u, total, entropy = _shifted_softmax_terms(logits)
+    scale = (entropy - total.log()).unsqueeze(-1)  # log p + H = z' - log S + H
+    grad = u.div_(total.unsqueeze(-1)).mul_(z.add_(scale)).neg_()  # in place: -p (log p + H)
     if weights is not None:
         grad.mul_(weights.to(grad.dtype).unsqueeze(-1))
     return entropy, grad.float()

@@ -12,7 +12,7 @@ arXiv 2505.22617) and seed 002; what each metric estimates and how to read it: d
   verl's clip_cov). Cui's Lemma 1 (natural policy gradient, step eta): dH ~= -eta Cov(log p, A); logged as
   `projected_delta_cov` with eta = the current learning rate (Adam is not natural gradient: read its sign and
   trend, not its size).
-- `projected_delta_first_order` (`first_order`, on by default): grad_theta(token_mean) . delta_theta with
+- `projected_delta_first_order` (`first_order`, off by default: it costs a backward): grad_theta(token_mean) . delta_theta with
   delta_theta the actual optimizer update. The gradient of sum_t H_t with respect to the LM head's input comes
   with the entropies (one more `[n, V] x [V, H]` product per chunk); one extra backward from there
   (`torch.autograd.grad`, `.grad` untouched) gives the trainable parameters' part. The update is never copied:
@@ -102,7 +102,7 @@ class EntropyProbe(L.Callback):
         enabled: bool = False,
         every_n_steps: int = 1,
         measure_actual: bool = False,
-        first_order: bool = True,
+        first_order: bool = False,
         chunk_size: int = 2,
     ) -> None:
         if every_n_steps < 1:
