@@ -87,6 +87,8 @@ class GRPOModule(L.LightningModule):
         self.temperature = temperature
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
         self.entropy_observer: Callable[[Tensor, EntropyTerms, RolloutBatch], None] | None = None  # set by probes
+        self.entropy_grad = False
+        """Whether the entropy observer also needs the gradient of the entropies (set with it by the probe)."""
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -170,6 +172,7 @@ class GRPOModule(L.LightningModule):
                 self.share_prefix,
                 self.logits_chunk_tokens,
                 self.runs_by_length,
+                with_grad=self.entropy_grad,
             )
             self.entropy_observer(logp, terms, batch)
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()

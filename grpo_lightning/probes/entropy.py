@@ -122,7 +122,7 @@ class EntropyProbe(L.Callback):
     def _reset(self) -> None:
         self._seq_entropy: list[Tensor] = []  # [B] per micro-batch
         self._advantages: list[Tensor] = []  # [B]
-        self._cov_sums = [0.0] * 5  # over trained tokens: n, sum logp, sum A, sum logp * A, (unused)
+        self._cov_sums = {"n": 0.0, "logp": 0.0, "adv": 0.0, "logp_adv": 0.0}  # sums over trained tokens
         self._entropy_sum, self._tokens = 0.0, 0.0
         self._grad_h: list[Tensor] | None = None  # sum over micro-batches of grad_theta sum_t H_t
         self._dot_before = 0.0
@@ -134,12 +134,13 @@ class EntropyProbe(L.Callback):
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        pl_module.entropy_observer = None
+        pl_module.entropy_observer, pl_module.entropy_grad = None, False
         self._params = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         active = self.enabled and trainer.global_step % self.every_n_steps == 0
         pl_module.entropy_observer = self._observe if active else None
+        pl_module.entropy_grad = active and self.first_order
         if active and self.measure_actual:
             self._batches.append(batch)
 
@@ -154,10 +155,10 @@ class EntropyProbe(L.Callback):
         lp = logp.detach()[keep].double()
         adv = batch.advantages.double()[:, None].expand_as(mask)[keep]
         sums = self._cov_sums
-        sums[0] += float(lp.numel())
-        sums[1] += float(lp.sum())
-        sums[2] += float(adv.sum())
-        sums[3] += float((lp * adv).sum())
+        sums["n"] += float(lp.numel())
+        sums["logp"] += float(lp.sum())
+        sums["adv"] += float(adv.sum())
+        sums["logp_adv"] += float((lp * adv).sum())
         self._entropy_sum += float(entropy.sum())
         self._tokens += float(tokens.sum())
         if not self.first_order:
@@ -205,7 +206,7 @@ class EntropyProbe(L.Callback):
 
     def _step_metrics(self) -> dict[str, float]:
         seq = torch.cat(self._seq_entropy)  # [N]
-        n, s_lp, s_adv, s_lp_adv, _ = self._cov_sums
+        n, s_lp, s_adv, s_lp_adv = self._cov_sums.values()
         cov = s_lp_adv / n - (s_lp / n) * (s_adv / n) if n else float("nan")
         tokens = max(self._tokens, 1.0)
         metrics = {

@@ -66,6 +66,10 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
+# Per-step sums over micro-batches (then over ranks): |h_i|^2, |h_i|^2 / B_i^2, 1 / B_i, B_i, micro-batches,
+# |sum_i h_i|^2 (consistency ratio), micro-batches without a sample.
+_TOTALS = ("sum_sq", "sum_sq_per_b2", "sum_inv_b", "sum_b", "count", "hook_total", "empty")
+
 
 def effective_sample_size(weights: Tensor) -> float:  # weights [B] >= 0
     """(sum w)^2 / sum w^2: the number of equally weighted samples with the same variance reduction."""
@@ -182,8 +186,8 @@ class GradientNoiseScaleProbe(L.Callback):
         self._handles, self._params = [], []
 
     def _reset_step(self) -> None:
-        # [sum_i |h_i|^2, sum_i |h_i|^2 / B_i^2, sum_i 1 / B_i, sum_i B_i, count, |sum_i h_i|^2, empty micro-batches]
-        self._totals = [0.0] * 7
+        # h_i: micro-batch i's gradient as Lightning's backward sees it; B_i its sample size (module docstring)
+        self._totals = dict.fromkeys(_TOTALS, 0.0)
         self._micro_sq: Tensor | float = 0.0  # |h_i|^2 of the running backward (Lightning's scale)
         self._micro_cross: Tensor | float = 0.0  # <h_i, .grad before h_i>
 
@@ -210,22 +214,22 @@ class GradientNoiseScaleProbe(L.Callback):
             return
         sq, b = float(self._micro_sq), self._batch_ess
         t = self._totals
-        t[0] += sq
+        t["sum_sq"] += sq
         if b > 0:
-            t[1] += sq / b**2
-            t[2] += 1.0 / b
+            t["sum_sq_per_b2"] += sq / b**2
+            t["sum_inv_b"] += 1.0 / b
         else:  # no sample (no trained token): the micro-batch estimates nothing, the step is not estimable
-            t[6] += 1.0
-        t[3] += b
-        t[4] += 1.0
-        t[5] += sq + 2.0 * float(self._micro_cross)
+            t["empty"] += 1.0
+        t["sum_b"] += b
+        t["count"] += 1.0
+        t["hook_total"] += sq + 2.0 * float(self._micro_cross)
 
     # ---- per optimizer step --------------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self._active:
             return
         big_sq = float(sum(_sq_norm(p.grad) for p in self._params if p.grad is not None))
-        totals = torch.tensor(self._totals, dtype=torch.float64)
+        totals = torch.tensor([self._totals[k] for k in _TOTALS], dtype=torch.float64)
         totals = trainer.strategy.reduce(totals.to(pl_module.device), reduce_op="sum").cpu()
         sum_sq, sum_sq_per_b2, inv_b, b_step, count, hook_total, empty = totals.tolist()
         world = float(trainer.world_size)
