@@ -31,7 +31,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.forward import completion_logits_and_logprobs
+from grpo_lightning.forward import EntropyTerms, completion_logits_and_logprobs, completion_logprobs_with_entropy
 from grpo_lightning.losses import GRPOLoss
 from grpo_lightning.rollouts import RolloutBatch
 
@@ -86,7 +86,9 @@ class GRPOModule(L.LightningModule):
         self.total_steps = total_steps
         self.temperature = temperature
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
-        self.logits_observer: Callable[[Tensor, Tensor, RolloutBatch], None] | None = None  # set by probes
+        self.entropy_observer: Callable[[Tensor, EntropyTerms, RolloutBatch], None] | None = None  # set by probes
+        self.entropy_grad = False
+        """Whether the entropy observer also needs the gradient of the entropies (set with it by the probe)."""
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -104,16 +106,14 @@ class GRPOModule(L.LightningModule):
     """Run rows in runs of similar completion length, each only as far as its longest row (forward.py)."""
 
     def policy_forward(
-        self, model: nn.Module, batch: RolloutBatch, with_logits: bool | None = None
+        self, model: nn.Module, batch: RolloutBatch, with_logits: bool = False
     ) -> tuple[Tensor | None, Tensor]:
         """Logits at completion positions [B, C, V] (divided by the temperature) and completion log-probs [B, C].
 
-        Logits are materialised only when asked (`with_logits`; None = when a probe observes them), else None;
-        the log-probs come from the chunked LM head either way. Prompts shared by several rows run once
-        (`share_prefix`). See `grpo_lightning.forward`.
+        Logits are materialised only when asked (`with_logits`), else None; the log-probs come from the chunked
+        LM head either way. Prompts shared by several rows run once (`share_prefix`). See
+        `grpo_lightning.forward`.
         """
-        if with_logits is None:
-            with_logits = self.logits_observer is not None
         return completion_logits_and_logprobs(
             model,
             batch,
@@ -142,19 +142,39 @@ class GRPOModule(L.LightningModule):
         return self.completion_logprobs(self.policy, batch)
 
     def sample_weights(self, batch: RolloutBatch) -> Tensor:  # [B]
-        """Relative weight of each completion's token-mean loss in this micro-batch's loss (for ESS).
+        """Weight of each completion in this micro-batch's loss, in the loss type's sample unit (GNS probe, ESS).
 
-        `grpo` averages completions equally; `bnpo`, `dr_grpo` and `dapo` sum tokens, so a completion weighs
-        in proportion to its trained tokens. Completions with no trained token weigh 0.
+        `grpo` (token means), `dr_grpo` (token sums / max length) and `dapo` (token sums / the step's mean
+        length) average one value per completion with equal weights, every row counted (a row without trained
+        tokens contributes 0, and the loss still divides by it); `bnpo`'s token mean weighs each completion's
+        token mean by its trained tokens. See `grpo_lightning.probes.gns`.
         """
-        tokens = batch.completion_mask.sum(-1)  # [B]
-        return (tokens > 0).float() if self.loss_fn.loss_type == "grpo" else tokens
+        if self.loss_fn.loss_type == "bnpo":
+            return batch.completion_mask.sum(-1).float()
+        return torch.ones(len(batch), device=batch.completion_mask.device)
+
+    @property
+    def step_weighting(self) -> str:
+        """How the optimizer step's gradient weighs micro-batches: "micro_batch" (Lightning's mean over them) or
+        "sample" (`dapo`: the loss is scaled so that the step is the mean over all its completions)."""
+        return "sample" if self.loss_fn.loss_type == "dapo" else "micro_batch"
 
     # ---- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        logits, logp = self.policy_forward(self.policy, batch)  # [B, C, V], [B, C]
-        if self.logits_observer is not None:  # a probe reads the live logits (entropy); it never changes them
-            self.logits_observer(logits, logp, batch)
+        if self.entropy_observer is None:
+            _, logp = self.policy_forward(self.policy, batch)  # [B, C]
+        else:  # a probe reads the entropies of this forward's own logits; the log-probs are bitwise the same
+            logp, terms = completion_logprobs_with_entropy(
+                self.policy,
+                batch,
+                self.temperature,
+                batch.completion_mask,
+                self.share_prefix,
+                self.logits_chunk_tokens,
+                self.runs_by_length,
+                with_grad=self.entropy_grad,
+            )
+            self.entropy_observer(logp, terms, batch)
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         ref_logp = self.reference_logprobs(batch)
         out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step)
