@@ -26,5 +26,5 @@ class BaselineGRPO(GRPOVariant):
             for group_id, (prompt, completions) in enumerate(zip(prompts, samples, strict=True))
             for c in completions
         ]
-        self.assign_advantages(rollouts)
+        self.assign_advantages(rollouts, reward_fn)
         return rollouts
