@@ -102,15 +102,20 @@ class _Stage:
 
 
 def _accepted_keywords(fn: Callable, positional: int) -> frozenset[str] | None:
-    """Names `fn` takes by keyword after its first `positional` arguments; None when it takes **kwargs."""
+    """Names `fn` takes by keyword besides its first `positional` arguments; None when it takes **kwargs."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # some builtins have no signature
         return frozenset()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return frozenset(names[positional:])
+    names, consumed = [], 0
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and consumed < positional:
+            consumed += 1  # (completion, reference) or (reward,) or (reward, steps), passed by position
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            names.append(p.name)
+    return frozenset(names)
 
 
 def _as_number(key: str, value) -> float:
@@ -261,10 +266,11 @@ class RewardPipeline:
     def describe(self) -> str:
         """One line for the run plan: the terms with their weights, then the transforms in order."""
         terms = " + ".join(f"{t.weight:g} x {t.name}" for t in self.terms)
-        chain = [s.name for s in (*self.transforms, *self.step_transforms, *self.group_transforms)]
-        normalize = next((s.fn for s in self.group_transforms if hasattr(s.fn, "scale")), None)
-        extra = f" (scale={normalize.scale})" if normalize is not None else ""
-        return terms + (" -> " + " -> ".join(chain) if chain else "") + extra
+        chain = []
+        for stage in (*self.transforms, *self.step_transforms, *self.group_transforms):
+            scale = getattr(stage.fn, "scale", None)
+            chain.append(f"{stage.name}(scale={scale})" if isinstance(scale, str) else stage.name)
+        return terms + "".join(f" -> {name}" for name in chain)
 
 
 # ---- building from config ------------------------------------------------------------------------------------

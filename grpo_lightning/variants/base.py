@@ -42,6 +42,8 @@ class GRPOVariant(ABC):
     """Turns a round's prompts into rollouts with rewards and advantages."""
 
     name: str = "unregistered"
+    knows_steps: bool = False
+    """Whether the variant tells the reward its completions' reasoning steps (`step_info`, reward.step_transforms)."""
 
     metrics: dict[str, float]
     """Variant-specific metrics of the last round (logged under `rollout/`); empty by default."""
@@ -62,9 +64,6 @@ class GRPOVariant(ABC):
     def rollouts_per_round(self, num_prompts: int) -> int:
         """How many rollouts a round of `num_prompts` prompts yields (for the dry-run plan)."""
         raise NotImplementedError
-
-    knows_steps: bool = False
-    """Whether the variant tells the reward its completions' reasoning steps (`reward.step_transforms`)."""
 
     def score(self, reward_fn: RewardFn, text: str, answer: str, **info) -> RewardResult:
         """Reward of one completion; a reward_fn with `score_detailed` also reports answer extraction, a reward

@@ -354,3 +354,38 @@ def test_step_transforms_need_a_variant_that_knows_steps(tmp_path):
     )
     with pytest.raises(ValueError, match=r"reward\.step_transforms need a variant that knows reasoning steps"):
         dry_run(cfg)
+
+
+class CharGenerator:
+    """STORPO's generator interface at character level: the initial text, then `continuation` from any prefix."""
+
+    class sampling:  # noqa: N801 - mimics the generator's SamplingConfig attribute
+        max_new_tokens = 200
+
+    def __init__(self, initial: str, continuation: str):
+        self.initial, self.continuation = initial, continuation
+
+    def generate(self, prompt_ids, num_samples, max_new_tokens=None):
+        text = self.initial if max_new_tokens is None else self.continuation
+        ids = [ord(c) for c in text]
+        return [[Completion(ids, [-0.1] * len(ids), finished=True)] * num_samples for _ in prompt_ids]
+
+
+def test_storpo_tells_step_transforms_its_steps_and_branch_step():
+    from grpo_lightning.variants.storpo import STORPO
+
+    pipeline = build_reward(
+        node(
+            terms={"gsm8k": {"_target_": "grpo_lightning.rewards.GSM8KReward"}},
+            step_transforms={
+                "fmt": {"_target_": "grpo_lightning.reward_transforms.StepFormat", "bonus": 0.25, "max_bonus": 1.0}
+            },
+        )
+    )
+    assert pipeline.uses_steps and STORPO.knows_steps and not BaselineGRPO.knows_steps
+    initial = "We have 3 + 4 = 7 apples. Then 7 + 2 = 9 apples. So #### 9"  # 3 steps, 2 show a result
+    variant = STORPO(completions_per_step=1, min_steps=1, max_steps=2, fallback_generations=2)
+    rollouts = variant.generate_rollouts(CharGenerator(initial, "#### 9"), _prompts(1), pipeline, _decode)
+    assert rollouts[0].reward == 1.5 and rollouts[0].reward_terms == {"gsm8k": 1.0}  # 1 + 2 x 0.25
+    # Continuations from the 2nd and 3rd step: their own steps ("#### 9") show no result, so no bonus.
+    assert [r.reward for r in rollouts[1:]] == [1.0, 1.0] and all(r.branch_point > 0 for r in rollouts[1:])
