@@ -121,9 +121,8 @@ def _accepted_keywords(fn: Callable, positional: int) -> frozenset[str] | None:
 def _as_number(key: str, value) -> float:
     """`value` as a float, or RewardTermError naming `key` (non-numbers, NaN and infinities)."""
     number: float | None = None
-    if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
-        number = float(value)
-    elif isinstance(value, Tensor) and value.numel() == 1:
+    one_number = isinstance(value, Tensor) and value.numel() == 1
+    if isinstance(value, numbers.Real) or one_number:  # bool, int, float, numpy scalars, 1-element tensors
         number = float(value)
     if number is None:
         raise RewardTermError(
@@ -238,8 +237,7 @@ class RewardPipeline:
     def _record(self, key: str, err: Exception, completion: str) -> None:
         if self.total_errors == 0:
             logger.error(
-                "%s raised %s on a completion (scored 0; later failures are only counted in rollout/reward_errors): "
-                "%r",
+                "%s raised %s on a completion (scored 0; later failures are only counted in rollout/reward_errors): %r",
                 key,
                 type(err).__name__,
                 completion[:200],

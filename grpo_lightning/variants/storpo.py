@@ -69,6 +69,7 @@ def split_steps(text: str) -> list[str]:
 @register_variant("storpo")
 class STORPO(GRPOVariant):
     knows_steps = True
+
     def __init__(
         self,
         completions_per_step: int = 2,

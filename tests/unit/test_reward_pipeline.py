@@ -91,14 +91,19 @@ class FakeGenerator:
         out = []
         for i, _ in enumerate(prompt_ids):
             texts = self.texts[i][:num_samples]
-            out.append([Completion([ord(c) for c in t], [-0.25] * len(t), finished=j % 3 != 2) for j, t in enumerate(texts)])
+            out.append(
+                [Completion([ord(c) for c in t], [-0.25] * len(t), finished=j % 3 != 2) for j, t in enumerate(texts)]
+            )
         return out
 
 
 def _prompts(n):
     from grpo_lightning.data.datamodule import Prompt
 
-    return [Prompt(prompt_ids=[1000 + i], answer=ANSWERS[i % len(ANSWERS)], question=f"q{i}", problem_index=i) for i in range(n)]
+    return [
+        Prompt(prompt_ids=[1000 + i], answer=ANSWERS[i % len(ANSWERS)], question=f"q{i}", problem_index=i)
+        for i in range(n)
+    ]
 
 
 def _decode(ids):
@@ -166,7 +171,11 @@ def test_answer_format_and_overlong_penalty():
 def test_shaped_pipeline_terms_and_logging_names(tmp_path):
     pipeline, _ = pipeline_of("reward=gsm8k_shaped", tmp_path=tmp_path)
     correct = pipeline.score_completion("#### 9", "9", truncated=False, num_tokens=4)
-    assert correct.reward == pytest.approx(1.1) and correct.terms == {"correctness": 1.0, "format": 1.0, "overlong": 0.0}
+    assert correct.reward == pytest.approx(1.1) and correct.terms == {
+        "correctness": 1.0,
+        "format": 1.0,
+        "overlong": 0.0,
+    }
     wrong = pipeline.score_completion("#### 8", "9", truncated=False, num_tokens=4)
     assert wrong.reward == pytest.approx(0.1) and not wrong.correct and wrong.extracted == "8"
     cut = pipeline.score_completion("and so on", "9", truncated=True, num_tokens=16)  # max_new_tokens 16
@@ -241,11 +250,12 @@ def test_terms_are_weighted_then_transformed_in_order():
 
 
 def test_user_function_gets_only_the_info_it_names_and_bound_keys():
-    pipeline = build_reward(
-        node(terms={"len": {"_target_": "tests.unit.test_reward_pipeline.named_info_term"}})
-    )
+    pipeline = build_reward(node(terms={"len": {"_target_": "tests.unit.test_reward_pipeline.named_info_term"}}))
     assert pipeline("abc", "9", truncated=True, num_tokens=3) == -1.0
-    bound = build_reward(node(terms={"penalty": {"_target_": "grpo_lightning.rewards.OverlongPenalty", "buffer_fraction": 0.5}}), max_new_tokens=10)
+    bound = build_reward(
+        node(terms={"penalty": {"_target_": "grpo_lightning.rewards.OverlongPenalty", "buffer_fraction": 0.5}}),
+        max_new_tokens=10,
+    )
     assert bound("x", "9", num_tokens=10) == -1.0  # max_new_tokens comes from the pipeline
 
 
@@ -269,7 +279,10 @@ def test_a_term_that_raises_scores_zero_per_term_and_is_counted(caplog):
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("returns_text", r"reward\.terms\.bad returned 'high' \(str\) for a completion; it must return a finite number"),
+        (
+            "returns_text",
+            r"reward\.terms\.bad returned 'high' \(str\) for a completion; it must return a finite number",
+        ),
         ("returns_nan", r"reward\.terms\.bad returned nan for a completion; it must return a finite number"),
     ],
 )
@@ -285,7 +298,8 @@ def test_a_term_that_returns_a_non_number_or_nan_is_an_error_naming_it(target, m
         ({"terms": {}}, "reward.terms is empty"),
         ({"terms": {"x": {"_target_": "no.such.fn"}}}, r"reward\.terms\.x\._target_: cannot import 'no.such.fn'"),
         ({"terms": {"x": {"weight": 1.0}}}, r"reward\.terms\.x: needs a _target_"),
-        ({"terms": {"x": {"_target_": "grpo_lightning.rewards.AnswerFormat", "weight": "a"}}}, r"reward\.terms\.x\.weight"),
+        ({"terms": {"x": {"_target_": "grpo_lightning.rewards.AnswerFormat", "weight": "a"}}},
+         r"reward\.terms\.x\.weight"),
         ({"terms": {"g": {"_target_": "grpo_lightning.rewards.GSM8KReward", "format_bonus": 2}}},
          r"reward\.terms\.g: format_bonus must be in \[0, 1\)"),
         ({"terms": {"total": {"_target_": "grpo_lightning.rewards.AnswerFormat"}}}, "reserved"),
@@ -332,7 +346,9 @@ def test_pipeline_state_round_trips_for_exact_resume():
 def test_old_keys_fail_with_one_line_naming_the_new_key():
     assert check_moved_overrides(["reward=gsm8k", "seed=1"]) is None
     message = check_moved_overrides(["reward.format_bonus=0.2"])
-    assert message.startswith("reward.format_bonus has moved: use reward.terms.gsm8k.format_bonus") and "\n" not in message
+    assert (
+        message.startswith("reward.format_bonus has moved: use reward.terms.gsm8k.format_bonus") and "\n" not in message
+    )
     assert "reward.group_transforms.normalize.scale" in check_moved_overrides(["loss.scale_rewards=none"])
     assert "+reward.terms.<name>._target_" in check_moved_overrides(["reward._target_=my.fn"])
     assert "reward.terms.gsm8k.format_bonus" in check_moved_overrides(["~reward.format_bonus"])
@@ -389,3 +405,34 @@ def test_storpo_tells_step_transforms_its_steps_and_branch_step():
     assert rollouts[0].reward == 1.5 and rollouts[0].reward_terms == {"gsm8k": 1.0}  # 1 + 2 x 0.25
     # Continuations from the 2nd and 3rd step: their own steps ("#### 9") show no result, so no bonus.
     assert [r.reward for r in rollouts[1:]] == [1.0, 1.0] and all(r.branch_point > 0 for r in rollouts[1:])
+
+
+def test_sweep_summary_shows_each_rewards_terms(tmp_path):
+    import csv
+    import json
+
+    from grpo_lightning.sweep import write_summary
+
+    jobs = {
+        "0_reward=gsm8k": {"train/reward_mean": 0.1, "reward/total_mean": 0.1, "reward/gsm8k_mean": 0.1},
+        "1_reward=gsm8k_shaped": {
+            "train/reward_mean": -0.2,
+            "reward/total_mean": -0.2,
+            "reward/correctness_mean": 0.0,
+            "reward/format_mean": 0.5,
+            "reward/overlong_mean": -0.25,
+        },
+    }
+    for name, metrics in jobs.items():
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- {name.split('_', 1)[1]}\n")
+        (tmp_path / name / "final_metrics.json").write_text(json.dumps(metrics))
+    write_summary(tmp_path)
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert [r["overrides"] for r in rows] == ["reward=gsm8k", "reward=gsm8k_shaped"]
+    header = (tmp_path / "summary.md").read_text().splitlines()[0]
+    assert (
+        header.index("reward/total_mean") < header.index("reward/correctness_mean") < header.index("reward/gsm8k_mean")
+    )
+    assert rows[0]["reward/gsm8k_mean"] == "0.1" and rows[0]["reward/overlong_mean"] == ""
+    assert rows[1]["reward/overlong_mean"] == "-0.25" and rows[1]["reward/format_mean"] == "0.5"
