@@ -80,6 +80,10 @@ def raises_on_empty(completion, reference):
     return 1.0 / len(completion)
 
 
+def group_sum(rewards, group_ids):
+    return rewards.sum()
+
+
 # ---- bitwise equality with today's code path ---------------------------------------------------------------
 class FakeGenerator:
     """Scripted completions, G per prompt (token ids are character codes, so decode is exact)."""
@@ -318,7 +322,7 @@ def test_a_group_transform_of_the_wrong_shape_is_an_error_naming_it():
     pipeline = build_reward(
         node(
             terms={"a": {"_target_": "grpo_lightning.rewards.AnswerFormat"}},
-            group_transforms={"sum": {"_target_": "torch.sum"}},
+            group_transforms={"sum": {"_target_": "tests.unit.test_reward_pipeline.group_sum"}},
         )
     )
     with pytest.raises(RewardTermError, match=r"reward\.group_transforms\.sum returned \(\) for \(2,\) rewards"):
