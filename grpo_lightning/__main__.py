@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.interrupt import RunInterrupted
+from grpo_lightning.reward_pipeline import check_moved_overrides
 from grpo_lightning.train import TrainingStopped, train
 
 
@@ -42,5 +43,15 @@ def describe(err: BaseException) -> str:
     return str(err)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`main`, after turning an override of a moved key (`reward.format_bonus=...`) into a one-line error: Hydra
+    would reject it before `main` runs, without naming the new key."""
+    moved = check_moved_overrides(sys.argv[1:])
+    if moved is not None:
+        print(f"error: {moved}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -11,7 +11,7 @@ Pure: imports neither Lightning nor Hydra.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -41,6 +41,8 @@ class Rollout:
     """Whether the reward function found an answer in the completion (format rate)."""
     old_logprobs: list[float] | None = None
     """Policy log-probs before the round's first update; set only when several optimizer steps use a round."""
+    reward_terms: dict[str, float] = field(default_factory=dict)
+    """Unweighted value of each reward term (`reward.terms.<name>`); `reward` is their weighted, transformed sum."""
 
     def __post_init__(self) -> None:
         if len(self.gen_logprobs) != len(self.completion_ids):

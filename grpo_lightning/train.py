@@ -30,7 +30,7 @@ from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import SafeReward
+from grpo_lightning.reward_pipeline import build_reward
 from grpo_lightning.summary import render as render_summary
 from grpo_lightning.summary import summary_metrics
 from grpo_lightning.validation import validate, world_size
@@ -79,6 +79,7 @@ class Plan:
     optimizer_steps_per_round: int
     max_new_tokens: int
     loss: str
+    reward: str
     output_dir: str
 
     def render(self) -> str:
@@ -146,12 +147,13 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     validate(cfg)
     build(cfg.loss)
-    reward_fn = build(cfg.reward)
+    reward_fn = build_pipeline(cfg)
     datamodule, variant, accumulate = _data_and_variant(cfg)
+    check_reward_fits_variant(reward_fn, variant)
     build(cfg.optim.schedule)
     LoraSettings(**cfg.model.lora)
     build(cfg.eval)
-    plan = make_plan(cfg, datamodule, variant, accumulate)
+    plan = make_plan(cfg, datamodule, variant, accumulate, reward_fn)
     build_probes(cfg, plan)
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     print(f"grpo_lightning plan (dry run):\n{plan.render()}")
@@ -163,9 +165,10 @@ def build_run(cfg: DictConfig) -> Run:
     validate(cfg)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     loss = build(cfg.loss)
-    reward_fn = SafeReward(build(cfg.reward))
+    reward_fn = build_pipeline(cfg)  # a term that raises scores 0, counted in rollout/reward_errors
     datamodule, variant, accumulate = _data_and_variant(cfg)
-    plan = make_plan(cfg, datamodule, variant, accumulate)
+    check_reward_fits_variant(reward_fn, variant)
+    plan = make_plan(cfg, datamodule, variant, accumulate, reward_fn)
     probes = build_probes(cfg, plan)
     rank_zero_print(f"grpo_lightning plan:\n{plan.render()}")
 
@@ -198,6 +201,19 @@ def build_run(cfg: DictConfig) -> Run:
     module.runs_by_length = bool(forward.get("runs_by_length", True))
     trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
     return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, ckpt_path=ckpt_path)
+
+
+def build_pipeline(cfg: DictConfig):
+    """The `reward` config group's pipeline (docs/rewards.md), told the loss type and the completion budget."""
+    return build_reward(cfg.reward, loss_type=cfg.loss.get("loss_type"), max_new_tokens=cfg.generator.max_new_tokens)
+
+
+def check_reward_fits_variant(reward_fn, variant) -> None:
+    if getattr(reward_fn, "uses_steps", False) and not variant.knows_steps:
+        raise ValueError(
+            f"reward.step_transforms need a variant that knows reasoning steps (variant=storpo); "
+            f"variant {variant.name!r} does not (remove them or choose variant=storpo)"
+        )
 
 
 def _data_and_variant(cfg: DictConfig):
@@ -280,7 +296,7 @@ def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:
     return int(value)
 
 
-def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int) -> Plan:
+def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int, reward_fn=None) -> Plan:
     rounds = cfg.trainer.max_epochs
     if rounds is None or rounds < 1:
         raise ValueError(f"trainer.max_epochs (number of rollout rounds) must be >= 1 (got {rounds})")
@@ -300,7 +316,8 @@ def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int) 
         accumulate_grad_batches=accumulate,
         optimizer_steps_per_round=per_round // accumulate,
         max_new_tokens=cfg.generator.max_new_tokens,
-        loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta}, scale_rewards={cfg.loss.scale_rewards})",
+        loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta})",
+        reward=reward_fn.describe() if hasattr(reward_fn, "describe") else "",
         output_dir=str(Path(cfg.paths.output_dir).resolve()),
     )
 

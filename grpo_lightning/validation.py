@@ -14,10 +14,12 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.generation.base import SamplingConfig
+from grpo_lightning.reward_pipeline import check_moved_keys
 
 
 def validate(cfg: DictConfig) -> None:
     """Checks of keys no constructor sees before the model is loaded (each error names its key)."""
+    check_moved_keys(cfg)  # reward.format_bonus, loss.scale_rewards: a one-line message naming the new key
     SamplingConfig(**{f.name: cfg.generator[f.name] for f in fields(SamplingConfig)})  # other groups interpolate it
     target = cfg.optim.optimizer.get("_target_")
     try:

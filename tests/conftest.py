@@ -28,8 +28,8 @@ TINY = [
     "generator.max_new_tokens=16",
     "trainer.enable_progress_bar=false",
     # A dense reward so a random model gets non-zero advantages (GSM8K correctness would be 0 everywhere).
-    "reward._target_=tests.helpers.VowelFractionReward",
-    "~reward.format_bonus",
+    "~reward.terms.gsm8k",
+    "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
     "optim.optimizer.lr=1e-3",
     "eval.num_problems=4",
 ]

@@ -149,4 +149,4 @@ def test_cli_dry_run_prints_the_plan(tmp_path):
 def test_cli_follows_hydra_conventions(tmp_path):
     result = _cli("--cfg", "job", "loss=dr_grpo", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "loss_type: dr_grpo" in result.stdout and "scale_rewards: none" in result.stdout
+    assert "loss_type: dr_grpo" in result.stdout and "scale: auto" in result.stdout

@@ -45,7 +45,8 @@ def test_rounds_train_only_informative_groups_and_draw_the_next_prompts_of_the_s
     rewards: the trained groups must be the first even-answer problems of the prompt stream, in stream order,
     and the stream position must advance by whole batches of prompts_per_round."""
     cfg = tiny_cfg(
-        "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
+        "~reward.terms.vowels",
+        "+reward.terms.even._target_=tests.helpers.VowelFractionOnEvenAnswers",
         "data.dynamic_sampling.enabled=true",
         "data.dynamic_sampling.max_extra_batches=6",
         "trainer.max_epochs=2",
@@ -95,7 +96,8 @@ def test_rounds_train_only_informative_groups_and_draw_the_next_prompts_of_the_s
 def test_a_round_that_stays_short_is_filled_with_dropped_groups(tiny_cfg):
     """With no extra batch allowed, the odd-answer groups stay in the round (zero advantage) and are counted."""
     cfg = tiny_cfg(
-        "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
+        "~reward.terms.vowels",
+        "+reward.terms.even._target_=tests.helpers.VowelFractionOnEvenAnswers",
         "data.dynamic_sampling.enabled=true",
         "data.dynamic_sampling.max_extra_batches=0",
         "trainer.max_epochs=1",
