@@ -280,8 +280,10 @@ class GRPOModule(L.LightningModule):
         before, self._norm_before_step = self._norm_before_step, None
         if before is None or self.diverged:
             return
-        after = self.trainable_norm()  # equal on every rank (synced gradients, same update)
-        if math.isfinite(after) and (before == 0 or after <= self.max_norm_growth * before):
+        after = self.trainable_norm()
+        exploded = not math.isfinite(after) or (before > 0 and after > self.max_norm_growth * before)
+        # Any rank: under FSDP each rank sees only its shard of the parameters; all must stop together.
+        if not self.trainer.strategy.reduce_boolean_decision(exploded, all=False):
             return
         self.diverged = True
         self.stop_reason = (

@@ -175,8 +175,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def dry_run(cfg: DictConfig) -> dict[str, float]:
     """Validate the config, load the data, score the reference answers, print the plan; no model load."""
+    validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
-    validate(cfg)
     build(cfg.model.source)  # its own checks (a local folder's config.json and weights)
     build(cfg.loss)
     reward_fn = build(cfg.reward)
@@ -192,8 +192,8 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
 
 
 def build_run(cfg: DictConfig) -> Run:
+    validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
-    validate(cfg)
     source = build(cfg.model.source)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     settings = fixed_settings(cfg)

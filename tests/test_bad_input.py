@@ -415,7 +415,8 @@ def test_max_new_tokens_beyond_the_context(tmp_path):
 def test_cli_validation_mistake_exits_2(tmp_path, overrides, words):
     result = cli(f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
     assert_clean_failure(result, *words, code=2)
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and all(word in errors[0] for word in words), result.stderr
 
 
 def test_cli_unwritable_run_dir(tmp_path):

@@ -31,13 +31,13 @@ def load(path: Path) -> dict:
 
 
 class LrLog(L.Callback):
-    """The optimizer's lr after every optimizer step."""
+    """The lr each optimizer step runs with."""
 
     def __init__(self) -> None:
         self.lrs: list[float] = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
 BASE = [*TINY, *FAST, "optim.schedule.warmup_steps=0"]
@@ -163,7 +163,7 @@ def test_a_huge_lr_stops_the_run_and_names_it(tiny_cfg, lr):
     message = str(info.value)
     assert f"optim.optimizer.lr={float(lr):g} is too large" in message, message
     assert "nothing was saved" in message and "first round" in message
-    assert not (Path(cfg.paths.output_dir) / "checkpoints").exists()
+    assert not list(Path(cfg.paths.output_dir).rglob("*.ckpt"))
 
 
 def test_non_finite_stop_blames_a_low_temperature(tiny_cfg):
