@@ -242,7 +242,7 @@ def removed_on_signal(tmp: Path):
         raise
     finally:
         if in_main:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @dataclass
