@@ -124,7 +124,7 @@ class LocalSource:
             raise ValueError(f"model.source.path: {config} is not valid JSON ({err})") from None
         if not isinstance(parsed, dict) or "model_type" not in parsed:
             raise ValueError(f"model.source.path: {config} has no model_type (not a transformers model config)")
-        if not any(folder.glob(pattern) for pattern in WEIGHT_FILES):
+        if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
             raise ValueError(
                 f"model.source.path: {folder} holds no weights ({', '.join(WEIGHT_FILES)}); save the model there "
                 "with save_pretrained"
