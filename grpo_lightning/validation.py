@@ -164,7 +164,7 @@ def rules() -> dict[str, Check]:
     return {
         "seed": integer(0, SEED_MAX),
         "dry_run": boolean,
-        "ckpt_path": optional(text),
+        "ckpt_path": lambda v: None if v is None or isinstance(v, str | int) else "must be a path, last or null",
         "paths.output_dir": text,
         "paths.cache_dir": text,
         # generator (shared by every engine; the rest apply where the engine has them)
