@@ -163,7 +163,7 @@ class Run:
 
 
 class TrainingStopped(Exception):
-    """The run stopped itself (non-finite guard) after saving a checkpoint; the CLI prints it and exits 1."""
+    """The run stopped itself (non-finite or divergence guard); the CLI prints it and exits 1."""
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
