@@ -1,14 +1,16 @@
 """CLI: `python -m grpo_lightning [overrides]` (Hydra). Only wraps `train(cfg)` and turns errors into messages.
 
 Config and input mistakes (ValueError, OmegaConf key errors) print `error: ...` naming the key and exit 2; a run
-the non-finite guard stopped exits 1; a graceful Ctrl-C / SIGTERM stop exits 128 + the signal number. None of
-them prints a traceback unless HYDRA_FULL_ERROR=1.
+the non-finite or divergence guard stopped exits 1; a graceful Ctrl-C / SIGTERM stop exits 128 + the signal
+number. None of them prints a traceback unless HYDRA_FULL_ERROR=1. A run directory that cannot be created is
+checked here, before Hydra creates it (Hydra's own failure is a traceback).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -43,12 +45,25 @@ def describe(err: BaseException) -> str:
     return str(err)
 
 
+def check_run_dir(argv: list[str]) -> str | None:
+    """The error for a `hydra.run.dir=...` override Hydra could not create, or None (default dirs: Hydra's)."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if not given or "${" in given[-1] or "-m" in argv or "--multirun" in argv:
+        return None
+    directory = Path(given[-1].strip("\"'")).expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"hydra.run.dir: cannot create {directory} ({err.strerror}); choose a writable directory"
+    return None
+
+
 def cli() -> None:
-    """`main`, after turning an override of a moved key (`reward.format_bonus=...`) into a one-line error: Hydra
-    would reject it before `main` runs, without naming the new key."""
-    moved = check_moved_overrides(sys.argv[1:])
-    if moved is not None:
-        print(f"error: {moved}", file=sys.stderr)
+    """`main`, after two checks Hydra would otherwise answer with a traceback or a message that names no key: an
+    override of a moved key (`reward.format_bonus=...`) and a `hydra.run.dir` that cannot be created."""
+    problem = check_moved_overrides(sys.argv[1:]) or check_run_dir(sys.argv[1:])
+    if problem is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     main()
 

@@ -23,7 +23,10 @@ from torch import Tensor, nn
 def _plain_lora_adapter(module: LoraLinear, x: Tensor, kwargs: dict) -> str | None:
     """The single active adapter when the fused form computes exactly what peft would, else None."""
     adapters = module.active_adapters
-    if module.disable_adapters or module.merged or kwargs or len(adapters) != 1 or torch.is_autocast_enabled():
+    # Autocast must be asked per device type: the bare `torch.is_autocast_enabled()` only reports CUDA, so under
+    # CPU autocast (trainer.precision=bf16-mixed / 16-mixed) the fused addmm_ would mix bf16 and fp32 operands.
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if module.disable_adapters or module.merged or kwargs or len(adapters) != 1 or autocast:
         return None
     name = adapters[0]
     if name not in module.lora_A or name in module.lora_variant:

@@ -18,6 +18,17 @@ step (torch optimizers leave parameters without a gradient untouched: no Adam mo
 so Lightning's step counters and the LR schedule advance as usual. Skips are counted (`train/skipped_steps`);
 after `max_consecutive_skips` in a row the run stops at the end of the round with a checkpoint and
 `stop_reason` set (train.py turns it into a clear error).
+
+Divergence guard: a step can also blow the parameters up while every number stays finite (a huge lr: Adam moves
+every weight by about lr per step, whatever the gradient). After each optimizer step the global norm of the
+trainable parameters is compared with its value before the step; more than `max_norm_growth` times larger, or
+non-finite, and the run is marked `diverged` and stops at the end of the round WITHOUT saving it
+(checkpointing.py), so the newest checkpoint holds the weights from before the divergence. The stop message names
+the likely cause (the lr for an exploding update, the temperature or the lr for non-finite losses).
+
+Resuming: Lightning restores the optimizer's param groups and the scheduler's base lrs from the checkpoint;
+`on_train_start` writes this run's optimizer settings (lr, weight decay, betas, ...) over them, so a resume with
+a new lr or schedule trains with it (a resume with unchanged settings computes the very same lr, bit for bit).
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ from grpo_lightning.rollouts import RolloutBatch
 log = logging.getLogger(__name__)
 
 
+SCHEDULE_KINDS = ("constant", "linear", "cosine")
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     """`optim.schedule`: linear warmup then constant, linear or cosine decay to `min_ratio` x lr."""
@@ -47,8 +61,8 @@ class LRSchedule:
     min_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("constant", "linear", "cosine"):
-            raise ValueError(f"optim.schedule.kind must be one of constant, linear, cosine (got {self.kind!r})")
+        if self.kind not in SCHEDULE_KINDS:
+            raise ValueError(f"optim.schedule.kind must be one of {', '.join(SCHEDULE_KINDS)} (got {self.kind!r})")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.schedule.warmup_steps must be >= 0 (got {self.warmup_steps})")
 
@@ -74,6 +88,7 @@ class GRPOModule(L.LightningModule):
         total_steps: int,
         temperature: float = 1.0,
         max_consecutive_skips: int = 3,
+        max_norm_growth: float | None = 2.0,
     ) -> None:
         super().__init__()
         if max_consecutive_skips < 1:
@@ -93,8 +108,14 @@ class GRPOModule(L.LightningModule):
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.stop_reason: str | None = None
+        self.max_norm_growth = max_norm_growth
+        self.diverged = False
+        """Set when a step blew the parameters up; nothing is saved from then on (checkpointing.py)."""
+        self._norm_before_step: float | None = None
         self.run_info: dict = {}
         """What a checkpoint must match to be resumed (model, LoRA); set by train.build_run, saved in checkpoints."""
+        self.fixed_settings: dict = {}
+        """The config keys a resume may not change (checkpointing.FIXED_ON_RESUME); saved in checkpoints."""
 
     # ---- log-probs -----------------------------------------------------------------------------------------
     share_prefix: bool = True
@@ -217,6 +238,8 @@ class GRPOModule(L.LightningModule):
         )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.max_norm_growth is not None:
+            self._norm_before_step = self.trainable_norm()
         params = [p for p in self.policy.parameters() if p.grad is not None]
         norm = grad_norm([p.grad for p in params])  # before clipping; under DDP the grads are already synced
         if math.isfinite(norm):
@@ -245,9 +268,70 @@ class GRPOModule(L.LightningModule):
             self.stop_reason = (
                 f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient "
                 f"(guard.max_consecutive_skipped_steps={self.max_consecutive_skips}); the parameters are those "
-                "of the last finite step. Lower optim.optimizer.lr or check the reward, then resume."
+                f"of the last finite step. {self.likely_cause()}"
             )
             self.trainer.should_stop = True
+
+    def trainable_norm(self) -> float:
+        """Global L2 norm of the trainable parameters (inf/nan when any entry is)."""
+        return grad_norm([p.detach() for p in self.policy.parameters() if p.requires_grad])
+
+    def current_lr(self) -> float:
+        group = self.trainer.optimizers[0].param_groups[0]
+        return float(group.get("initial_lr", group["lr"]))
+
+    def likely_cause(self) -> str:
+        """What most likely made the loss non-finite, in config keys."""
+        from grpo_lightning.validation import LOW_TEMPERATURE
+
+        if self.temperature < LOW_TEMPERATURE:
+            return (
+                f"Likely cause: generator.temperature={self.temperature:g} is so low that logits / temperature "
+                "overflow; use a temperature near 1"
+            )
+        return (
+            f"Likely causes: optim.optimizer.lr={self.current_lr():g} too large (lower it and resume), or a reward "
+            "that returns NaN or inf"
+        )
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """The step, then the divergence check (the closure runs `on_before_optimizer_step` first)."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        before, self._norm_before_step = self._norm_before_step, None
+        if before is None or self.diverged:
+            return
+        after = self.trainable_norm()
+        exploded = not math.isfinite(after) or (before > 0 and after > self.max_norm_growth * before)
+        # Any rank: under FSDP each rank sees only its shard of the parameters; all must stop together.
+        if not self.trainer.strategy.reduce_boolean_decision(exploded, all=False):
+            return
+        self.diverged = True
+        self.stop_reason = (
+            f"the run diverged at optimizer step {self.global_step - 1}: the trainable parameters' norm went from "
+            f"{before:.4g} to {after:.4g} in one step (guard.max_norm_growth={self.max_norm_growth:g}). Likely "
+            f"cause: optim.optimizer.lr={self.current_lr():g} is too large for this model; lower it"
+        )
+        log.error("%s", self.stop_reason)
+        self.trainer.should_stop = True
+
+    def on_train_start(self) -> None:
+        """On resume: this run's optimizer settings over the restored ones (see the module docstring)."""
+        if self.trainer.ckpt_path is None:
+            return
+        optimizer = self.trainer.optimizers[0]
+        settings = optimizer.defaults  # built by configure_optimizers from this run's config: lr, betas, ...
+        restored_lr = optimizer.param_groups[0].get("initial_lr")
+        for group in optimizer.param_groups:
+            group.update({k: v for k, v in settings.items() if k != "params"})
+            group["initial_lr"] = settings["lr"]
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            scheduler.base_lrs = [settings["lr"]] * len(optimizer.param_groups)
+            for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+                group["lr"] = settings["lr"] * factor(scheduler.last_epoch)  # what LambdaLR.step() computes
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        if restored_lr != settings["lr"]:
+            log.info("resumed with optim.optimizer.lr=%g (the checkpoint's run had %g)", settings["lr"], restored_lr)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -265,6 +349,7 @@ class GRPOModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["grpo_lightning"] = {
             "run_info": self.run_info,
+            "fixed_settings": self.fixed_settings,
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
         }

@@ -22,7 +22,11 @@ def test_expected_groups_exist():
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(tmp_path, group, option):
-    required = [f"model.source.path={tmp_path}"] if (group, option) == ("model", "local") else []
+    required = []
+    if (group, option) == ("model", "local"):  # a folder shaped like save_pretrained's (LocalSource checks it)
+        (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+        (tmp_path / "model.safetensors").write_bytes(b"")
+        required = [f"model.source.path={tmp_path}"]
     cfg = make_cfg(tmp_path, [f"{group}={option}", *required])
     if group == "experiment":  # '# @package _global_' bundles: they set keys across groups, not a node
         assert "experiment" not in cfg and instantiate(cfg.variant) is not None
