@@ -127,4 +127,4 @@ def test_cut_prompts_are_reported_not_silent(tmp_path, tokenizer, caplog):
         prompts = dm.prompts_for_round(0)
     assert sorted(len(p.prompt_ids) < p.full_length for p in prompts) == [False, True]
     assert max(len(p.prompt_ids) for p in prompts) == 120
-    assert "round 0: 1 of 2 prompts were longer than data.max_prompt_tokens=120" in caplog.text
+    assert "1 of 2 prompts were longer than data.max_prompt_tokens=120" in caplog.text
