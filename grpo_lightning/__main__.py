@@ -18,7 +18,7 @@ from grpo_lightning.interrupt import RunInterrupted
 from grpo_lightning.train import TrainingStopped, train
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)

@@ -10,11 +10,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "grpo_lightning" / "conf")
 
 
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:
-    """Compose `conf/config.yaml` with overrides, as the CLI would, writing into `output_dir`."""
+    """Compose `grpo_lightning/conf/config.yaml` with overrides, as the CLI would, writing into `output_dir`."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides or []))
     with open_dict(cfg):
