@@ -41,7 +41,8 @@ class LastCheckpoint(Checkpoint):
         self.dirpath = Path(dirpath)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.save_checkpoint(self.dirpath / LAST)  # every rank calls it; the strategy writes on rank 0
+        # every rank calls it; the strategy writes on rank 0
+        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

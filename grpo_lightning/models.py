@@ -7,7 +7,7 @@ de-quantises GGUF on every load (~13 s here) and `save_pretrained` refuses a GGU
 load builds a plain model from the config, copies the state dict, and saves a safetensors folder into the cache
 (~7x faster afterwards). A file lock plus an atomic rename makes two processes starting at once safe.
 
-The reference policy follows REFERENCE §1: LoRA shares the base weights (adapters disabled at scoring time, no
+The reference policy (docs/algorithm.md, Reference): LoRA shares the base weights (adapters disabled at scoring time, no
 copy), full fine-tuning keeps a frozen copy, and beta = 0 needs none.
 """
 

@@ -24,11 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_lightning.callbacks import SavePolicy
 from grpo_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, check_resumable, resolve_ckpt_path
 from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.export import export_policy
 from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.quiet import quiet_third_party
 from grpo_lightning.rewards import SafeReward
 from grpo_lightning.validation import validate, world_size
 
@@ -108,6 +110,9 @@ class Run:
             metrics.update(getattr(callback, "final_metrics", {}))
         if self.trainer.is_global_zero:
             write_final_metrics(output_dir, metrics)
+            saver = next((c for c in self.trainer.callbacks if isinstance(c, SavePolicy)), None)
+            if saver is not None:
+                export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.plan.model)
         last = output_dir / "checkpoints" / "last.ckpt"
         if self.module.stop_reason is not None:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\ncheckpoint: {last}")
@@ -127,6 +132,7 @@ class TrainingStopped(Exception):
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run GRPO as configured; returns the last logged value of every metric (dry run: the plan's checks)."""
+    quiet_third_party()
     if cfg.dry_run:
         return dry_run(cfg)
     return build_run(cfg).fit()
@@ -183,7 +189,7 @@ def build_run(cfg: DictConfig) -> Run:
         max_consecutive_skips=cfg.guard.max_consecutive_skipped_steps,
     )
     module.run_info = run_info
-    forward = cfg.get("forward") or {}  # training-forward levers (README: Performance)
+    forward = cfg.get("forward") or {}  # training-forward levers (docs/configuration.md, forward)
     module.share_prefix = bool(forward.get("share_prefix", True))
     module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 128)
     module.runs_by_length = bool(forward.get("runs_by_length", True))

@@ -1,11 +1,16 @@
 """Every mistake a user can make at the command line ends in a short message, a non-zero exit, no traceback.
 
-Each case runs the real CLI in a subprocess (as a user would) and asserts the exit code, the words that name the
-key or file and what to do, that no "Traceback" is printed, and that nothing already on disk was touched.
+Each case asserts the exit code, the words that name the key or file and what to do, that no "Traceback" is
+printed, and that nothing already on disk was touched. `cli()` runs the CLI's own code in-process (Hydra's
+compose, then `grpo_lightning.__main__.run`, which is what `main` calls) with the output captured; a few cases
+at the end run the real `python -m grpo_lightning` in a subprocess to check what only a process shows: the exit
+code and HYDRA_FULL_ERROR.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -14,6 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import open_dict
+
+from grpo_lightning.__main__ import run as run_cli
+from tests.conftest import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -26,7 +37,37 @@ TINY = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _users_default_environment(monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # the user's default: no traceback
+
+
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m grpo_lightning *args`, in-process: compose as Hydra would, then the CLI's error handling.
+
+    `hydra.run.dir=<dir>` becomes the run's output dir (unless `paths.output_dir` is given); a composition error
+    exits 1 with Hydra's message, as the real CLI does.
+    """
+    overrides = [a for a in args if not a.startswith("hydra.run.dir=")]
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")), str(cwd / "outputs"))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+                cfg = compose(config_name="config", overrides=overrides)
+        except HydraException as error:
+            print(f"{error}\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=err)
+            code = 1
+        else:
+            if not any(a.startswith("paths.output_dir=") for a in overrides):
+                with open_dict(cfg):
+                    cfg.paths.output_dir = run_dir
+            code, _ = run_cli(cfg)
+    return subprocess.CompletedProcess(["grpo_lightning", *args], code, out.getvalue(), err.getvalue())
+
+
+def real_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The real command in a subprocess, as a user runs it."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}  # the user's default: no traceback
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
@@ -166,6 +207,20 @@ def test_checkpoint_of_another_model(tmp_path):
     assert_clean_failure(result, "was written for model 'Qwen/Qwen2.5-0.5B-Instruct'", "model.lora", code=2)
     assert ckpt.read_bytes() == before
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained or written
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words", "code"),
+    [
+        (["loss=foo"], "Could not find 'loss/foo'", 1),  # Hydra's own composition error
+        (["generator.num_generations=1"], "generator.num_generations must be >= 2", 2),
+        (["data.dataset.source=path", "data.dataset.path=/nope.jsonl"], "file not found: /nope.jsonl", 2),
+    ],
+    ids=["composition error", "config mistake", "input file missing"],
+)
+def test_real_cli_exit_codes(tmp_path, overrides, words, code):
+    result = real_cli("dry_run=true", f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
+    assert_clean_failure(result, words, code=code)
 
 
 def test_full_error_env_shows_the_traceback(tmp_path):
