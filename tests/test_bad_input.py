@@ -209,6 +209,7 @@ def test_checkpoint_of_another_model(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained or written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "words", "code"),
     [
@@ -223,6 +224,7 @@ def test_real_cli_exit_codes(tmp_path, overrides, words, code):
     assert_clean_failure(result, words, code=code)
 
 
+@pytest.mark.slow
 def test_full_error_env_shows_the_traceback(tmp_path):
     env = dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONPATH=str(ROOT))
     result = subprocess.run(

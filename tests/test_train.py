@@ -159,6 +159,7 @@ def _cli(*args, cwd):
     )
 
 
+@pytest.mark.slow
 def test_cli_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     result = _cli("dry_run=true", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -169,6 +170,7 @@ def test_cli_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
         assert noise not in result.stdout + result.stderr, noise
 
 
+@pytest.mark.slow
 def test_cli_follows_hydra_conventions(tmp_path):
     result = _cli("--cfg", "job", "loss=dr_grpo", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
