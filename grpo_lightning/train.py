@@ -132,7 +132,6 @@ class TrainingStopped(Exception):
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run GRPO as configured; returns the last logged value of every metric (dry run: the plan's checks)."""
-    quiet_third_party()
     if cfg.dry_run:
         return dry_run(cfg)
     return build_run(cfg).fit()
@@ -140,6 +139,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def dry_run(cfg: DictConfig) -> dict[str, float]:
     """Validate the config, load the data, score the reference answers, print the plan; no model load."""
+    quiet_third_party()
     L.seed_everything(cfg.seed, workers=True)
     validate(cfg)
     build(cfg.loss)
@@ -156,6 +156,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
 
 
 def build_run(cfg: DictConfig) -> Run:
+    quiet_third_party()
     L.seed_everything(cfg.seed, workers=True)
     validate(cfg)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)

@@ -1,5 +1,6 @@
 """End to end on the tiny random model: train() for 2 rounds, what changed, what was logged."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def _scalar_tags(output_dir: Path) -> set[str]:
     return set(acc.Tags()["scalars"]), acc
 
 
-def test_lora_run_trains_adapters_only_and_logs_every_metric(tiny_cfg):
+def test_lora_run_trains_adapters_only_and_logs_every_metric(tiny_cfg, caplog, recwarn):
+    caplog.set_level(logging.INFO)
     cfg = tiny_cfg()
     run = build_run(cfg)
     before = _snapshot(run.module.policy)
@@ -68,6 +70,11 @@ def test_lora_run_trains_adapters_only_and_logs_every_metric(tiny_cfg):
     assert set(ckpt["state_dict"]) == {f"policy.{n}" for n in trainable}  # frozen base weights are not saved
     assert ckpt["global_step"] == 2  # one optimizer step per round
     assert (Path(cfg.paths.output_dir) / "policy" / "adapter_config.json").is_file()
+    # Quiet output: no advertising tips, no notices about other libraries' calls, no routine detail at INFO.
+    noisy = ("Tip:", "weights_only", "packed_weights", "is deprecated")
+    assert not [r.getMessage() for r in caplog.records if any(w in r.getMessage() for w in noisy) and r.levelno >= 20]
+    ours = str(Path(__file__).resolve().parents[1] / "grpo_lightning")
+    assert not [str(w.message) for w in recwarn if "deprecated" in str(w.message) or w.filename.startswith(ours)]
 
 
 def test_exported_policy_loads_with_peft_and_merged_without_it(tiny_cfg):
