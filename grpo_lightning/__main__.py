@@ -3,12 +3,13 @@
 Config and input mistakes (ValueError, OmegaConf key errors) print `error: ...` naming the key and exit 2; a run
 the non-finite or divergence guard stopped exits 1; a graceful Ctrl-C / SIGTERM stop exits 128 + the signal
 number. None of them prints a traceback unless HYDRA_FULL_ERROR=1. A run directory that cannot be created is
-checked here, before Hydra creates it (Hydra's own failure is a traceback).
+checked here, before Hydra creates it (Hydra's own failure is a traceback); a dry run leaves none behind.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,19 +22,30 @@ from grpo_lightning.reward_pipeline import check_moved_overrides
 from grpo_lightning.train import TrainingStopped, train
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     try:
-        metrics = train(cfg)
+        code, metrics = run(cfg)
+    finally:
+        if cfg.get("dry_run"):
+            remove_fresh_run_dir()
+    if code:
+        sys.exit(code)
+    return metrics.get("train/reward_mean")
+
+
+def run(cfg: DictConfig) -> tuple[int, dict[str, float]]:
+    """`train(cfg)` as the CLI runs it: (exit code, final metrics); a mistake is printed as one line on stderr."""
+    try:
+        return 0, train(cfg)
     except (ValueError, OmegaConfBaseException, TrainingStopped, RunInterrupted) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         prefix = "" if isinstance(err, RunInterrupted) else "error: "
         print(f"{prefix}{describe(err)}", file=sys.stderr)
         if isinstance(err, RunInterrupted):
-            sys.exit(128 + err.signum)
-        sys.exit(1 if isinstance(err, TrainingStopped) else 2)
-    return metrics.get("train/reward_mean")
+            return 128 + err.signum, {}
+        return (1 if isinstance(err, TrainingStopped) else 2), {}
 
 
 def describe(err: BaseException) -> str:
@@ -43,6 +55,28 @@ def describe(err: BaseException) -> str:
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
         return f"config key {key}: {first_line}" if key else first_line
     return str(err)
+
+
+def remove_fresh_run_dir() -> None:
+    """Undo the run directory Hydra made for a dry run: only when it holds nothing but Hydra's own files.
+
+    Hydra creates the job's directory, its `.hydra/` and its log file before the task runs. A directory with
+    anything else in it (an earlier run's checkpoints, say) is left as it is; emptied parents below the working
+    directory (`outputs/<date>/`) go too.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    own = {hc.output_subdir, f"{hc.job.name}.log"} - {None}
+    if not run_dir.is_dir() or any(p.name not in own for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    parent = run_dir.resolve().parent
+    while parent != cwd and cwd in parent.parents and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
 
 
 def check_run_dir(argv: list[str]) -> str | None:

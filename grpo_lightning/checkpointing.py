@@ -48,7 +48,7 @@ class LastCheckpoint(Checkpoint):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if getattr(pl_module, "diverged", False):  # keep the previous round's file: it predates the divergence
             return
-        trainer.save_checkpoint(self.dirpath / LAST)  # every rank calls it; the strategy writes on rank 0
+        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)  # every rank; rank 0 writes
 
 
 class RoundCheckpoint(ModelCheckpoint):

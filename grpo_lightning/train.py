@@ -35,11 +35,13 @@ from grpo_lightning.checkpointing import (
 )
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.evaluation import GSM8KEvaluator
+from grpo_lightning.export import export_policy
 from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.quiet import quiet_third_party
 from grpo_lightning.reward_pipeline import build_reward
 from grpo_lightning.summary import render as render_summary
 from grpo_lightning.summary import summary_metrics
@@ -144,6 +146,9 @@ class Run:
         rank_zero_print(render_summary(summary, len(rounds), len(evals)))
         if self.trainer.is_global_zero:
             write_final_metrics(output_dir, metrics)
+            saver = next((c for c in self.trainer.callbacks if isinstance(c, SavePolicy)), None)
+            if saver is not None:
+                export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.plan.model)
         last = output_dir / "checkpoints" / "last.ckpt"
         if self.module.diverged:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
@@ -185,6 +190,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def dry_run(cfg: DictConfig) -> dict[str, float]:
     """Validate the config, load the data, score the reference answers, print the plan; no model load."""
+    quiet_third_party()
     validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
     build(cfg.model.source)  # its own checks (a local folder's config.json and weights)
@@ -203,6 +209,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
 
 
 def build_run(cfg: DictConfig) -> Run:
+    quiet_third_party()
     validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
     source = build(cfg.model.source)
@@ -257,7 +264,7 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     )
     module.run_info = run_info
     module.fixed_settings = settings
-    forward = cfg.get("forward") or {}  # training-forward levers (README: Performance)
+    forward = cfg.get("forward") or {}  # training-forward levers (docs/configuration.md, forward)
     module.share_prefix = bool(forward.get("share_prefix", True))
     module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 128)
     module.runs_by_length = bool(forward.get("runs_by_length", True))

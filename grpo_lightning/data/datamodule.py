@@ -213,7 +213,7 @@ class RolloutDataModule(L.LightningDataModule):
             [sum(float(self.micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
             dtype=torch.float64,
         )
-        tokens = sum_across_ranks(local).tolist()  # dapo normalises by the whole step, all ranks (REFERENCE §1)
+        tokens = sum_across_ranks(local).tolist()  # dapo: the whole step, all ranks (docs/algorithm.md)
         return [
             dataclasses.replace(self.micro_batches[i], num_tokens_in_step=n)
             for step, n in zip(steps, tokens, strict=True)

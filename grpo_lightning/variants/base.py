@@ -27,7 +27,7 @@ RewardFn = Callable[[str, str], float]
 
 
 def register_variant(name: str):
-    """Class decorator: make a variant known by name (listed by `dry_run` and the README)."""
+    """Class decorator: make a variant known by name (listed by `dry_run` and docs/extending.md)."""
 
     def decorator(cls: type[GRPOVariant]) -> type[GRPOVariant]:
         if name in VARIANTS and VARIANTS[name] is not cls:
@@ -120,7 +120,7 @@ class GRPOVariant(ABC):
         )
 
     def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardFn | None = None) -> None:
-        """Fill `advantage` per REFERENCE §2 over the rollouts' group ids: the reward pipeline's group transforms
+        """Fill `advantage` as in docs/algorithm.md (Advantages) over the rollouts' group ids: the reward pipeline's group transforms
         when `reward_fn` has them (`advantages`), else group advantages scaled by `scale_rewards`."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)
