@@ -111,7 +111,8 @@ def test_running_agreement_counts_only_steps_with_a_change_and_signs_of_zero():
     running.update(projected=1e-4, actual=3e-4)
     running.update(projected=-2e-4, actual=-1e-4)
     assert running.n == 3 and running.sign_agreement == pytest.approx(2 / 3)
-    x, y = torch.tensor([0.0, 1e-4, -2e-4]), torch.tensor([2e-4, 3e-4, -1e-4])
+    x = torch.tensor([0.0, 1e-4, -2e-4], dtype=torch.float64)
+    y = torch.tensor([2e-4, 3e-4, -1e-4], dtype=torch.float64)
     xc, yc = x.double() - x.double().mean(), y.double() - y.double().mean()
     assert running.correlation == pytest.approx(float((xc * yc).sum() / (xc.norm() * yc.norm())), rel=1e-9)
 
