@@ -40,6 +40,7 @@ def run(run_dir: Path, devices: int, *extra: str) -> dict:
         "~optim.optimizer.betas",
         "optim.optimizer.lr=1.0",
         f"data.prompts_per_round={PROMPTS}",
+        f"generator.num_generations={G}",
         "eval.num_problems=3",  # not a multiple of 2: ranks score 2 and 1 problems
         "eval.every_n_rounds=100",
         "+callbacks.dump._target_=tests.helpers.DumpTrainableParams",
