@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format tb
+.PHONY: help install train test check lint format tb
 
 help: ## List the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml
 train: install ## Run GRPO on the embedded default (SmolLM2-135M, GSM8K); extra overrides: make train ARGS="..."
 	$(PY) -m grpo_lightning $(ARGS)
 
-test: install ## Run every test that needs no GPU
+test: install ## Run every test that runs without a GPU (what CI runs; tests/README.md)
 	$(PY) -m pytest -m "not gpu and not vllm"
+
+check: install ## The fast tier: tests that load no model weights and train nothing end to end
+	$(PY) -m pytest -m "not slow and not gpu and not vllm"
 
 lint: install ## ruff lint + format check
 	$(VENV)/bin/ruff check .

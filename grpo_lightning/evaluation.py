@@ -126,6 +126,8 @@ class GSM8KEvaluator(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rounds_done = trainer.current_epoch + 1
         last = trainer.max_epochs is not None and rounds_done >= trainer.max_epochs
+        if getattr(pl_module, "diverged", False):  # blown-up weights: nothing worth scoring (or logging)
+            return
         if self.enabled and (rounds_done % self.every_n_rounds == 0 or last):
             self.evaluate(trainer)
 

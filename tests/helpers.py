@@ -1,4 +1,5 @@
-"""Test-only pieces plugged in through config (`reward._target_=tests.helpers.VowelFractionReward`), and builders."""
+"""Test-only pieces plugged in through config (`+reward.terms.vowels._target_=tests.helpers.VowelFractionReward`),
+and builders."""
 
 import copy
 import os

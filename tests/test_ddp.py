@@ -31,9 +31,9 @@ def run(run_dir: Path, devices: int, *extra: str) -> dict:
         "generator.max_new_tokens=12",
         "generator.seed_per_prefix=true",
         "trainer.enable_progress_bar=false",
-        "reward._target_=tests.helpers.RecordingReward",
-        f"+reward.directory={run_dir}",
-        "~reward.format_bonus",
+        "~reward.terms.gsm8k",
+        "+reward.terms.vowels._target_=tests.helpers.RecordingReward",
+        f"+reward.terms.vowels.directory={run_dir}",
         # SGD: the update is linear in the gradient, so float-rounding differences stay float-sized. (Adam's first
         # steps are ~lr * sign(g): a gradient entry near 0 flips with rounding and moves by a whole lr.)
         "optim.optimizer._target_=torch.optim.SGD",

@@ -26,8 +26,8 @@ BASE = [
     f"trainer.max_epochs={ROUNDS}",
     "generator.max_new_tokens=12",
     "trainer.enable_progress_bar=false",
-    "reward._target_=tests.helpers.VowelFractionReward",
-    "~reward.format_bonus",
+    "~reward.terms.gsm8k",
+    "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
     "optim.optimizer.lr=1e-3",
     "data.prompts_per_round=2",
     "eval.num_problems=2",
@@ -41,7 +41,8 @@ SETUPS = {
     # Dynamic sampling: odd-answer problems score 0 everywhere, so rounds draw extra batches and the prompt
     # stream position (checkpointed) moves by a varying amount per round.
     "dynamic_sampling": [
-        "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
+        "~reward.terms.vowels",
+        "+reward.terms.even._target_=tests.helpers.VowelFractionOnEvenAnswers",
         "data.dynamic_sampling.enabled=true",
     ],
 }

@@ -15,6 +15,7 @@ summed over ranks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from grpo_lightning.distributed import sum_across_ranks
 from grpo_lightning.dynamic_sampling import DynamicSampling
 from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -36,13 +39,21 @@ class Prompt:
     answer: str
     question: str
     problem_index: int
+    full_length: int = 0
+    """Tokens before cutting to `max_prompt_tokens` (more than len(prompt_ids) when the prompt was cut)."""
 
 
 def encode_prompt(tokenizer, dataset: GSM8K, problem: Problem, index: int, max_prompt_tokens: int) -> Prompt:
     """Chat-format and tokenise one problem; an over-long prompt keeps its last `max_prompt_tokens` tokens."""
     text = tokenizer.apply_chat_template(dataset.messages(problem.question), tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
-    return Prompt(prompt_ids=ids, answer=problem.answer, question=problem.question, problem_index=index)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return Prompt(
+        prompt_ids=ids[-max_prompt_tokens:],
+        answer=problem.answer,
+        question=problem.question,
+        problem_index=index,
+        full_length=len(ids),
+    )
 
 
 def _identity(batch: RolloutBatch) -> RolloutBatch:
@@ -137,7 +148,18 @@ class RolloutDataModule(L.LightningDataModule):
         """The prompts at stream positions [start, start + count) (dynamic sampling draws past a round's own)."""
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule needs a tokenizer to build prompts")
-        return [self.encode(i) for i in self.problem_indices(start, count)]
+        prompts = [self.encode(i) for i in self.problem_indices(start, count)]
+        cut = [p for p in prompts if p.full_length > len(p.prompt_ids)]
+        if cut:  # the start of the prompt (system prompt, question) is gone: the model sees a fragment
+            log.warning(
+                "%d of %d prompts were longer than data.max_prompt_tokens=%d (up to %d tokens) and lost their first "
+                "tokens",
+                len(cut),
+                len(prompts),
+                self.max_prompt_tokens,
+                max(p.full_length for p in cut),
+            )
+        return prompts
 
     def encode(self, problem_index: int) -> Prompt:
         return encode_prompt(
@@ -191,7 +213,7 @@ class RolloutDataModule(L.LightningDataModule):
             [sum(float(self.micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
             dtype=torch.float64,
         )
-        tokens = sum_across_ranks(local).tolist()  # dapo normalises by the whole step, all ranks (REFERENCE §1)
+        tokens = sum_across_ranks(local).tolist()  # dapo: the whole step, all ranks (docs/algorithm.md)
         return [
             dataclasses.replace(self.micro_batches[i], num_tokens_in_step=n)
             for step, n in zip(steps, tokens, strict=True)

@@ -72,9 +72,11 @@ class RolloutCallback(L.Callback):
     # ---- checkpoint state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Called on every rank when a checkpoint is written; rank 0 writes everybody's part."""
+        reward_state = getattr(self.reward_fn, "state_dict", None)  # e.g. an EMA baseline across rounds
         local = {
             "pending": None if self.pending is None else [dataclasses.asdict(r) for r in self.pending],
             "rng": capture_rng(),
+            "reward": reward_state() if reward_state is not None else {},
         }
         return {
             "next_round": self.next_round,
@@ -104,6 +106,8 @@ class RolloutCallback(L.Callback):
         mine = state["ranks"][rank]
         self.prompt_cursor = state.get("prompt_cursor", 0)
         self.history = [tuple(h) for h in state.get("history", [])]
+        if mine.get("reward"):
+            self.reward_fn.load_state_dict(mine["reward"])
         if mine["pending"] is None:
             restore_rng(mine["rng"])
             self.produce(trainer, pl_module, state["next_round"])
@@ -198,7 +202,7 @@ class RolloutCallback(L.Callback):
                 break
         chosen = kept[:needed] + dropped[: max(0, needed - len(kept))]
         rollouts = renumbered([group for _, group in chosen])
-        self.variant.assign_advantages(rollouts)
+        self.variant.assign_advantages(rollouts, self.reward_fn)
         metrics = {
             "rollout/ds_groups_filtered": float(len(dropped)),
             "rollout/ds_groups_short": float(max(0, needed - len(kept))),
@@ -251,6 +255,8 @@ class RolloutStats:
     """Sampled tokens (a STORPO continuation's branched prefix was sampled once, by the initial completion)."""
     truncated: bool
     extracted: bool
+    terms: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Unweighted reward terms (`reward.terms.<name>`)."""
 
     @staticmethod
     def of(r: Rollout, rank: int = 0) -> RolloutStats:
@@ -261,6 +267,7 @@ class RolloutStats:
             generated=len(r.completion_ids) - r.branch_point,
             truncated=r.truncated,
             extracted=r.answer_extracted,
+            terms=dict(r.reward_terms),
         )
 
 
@@ -285,7 +292,7 @@ def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, fl
     lengths = torch.tensor([s.length for s in stats], dtype=torch.float32)  # [N]
     generated = sum(s.generated for s in stats)
     num_groups = len(set(groups.tolist()))
-    return {
+    metrics = {
         "train/reward_mean": float(rewards.mean()),
         "train/reward_std": float(rewards.std()) if len(stats) > 1 else 0.0,
         "train/frac_zero_std_groups": zero_std_group_fraction(rewards, groups),
@@ -297,6 +304,13 @@ def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, fl
         "rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
         "time/rollout_s": rollout_s,
     }
+    names = dict.fromkeys(name for s in stats for name in s.terms)  # in config order
+    if names:  # each reward term beside the total, so a user sees which term moves
+        metrics["reward/total_mean"] = metrics["train/reward_mean"]
+        for name in names:
+            values = [s.terms[name] for s in stats if name in s.terms]
+            metrics[f"reward/{name}_mean"] = sum(values) / len(values)
+    return metrics
 
 
 def logp_diff(micro_batches: list[RolloutBatch]) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""STORPO: branch continuations from the reasoning-step boundaries of one initial completion (REFERENCE §4).
+"""STORPO: branch continuations from the reasoning-step boundaries of one initial completion (docs/algorithm.md).
 
-Per prompt: sample ONE completion; find step boundaries in its decoded text with the seed plan's regex (a
+Per prompt: sample ONE completion; find step boundaries in its decoded text with the regex of docs/algorithm.md (a
 period not after a digit, whitespace, then a capital or a digit); map each to a TOKEN boundary k of that
 completion; sample `completions_per_step` continuations from `prompt_ids + completion_ids[:k]`. The initial
 completion and all its continuations form ONE advantage group. A continuation trains only on its own tokens

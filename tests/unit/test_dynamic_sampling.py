@@ -15,7 +15,8 @@ def even_answer_run(tiny_cfg, max_extra_batches: int, rounds: int):
     """A tiny-model run with dynamic sampling whose reward is 0 on every odd-answer problem."""
     return build_run(
         tiny_cfg(
-            "reward._target_=tests.helpers.VowelFractionOnEvenAnswers",
+            "~reward.terms.vowels",
+            "+reward.terms.even._target_=tests.helpers.VowelFractionOnEvenAnswers",
             "data.dynamic_sampling.enabled=true",
             f"data.dynamic_sampling.max_extra_batches={max_extra_batches}",
             f"trainer.max_epochs={rounds}",
