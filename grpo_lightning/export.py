@@ -86,6 +86,14 @@ def command_line() -> str:
     return shlex.join([Path(sys.executable).name, "-m", "grpo_lightning", *overrides])
 
 
+def reward_terms(cfg: DictConfig) -> str:
+    """The reward pipeline in one line: `name` x weight for each term, then the group transforms."""
+    reward = cfg.get("reward") or {}
+    terms = ", ".join(f"`{name}` x {term.get('weight', 1.0)}" for name, term in (reward.get("terms") or {}).items())
+    groups = ", ".join(f"`{name}`" for name in (reward.get("group_transforms") or {}))
+    return f"terms {terms or 'none'}" + (f"; group transforms {groups}" if groups else "")
+
+
 def model_card(
     cfg: DictConfig,
     metrics: dict[str, float],
@@ -115,8 +123,8 @@ def model_card(
         f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
         f"| data | `{cfg.data.dataset.source}` GSM8K, split `{cfg.data.dataset.split}` (Cobbe et al. 2021) |",
         f"| variant | `{variant}` |",
-        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high}, "
-        f"scale_rewards `{loss.scale_rewards}` |",
+        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high} |",
+        f"| reward | {reward_terms(cfg)} (docs/rewards.md) |",
         f"| rounds | {cfg.trainer.max_epochs} x {cfg.data.prompts_per_round} prompts, "
         f"{cfg.generator.num_generations} completions each, {cfg.generator.max_new_tokens} new tokens |",
         f"| optimizer | lr {cfg.optim.optimizer.lr}, schedule `{cfg.optim.schedule.kind}` |",

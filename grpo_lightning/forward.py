@@ -447,6 +447,8 @@ def _completion_forward(
     terms = None
     if sink is not None:
         entropy = sink.entropy.new_zeros(real.shape).masked_scatter(real, sink.entropy)  # [B, C]
-        head_grads = [(p, g) for p, g in ((head.weight, sink.grad_weight), (head.bias, sink.grad_bias)) if g is not None]
+        head_grads = [
+            (p, g) for p, g in ((head.weight, sink.grad_weight), (head.bias, sink.grad_bias)) if g is not None
+        ]
         terms = EntropyTerms(entropy, real_hidden, sink.grad_hidden.to(real_hidden.dtype), head_grads)
     return (head(hidden) / temperature if with_logits else None), logprobs, terms

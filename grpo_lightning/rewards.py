@@ -4,8 +4,8 @@ GSM8K reference solutions end with a line ``#### <answer>`` (Cobbe et al., 2021,
 Solve Math Word Problems"), so the reference answer is the text after the *last* ``####``, with thousands
 commas removed (the test split writes e.g. ``#### 1,450,000``).
 
-The reward follows the rule-based outcome reward used by DeepSeekMath's GRPO (Shao et al., 2024) and the
-project's seed plan: 1.0 for a correct final answer, a small ``format_bonus`` for a completion that states a
+The reward follows the rule-based outcome reward used by DeepSeekMath's GRPO (Shao et al., 2024):
+1.0 for a correct final answer, a small ``format_bonus`` for a completion that states a
 final answer in a recognised format but gets it wrong, and 0.0 when no answer can be extracted.
 
 Design choices:

@@ -220,9 +220,6 @@ def rules() -> dict[str, Check]:
         "loss.epsilon_low": number(low=0, below=1),
         "loss.epsilon_high": number(low=0),
         "loss.max_completion_length": integer(1),
-        "loss.scale_rewards": choice(*SCALE_REWARDS),
-        # reward (the packaged GSM8K reward; a user's own reward has its own keys)
-        "reward.format_bonus": number(low=0, high=1),
         # variant
         "variant.num_generations": integer(2),
         "variant.scale_rewards": choice(*SCALE_REWARDS),

@@ -17,7 +17,12 @@ from omegaconf import DictConfig, open_dict
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
 # Files whose every test runs training in other processes (killed runs, DDP ranks): the slow tier.
-SLOW_FILES = {"tests/test_resume.py", "tests/test_ddp.py"}
+SLOW_FILES = {
+    "tests/test_resume.py",
+    "tests/test_ddp.py",
+    "tests/test_failures.py",
+    "tests/test_reward_pipeline_run.py",
+}
 
 
 def pytest_collection_modifyitems(config, items):

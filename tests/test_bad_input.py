@@ -1,15 +1,18 @@
 """Every mistake a user can make at the command line ends in a short message, a non-zero exit, no traceback.
 
-Most cases run in-process: `train(compose(...))`, exactly what the CLI runs, and the CLI's own `describe` of the
-error; they assert a ValueError (or OmegaConf error) that the CLI turns into exit 2, a one-line message naming the
-key or file, and that nothing on disk was lost or written. They fail in validation, before anything loads, so
-they take well under a second each. A handful run the real CLI in a subprocess, for the exit code and the absence
-of a traceback as a user sees them.
+Each case asserts the exit code or error, the words that name the key or file (and what to do), that no
+"Traceback" is printed, and that nothing already on disk was touched. `cli()` runs the CLI's own code in-process
+(its argument checks, Hydra's compose, then `grpo_lightning.__main__.run`, which is what `main` calls) with the
+output captured; `fails_in_process` calls `train(compose(...))` directly. Mistakes fail in validation, before
+anything loads, so each takes well under a second. A few `slow` cases run the real `python -m grpo_lightning` in
+a subprocess for what only a process shows: the exit code as a user sees it and HYDRA_FULL_ERROR.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
 import os
 import subprocess
@@ -18,11 +21,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_lightning.__main__ import describe
+from grpo_lightning.__main__ import check_run_dir, describe
+from grpo_lightning.__main__ import run as run_cli
+from grpo_lightning.reward_pipeline import check_moved_overrides
 from grpo_lightning.train import train
-from tests.conftest import make_cfg
+from tests.conftest import CONF_DIR, make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -35,7 +43,43 @@ TINY = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _users_default_environment(monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # the user's default: no traceback
+
+
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m grpo_lightning *args`, in-process: the CLI's own argument checks, Hydra's compose, then the
+    CLI's error handling (`grpo_lightning.__main__.run`, what `main` calls), with the output captured.
+
+    `hydra.run.dir=<dir>` becomes the run's output dir (unless `paths.output_dir` is given); a composition error
+    exits 1 with Hydra's message, as the real CLI does. `real_cli` runs the real process.
+    """
+    overrides = [a for a in args if not a.startswith("hydra.run.dir=")]
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")), str(cwd / "outputs"))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        problem = check_moved_overrides(list(args)) or check_run_dir(list(args))
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            code = 2
+        else:
+            try:
+                with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+                    cfg = compose(config_name="config", overrides=overrides)
+            except HydraException as error:
+                print(f"{error}\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", file=err)
+                code = 1
+            else:
+                if not any(a.startswith("paths.output_dir=") for a in overrides):
+                    with open_dict(cfg):
+                        cfg.paths.output_dir = run_dir
+                code, _ = run_cli(cfg)
+    return subprocess.CompletedProcess(["grpo_lightning", *args], code, out.getvalue(), err.getvalue())
+
+
+def real_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The real command in a subprocess, as a user runs it (several seconds of imports: keep these few)."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}  # the user's default: no traceback
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
@@ -64,9 +108,9 @@ CONFIG_MISTAKES = [
     ("unknown key", ["generator.num_generation=4"], ["generator.num_generation"]),
     ("missing required key", ["model=local"], ["model.source.path", "Missing mandatory value"]),
     ("wrong type (int)", ["generator.num_generations=four"], ["generator.num_generations must be an integer"]),
-    ("wrong type (lr)", ["optim.optimizer.lr=fast"], ["optim.optimizer.lr must be a finite number >= 0"]),
+    ("wrong type (lr)", ["optim.optimizer.lr=fast"], ["optim.optimizer.lr must be a finite number", "'fast'"]),
     ("group size < 2", ["generator.num_generations=1"], ["generator.num_generations must be >= 2"]),
-    ("negative lr", ["optim.optimizer.lr=-0.1"], ["optim.optimizer.lr must be a finite number >= 0"]),
+    ("negative lr", ["optim.optimizer.lr=-0.1"], ["optim.optimizer.lr must be >= 0", "-0.1"]),
     ("max_new_tokens 0", ["generator.max_new_tokens=0"], ["generator.max_new_tokens must be >= 1"]),
     ("negative beta", ["loss.beta=-1"], ["loss.beta must be >= 0"]),
     ("zero prompts", ["data.prompts_per_round=0"], ["data.prompts_per_round must be >= 1"]),
@@ -123,6 +167,7 @@ def test_bad_data_file(tmp_path, content, words):
         f"hydra.run.dir={tmp_path}/run",
         "data.dataset.source=path",
         f"data.dataset.path={data}",
+        "eval.enabled=false",
         cwd=tmp_path,
     )
     assert_clean_failure(result, words, str(data), code=2)
@@ -134,6 +179,7 @@ def test_data_file_not_found(tmp_path):
         f"hydra.run.dir={tmp_path}/run",
         "data.dataset.source=path",
         "data.dataset.path=/nope.jsonl",
+        "eval.enabled=false",
         cwd=tmp_path,
     )
     assert_clean_failure(result, "data.dataset.path: file not found: /nope.jsonl", code=2)
@@ -177,6 +223,27 @@ def test_checkpoint_of_another_model(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained or written
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "words", "code"),
+    [
+        (["loss=foo"], "Could not find 'loss/foo'", 1),  # Hydra's own composition error
+        (["generator.num_generations=1"], "generator.num_generations must be >= 2", 2),
+        (
+            ["data.dataset.source=path", "data.dataset.path=/nope.jsonl", "eval.enabled=false"],
+            "file not found: /nope.jsonl",
+            2,
+        ),
+        (["reward.format_bonus=0.2"], "reward.terms.gsm8k.format_bonus", 2),  # a moved key, before Hydra sees it
+    ],
+    ids=["composition error", "config mistake", "input file missing", "moved key"],
+)
+def test_real_cli_exit_codes(tmp_path, overrides, words, code):
+    result = real_cli("dry_run=true", f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
+    assert_clean_failure(result, words, code=code)
+
+
+@pytest.mark.slow
 def test_full_error_env_shows_the_traceback(tmp_path):
     env = dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONPATH=str(ROOT))
     result = subprocess.run(
@@ -263,7 +330,7 @@ VALIDATION_MISTAKES = [
     ("betas out of range", ["optim.optimizer.betas=[2,3]"], ["optim.optimizer.betas must be two numbers in [0, 1)"]),
     ("betas of one", ["optim.optimizer.betas=[0.9]"], ["optim.optimizer.betas"]),
     ("negative weight decay", ["optim.optimizer.weight_decay=-1"], ["optim.optimizer.weight_decay must be >= 0"]),
-    ("infinite lr", ["optim.optimizer.lr=inf"], ["optim.optimizer.lr must be a positive number"]),
+    ("infinite lr", ["optim.optimizer.lr=inf"], ["optim.optimizer.lr must be a finite number", "inf"]),
     ("samples every 0 rounds", ["logging.samples_every_n_rounds=0"], ["logging.samples_every_n_rounds must be >= 1"]),
     ("negative samples logged", ["logging.num_samples_logged=-1"], ["logging.num_samples_logged must be >= 0"]),
     ("temperature 1e-40", ["generator.temperature=1e-40"], ["generator.temperature=1e-40", "greedy"]),
@@ -273,8 +340,12 @@ VALIDATION_MISTAKES = [
     ("generate batch 0", ["generator.batch_size=0"], ["generator.batch_size must be >= 1"]),
     ("epsilon_low 1.5", ["loss.epsilon_low=1.5"], ["loss.epsilon_low must be < 1"]),
     ("loss type unknown", ["loss.loss_type=ppo"], ["loss.loss_type must be one of grpo"]),
-    ("scale rewards unknown", ["loss.scale_rewards=rank"], ["loss.scale_rewards must be one of"]),
-    ("format bonus 2", ["reward.format_bonus=2"], ["reward.format_bonus must be <= 1"]),
+    (
+        "group normalisation unknown",
+        ["reward.group_transforms.normalize.scale=rank"],
+        ["reward.group_transforms.normalize", "rank"],
+    ),
+    ("format bonus 2", ["reward.terms.gsm8k.format_bonus=2"], ["reward.terms.gsm8k", "format_bonus must be in [0, 1)"]),
     ("eval pass_k negative", ["eval.pass_k=-1"], ["eval.pass_k must be >= 0"]),
     ("eval enabled not a bool", ["eval.enabled=maybe"], ["eval.enabled must be true or false"]),
     ("split unknown", ["data.dataset.split=validation"], ["data.dataset.split must be one of train, test"]),
@@ -404,6 +475,7 @@ def test_max_new_tokens_beyond_the_context(tmp_path):
 
 
 # ---- the CLI as a user runs it: exit codes, no traceback --------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
@@ -413,12 +485,13 @@ def test_max_new_tokens_beyond_the_context(tmp_path):
     ids=["lora r", "two mistakes"],
 )
 def test_cli_validation_mistake_exits_2(tmp_path, overrides, words):
-    result = cli(f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
+    result = real_cli(f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
     assert_clean_failure(result, *words, code=2)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and all(word in errors[0] for word in words), result.stderr
 
 
+@pytest.mark.slow
 def test_cli_unwritable_run_dir(tmp_path):
-    result = cli("hydra.run.dir=/proc/grpo_lightning_run", *TINY, cwd=tmp_path)
+    result = real_cli("hydra.run.dir=/proc/grpo_lightning_run", *TINY, cwd=tmp_path)
     assert_clean_failure(result, "/proc/grpo_lightning_run", code=2)

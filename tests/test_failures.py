@@ -82,12 +82,12 @@ def test_resume_applies_a_new_schedule(finished_run):
     ("overrides", "keys"),
     [
         (["seed=1"], ["seed 0 -> 1"]),
-        (["loss=dapo"], ["loss.loss_type 'grpo' -> 'dapo'", "loss.beta"]),
-        (["generator.num_generations=3"], ["generator.num_generations 4 -> 3"]),
+        (["loss=dapo"], ["loss.loss_type 'grpo' -> 'dapo'", "loss.epsilon_high 0.2 -> 0.28"]),
+        (["generator.num_generations=3"], ["generator.num_generations 8 -> 3"]),
         (["data.prompts_per_round=4"], ["data.prompts_per_round 2 -> 4"]),
         (["model.lora.r=4"], ["model.lora.r 8 -> 4"]),
         (["model.lora.target_modules=[q_proj]"], ["model.lora.target_modules"]),
-        (["seed=2", "generator.num_generations=2"], ["seed 0 -> 2", "generator.num_generations 4 -> 2"]),
+        (["seed=2", "generator.num_generations=2"], ["seed 0 -> 2", "generator.num_generations 8 -> 2"]),
     ],
     ids=["seed", "loss", "G", "prompts_per_round", "lora r", "lora targets", "two at once"],
 )
@@ -193,7 +193,7 @@ def test_default_run_directories_are_unique(tmp_path):
     code = (
         "import sys; from hydra import compose, initialize_config_dir; import grpo_lightning;"
         "from hydra.core.hydra_config import HydraConfig; from omegaconf import OmegaConf;"
-        f"initialize_config_dir(config_dir={str(ROOT / 'conf')!r}, version_base='1.3');"
+        f"initialize_config_dir(config_dir={str(ROOT / 'grpo_lightning' / 'conf')!r}, version_base='1.3');"
         "cfg = compose('config', return_hydra_config=True);"
         "print(OmegaConf.select(cfg, 'hydra.run.dir'))"
     )

@@ -1,7 +1,7 @@
 """Entropy probe: per-sequence policy entropy, its correlation with advantages, and how an update moves it.
 
 Following Cui et al. 2025 ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
-arXiv 2505.22617) and seed 002; what each metric estimates and how to read it: docs/probes.md.
+arXiv 2505.22617); what each metric estimates and how to read it: docs/probes.md.
 
 - Token entropy H_t = -sum_v p(v|s_t) log p(v|s_t) of the sampling distribution (logits / temperature), taken
   from the training forward's own logits chunk by chunk as the chunked LM head computes them
@@ -12,9 +12,10 @@ arXiv 2505.22617) and seed 002; what each metric estimates and how to read it: d
   verl's clip_cov). Cui's Lemma 1 (natural policy gradient, step eta): dH ~= -eta Cov(log p, A); logged as
   `projected_delta_cov` with eta = the current learning rate (Adam is not natural gradient: read its sign and
   trend, not its size).
-- `projected_delta_first_order` (`first_order`, off by default: it costs a backward): grad_theta(token_mean) . delta_theta with
-  delta_theta the actual optimizer update. The gradient of sum_t H_t with respect to the LM head's input comes
-  with the entropies (one more `[n, V] x [V, H]` product per chunk); one extra backward from there
+- `projected_delta_first_order` (`first_order`, off by default: it costs a backward):
+  grad_theta(token_mean) . delta_theta with delta_theta the actual optimizer update. The gradient of sum_t H_t
+  with respect to the LM head's input comes with the entropies (one more `[n, V] x [V, H]` product per chunk);
+  one extra backward from there
   (`torch.autograd.grad`, `.grad` untouched) gives the trainable parameters' part. The update is never copied:
   grad . theta is taken (in float64, exact products) before and after the optimizer step.
 - `actual_delta` (`measure_actual`): mean entropy of the same micro-batches re-scored after the step (one extra
@@ -59,7 +60,9 @@ def _sign(x: float) -> int:
 def _dot64(a: Tensor, b: Tensor, block: int = 1 << 20) -> float:
     """sum(a * b) with float64 products and sums, a block at a time (float32 products are exact in float64)."""
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    return sum(float(torch.dot(a[i : i + block].double(), b[i : i + block].double())) for i in range(0, a.numel(), block))
+    return sum(
+        float(torch.dot(a[i : i + block].double(), b[i : i + block].double())) for i in range(0, a.numel(), block)
+    )
 
 
 class RunningAgreement:

@@ -1,6 +1,6 @@
 """Gradient noise scale probe (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A).
 
-Two batch sizes give two unbiased equations (REFERENCE §5; docs/probes.md): micro-batch gradients g_i (batch
+Two batch sizes give two unbiased equations (docs/probes.md): micro-batch gradients g_i (batch
 B_i) and the optimizer step's synchronised gradient G_big (batch B_b, all micro-batches of all ranks):
 
     E|g_i|^2   = |G|^2 + tr(S) / B_i          E|G_big|^2 = |G|^2 + tr(S) / B_b

@@ -120,8 +120,9 @@ class GRPOVariant(ABC):
         )
 
     def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardFn | None = None) -> None:
-        """Fill `advantage` as in docs/algorithm.md (Advantages) over the rollouts' group ids: the reward pipeline's group transforms
-        when `reward_fn` has them (`advantages`), else group advantages scaled by `scale_rewards`."""
+        """Fill `advantage` as in docs/algorithm.md (Advantages) over the rollouts' group ids: the reward
+        pipeline's group transforms when `reward_fn` has them (`advantages`), else group advantages scaled by
+        `scale_rewards`."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)
         pipeline = getattr(reward_fn, "advantages", None)

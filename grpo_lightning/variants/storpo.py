@@ -60,8 +60,16 @@ def evenly_spaced(items: Sequence[int], limit: int) -> list[int]:
     return [items[int((j + 0.5) * n / limit)] for j in range(limit)]
 
 
+def split_steps(text: str) -> list[str]:
+    """The reasoning steps of `text`: the pieces between consecutive step boundaries (they join back to it)."""
+    cuts = [0, *step_boundaries(text), len(text)]
+    return [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
 @register_variant("storpo")
 class STORPO(GRPOVariant):
+    knows_steps = True
+
     def __init__(
         self,
         completions_per_step: int = 2,
@@ -85,6 +93,14 @@ class STORPO(GRPOVariant):
         self.min_steps = min_steps
         self.max_steps = max_steps
         self.fallback_generations = fallback_generations
+
+    def step_info(self, text: str, completion: Completion, branch_point: int, decode: Callable) -> dict:
+        """The completion's reasoning steps and the step a continuation starts in (for `reward.step_transforms`)."""
+        branch_chars = len(decode(completion.token_ids[:branch_point])) if branch_point else 0
+        return {
+            "steps": split_steps(text),
+            "branch_step": sum(start <= branch_chars for start in step_boundaries(text)),
+        }
 
     def rollouts_per_round(self, num_prompts: int) -> int:
         """Upper bound: every prompt branches at max_steps boundaries."""

@@ -67,7 +67,9 @@ def completion_weights(batch, loss_type: str) -> torch.Tensor:  # [B]
 
 def flat_grad(value, params) -> torch.Tensor:
     grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).double() for p, g in zip(params, grads)])
+    return torch.cat(
+        [(torch.zeros_like(p) if g is None else g).reshape(-1).double() for p, g in zip(params, grads, strict=True)]
+    )
 
 
 class StepBatches(L.Callback):

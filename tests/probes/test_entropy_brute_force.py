@@ -47,7 +47,9 @@ class EntropyTruth(StepBatches):
         params = [p for p in pl_module.parameters() if p.requires_grad]
         mean, seq, adv, lp, tok_adv = self._token_mean(pl_module)
         grads = torch.autograd.grad(mean, params, allow_unused=True)
-        self.grad = [torch.zeros_like(p).double() if g is None else g.double() for p, g in zip(params, grads)]
+        self.grad = [
+            torch.zeros_like(p).double() if g is None else g.double() for p, g in zip(params, grads, strict=True)
+        ]
         self.before = [p.detach().clone() for p in params]
         cov = float(((lp - lp.mean()) * (tok_adv - tok_adv.mean())).mean())
         seq_c, adv_c = seq - seq.mean(), adv - adv.mean()
@@ -67,8 +69,10 @@ class EntropyTruth(StepBatches):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         params = [p for p in pl_module.parameters() if p.requires_grad]
-        delta = [(p.detach() - b).double() for p, b in zip(params, self.before)]
-        self.truth["projected_delta_first_order"] = float(sum((g * d).sum() for g, d in zip(self.grad, delta)))
+        delta = [(p.detach() - b).double() for p, b in zip(params, self.before, strict=True)]
+        self.truth["projected_delta_first_order"] = float(
+            sum((g * d).sum() for g, d in zip(self.grad, delta, strict=True))
+        )
         self.truth["actual_delta"] = float(self._token_mean(pl_module)[0]) - self.truth["token_mean"]
         self.rows.append((dict(self.truth), dict(self.probe.last_metrics)))
 

@@ -92,6 +92,7 @@ def _run(weights, accumulate, steps, micro=4, seed=1):
     return module, probe, recorder.rows, g2_true, tr_true
 
 
+@pytest.mark.slow  # 20 000 brute-force gradients: about 10 s per case
 @pytest.mark.parametrize("weights", [torch.ones(4), torch.tensor([1.0, 2.0, 3.0, 4.0])], ids=["equal", "weighted"])
 def test_averaged_estimates_match_brute_force(weights):
     _, _, rows, g2_true, tr_true = _run(weights, accumulate=4, steps=600)

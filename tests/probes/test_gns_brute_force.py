@@ -7,7 +7,6 @@ estimates of tr(S) and |G|^2, which the probe must reproduce. Completions have u
 trained token, so every weighting matters.
 """
 
-import lightning as L
 import pytest
 import torch
 
@@ -44,13 +43,13 @@ class GNSTruth(StepBatches):
             sizes.append(float(w.sum() ** 2 / w.pow(2).sum()))
         m = len(micro)
         share = [b / sum(sizes) for b in sizes] if self.loss_type == "dapo" else [1 / m] * m  # a_i
-        big = sum(a * g for a, g in zip(share, micro))
+        big = sum(a * g for a, g in zip(share, micro, strict=True))
         grad = torch.cat([p.grad.reshape(-1).double() for p in params])
         assert torch.allclose(big, grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()))  # the loss is the loss
         mean_sq = sum(float(g.pow(2).sum()) for g in micro) / m
         big_sq = float(big.pow(2).sum())
         b_small = m / sum(1 / b for b in sizes)
-        b_big = 1 / sum(a * a / b for a, b in zip(share, sizes))
+        b_big = 1 / sum(a * a / b for a, b in zip(share, sizes, strict=True))
         tr = (mean_sq - big_sq) / (1 / b_small - 1 / b_big)
         g2 = (b_big * big_sq - b_small * mean_sq) / (b_big - b_small)
         truth = {"gns_B_small": b_small, "gns_B_big": b_big, "gns_G2_big": big_sq, "gns_tr_sigma": tr, "gns_G2": g2}

@@ -42,7 +42,12 @@ EXPECTED = {
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_parameters_identical_with_probes_on_and_off(tiny_cfg, lora):
     base = _trained(tiny_cfg(f"model.lora.enabled={lora}"))
-    cfg = tiny_cfg(f"model.lora.enabled={lora}", "probe=[gns,entropy]", "probe.entropy.measure_actual=true", "probe.entropy.first_order=true")
+    cfg = tiny_cfg(
+        f"model.lora.enabled={lora}",
+        "probe=[gns,entropy]",
+        "probe.entropy.measure_actual=true",
+        "probe.entropy.first_order=true",
+    )
     probed = _trained(cfg)
     assert base.keys() == probed.keys()
     assert all(torch.equal(base[n], probed[n]) for n in base)
