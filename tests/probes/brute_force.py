@@ -29,6 +29,18 @@ class UnequalLengths:
         return rollouts
 
 
+PINNED_SHAPE = (
+    "generator.num_generations=4",
+    "data.prompts_per_round=4",
+    "data.dynamic_sampling.enabled=false",
+    "generator.temperature=1.0",
+)
+"""The round these checks were built on, whatever the defaults: 4 groups of 4 completions, one group per
+micro-batch (so a round has 4 micro-batches of 4 completions), no dynamic sampling, and temperature 1. The tiny
+random model is near-uniform: its per-sequence entropies differ by ~5e-5 nats, so their correlations are only
+resolved to the tolerances asserted where that spread is widest, at temperature 1."""
+
+
 def plain_logprobs(model, batch, temperature: float) -> torch.Tensor:  # [B, C]
     """log pi(completion token) from one full forward of the model (its own logits)."""
     logits = plain_logits(model, batch, temperature)

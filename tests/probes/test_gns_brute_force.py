@@ -14,6 +14,7 @@ from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.probes.gns import GradientNoiseScaleProbe
 from grpo_lightning.train import build_run
 from tests.probes.brute_force import (
+    PINNED_SHAPE,
     StepBatches,
     UnequalLengths,
     completion_values,
@@ -58,7 +59,14 @@ class GNSTruth(StepBatches):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_gns_matches_per_completion_gradients(tiny_cfg, loss_type):
-    cfg = tiny_cfg(f"loss={loss_type}", "loss.beta=0", "probe=[gns]", "trainer.max_epochs=2", "eval.enabled=false")
+    cfg = tiny_cfg(
+        f"loss={loss_type}",
+        "loss.beta=0",
+        "probe=[gns]",
+        "trainer.max_epochs=2",
+        "eval.enabled=false",
+        *PINNED_SHAPE,
+    )
     run = build_run(cfg)
     rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
     rollout_cb.variant = UnequalLengths(rollout_cb.variant)
