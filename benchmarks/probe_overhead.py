@@ -29,7 +29,7 @@ from pathlib import Path
 import lightning as L
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = str(ROOT / "conf")
+CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
 
 SETTINGS = {  # name: (gns on, entropy on, entropy.first_order, entropy.measure_actual)
     "none": (False, False, False, False),
@@ -46,7 +46,13 @@ def compose(output_dir: str, steps: int, extra: list[str]):
     from hydra import initialize_config_dir
     from omegaconf import open_dict
 
-    overrides = [f"trainer.max_epochs={steps}", "eval.enabled=false", "trainer.enable_progress_bar=false", *extra]
+    overrides = [
+        f"trainer.max_epochs={steps}",
+        "eval.enabled=false",
+        "trainer.enable_progress_bar=false",
+        "data.dynamic_sampling.enabled=false",  # every round serves the first round's rollouts (FrozenRollouts)
+        *extra,
+    ]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     with open_dict(cfg):
