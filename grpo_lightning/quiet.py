@@ -2,8 +2,9 @@
 
 Lightning prints advertising tips (litlogger, litmodels) at every `Trainer`; peft reads a transformers property
 that transformers has deprecated, and Lightning calls a torch pytree API that torch has deprecated. None of them
-is something a user of this application can change, so they are filtered by their exact text; every other
-warning and log line passes through.
+is something a user of this application can change, so they are filtered by their exact text, as is Lightning's
+notice about modules in eval mode (the frozen reference is, by design); every other warning and log line passes
+through.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ _DEPRECATIONS = (
 )
 
 
+_INTENDED = (
+    # the frozen reference policy (and dropout-free LoRA layers) stay in eval mode on purpose while training
+    r"Found \d+ module\(s\) in eval mode at the start of training",
+)
+
+
 class _DropTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
@@ -35,3 +42,5 @@ def quiet_third_party() -> None:
             logger.addFilter(_DropTips())
     for message in _DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for message in _INTENDED:
+        warnings.filterwarnings("ignore", message=message)
