@@ -69,3 +69,9 @@ def _packaged(cache: str):
     from grpo_lightning.models import PackagedGGUFSource
 
     return PackagedGGUFSource(cache_dir=cache)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Real vLLM engines last: the in-process engine (tests/test_vllm.py) initialises torch.distributed and keeps
+    its memory for the session, so nothing else runs after it in the same process."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: file order otherwise
