@@ -113,7 +113,7 @@ def for_platform(s: VLLMSettings, platform: str) -> VLLMSettings:
 
 
 def import_vllm() -> SimpleNamespace:
-    """The three vLLM classes the generator uses (tests pass a fake namespace instead)."""
+    """The three vLLM classes the generator uses and its platform, cuda or cpu (tests pass a fake namespace)."""
     try:
         import vllm
         from vllm.lora.request import LoRARequest
