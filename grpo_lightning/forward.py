@@ -26,6 +26,7 @@ Models whose logits are not `lm_head(hidden)` (final-logit soft-capping, logit s
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -194,10 +195,14 @@ class HeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float, sink=None
+    ) -> Tensor:
         logits = nn.functional.linear(hidden, weight, bias).float()  # [n, V]
         if temperature != 1.0:
             logits.div_(temperature)
+        if sink is not None:  # an observer reads this chunk's logits (entropy probe) before they are overwritten
+            sink(logits)
         chosen = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [n]
         peak = logits.amax(dim=-1, keepdim=True)  # [n, 1]
         unnormalised = logits.sub_(peak).exp_()  # [n, V], in place: exp(z - max)
@@ -212,11 +217,15 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: Tensor):  # [n]
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_logp.unsqueeze(-1) * grad_hidden).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_logp.unsqueeze(-1) * grad_hidden).to(ctx.hidden_dtype), None, None, None, None, None
 
 
-def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float) -> Tensor:
+def _chunk_logprobs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float, sink=None
+) -> Tensor:
     logits = nn.functional.linear(hidden, weight, bias).float() / temperature  # [n, V]
+    if sink is not None:
+        sink(logits)
     return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -226,21 +235,118 @@ def chunked_logprobs(
     index: Tensor,  # [...] long
     temperature: float,
     chunk_tokens: int = 128,
+    sink: EntropySink | None = None,
 ) -> Tensor:  # [...] float32
-    """log_softmax(head(hidden) / T)[index], `chunk_tokens` positions at a time (module docstring)."""
+    """log_softmax(head(hidden) / T)[index], `chunk_tokens` positions at a time (module docstring).
+
+    `sink` (entropy probe) sees each chunk's float32 logits / T once, in the forward, before they are freed.
+    """
     flat, flat_index = hidden.reshape(-1, hidden.shape[-1]), index.reshape(-1)
     head_trains = any(p is not None and p.requires_grad for p in (head.weight, head.bias))
     recompute = torch.is_grad_enabled() and head_trains
     out = []
     for start in range(0, flat.shape[0], chunk_tokens):
         args = (flat[start : start + chunk_tokens], head.weight, head.bias, flat_index[start : start + chunk_tokens])
+        chunk_sink = None if sink is None else sink.at(start)
         if not head_trains:
-            out.append(HeadLogprobs.apply(*args, temperature))
-        elif recompute:
-            out.append(checkpoint(_chunk_logprobs, *args, temperature, use_reentrant=False))
+            out.append(HeadLogprobs.apply(*args, temperature, chunk_sink))
+        elif recompute:  # the recomputation in the backward calls the sink again: it ignores a chunk seen once
+            out.append(checkpoint(_chunk_logprobs, *args, temperature, chunk_sink, use_reentrant=False))
         else:
-            out.append(_chunk_logprobs(*args, temperature))
+            out.append(_chunk_logprobs(*args, temperature, chunk_sink))
     return torch.cat(out).reshape(index.shape) if out else hidden.new_zeros(index.shape, dtype=torch.float32)
+
+
+def _shifted_softmax_terms(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # [..., V]
+    """(z - max z, exp(z - max z), their sums S, entropy) in float64; H = log S - sum(u z') / S."""
+    z = logits.detach().to(torch.float64, copy=True)
+    z.sub_(z.amax(dim=-1, keepdim=True))
+    u = z.exp()
+    total = u.sum(-1)
+    entropy = total.log() - torch.einsum("...v,...v->...", u, z) / total
+    return z, u, total, entropy
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor) -> Tensor:  # [..., V] -> [...] float64
+    """H = -sum_v p log p of softmax(logits), computed in float64 (see `entropy_and_logit_grad`)."""
+    return _shifted_softmax_terms(logits)[3]
+
+
+@torch.no_grad()
+def entropy_and_logit_grad(logits: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:  # [..., V]
+    """(H = -sum_v p log p of softmax(logits), float64 [...]; d(sum weights * H) / d logits = -w p (log p + H),
+    float32 [..., V]).
+
+    The entropy is computed in float64 from the given logits: one step's entropy change (~1e-7 nats per token
+    at small learning rates) is below the float32 rounding of a ~10-nat sum over the vocabulary.
+    """
+    z, u, total, entropy = _shifted_softmax_terms(logits)
+    scale = (entropy - total.log()).unsqueeze(-1)  # log p + H = z' - log S + H
+    grad = u.div_(total.unsqueeze(-1)).mul_(z.add_(scale)).neg_()  # in place: -p (log p + H)
+    if weights is not None:
+        grad.mul_(weights.to(grad.dtype).unsqueeze(-1))
+    return entropy, grad.float()
+
+
+class EntropySink:
+    """Per-position entropy of the chunked LM head's logits and the gradient of sum_t w_t H_t with respect to the
+    head's input (and, for a trainable head, its weight and bias), from the logits the training forward computes
+    anyway: no second forward, no `[B, C, V]` tensor.
+
+    For a chunk of hidden states h [n, H] with logits z = (h W^T + b) / T: dH/dh = (dH/dz) W / T,
+    dH/dW = (dH/dz)^T h / T, dH/db = sum_rows dH/dz / T.
+    """
+
+    def __init__(
+        self, hidden: Tensor, weights: Tensor, head: nn.Linear, temperature: float, with_grad: bool = True
+    ) -> None:  # [N, H], [N]
+        self.hidden, self.weights, self.head, self.temperature = hidden.detach(), weights, head, temperature
+        self.with_grad = with_grad
+        self.entropy = torch.zeros(hidden.shape[0], dtype=torch.float64, device=hidden.device)  # [N]
+        self.grad_hidden = torch.zeros(hidden.shape if with_grad else (0,), dtype=torch.float32, device=hidden.device)
+        trains = with_grad and head.weight.requires_grad
+        self.grad_weight = torch.zeros_like(head.weight, dtype=torch.float32) if trains else None
+        bias = head.bias
+        bias_trains = with_grad and bias is not None and bias.requires_grad
+        self.grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias_trains else None
+        self._seen: set[int] = set()
+
+    def at(self, start: int):
+        return lambda logits: self._chunk(start, logits)
+
+    @torch.no_grad()
+    def _chunk(self, start: int, logits: Tensor) -> None:  # [n, V] float32, already / T
+        if start in self._seen:
+            return
+        self._seen.add(start)
+        end = start + logits.shape[0]
+        if not self.with_grad:
+            self.entropy[start:end] = token_entropy(logits)
+            return
+        entropy, grad = entropy_and_logit_grad(logits.detach(), self.weights[start:end])
+        self.entropy[start:end] = entropy
+        weight = self.head.weight.detach()
+        self.grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).float() / self.temperature
+        if self.grad_weight is not None:
+            self.grad_weight.addmm_(grad.T, self.hidden[start:end].float(), alpha=1.0 / self.temperature)
+        if self.grad_bias is not None:
+            self.grad_bias.add_(grad.sum(0), alpha=1.0 / self.temperature)
+
+
+@dataclass
+class EntropyTerms:
+    """What the entropy probe needs of one training forward (`completion_logprobs_with_entropy`).
+
+    `entropy` [B, C] float64 (0 where not computed); the gradient of sum_t w_t H_t with respect to the trainable
+    parameters is `torch.autograd.grad(anchor, params, anchor_grad)` plus `head_grads` (a trainable head's
+    direct term, which does not pass through `anchor`).
+    """
+
+    entropy: Tensor
+    anchor: Tensor
+    anchor_grad: Tensor
+    head_grads: list[tuple[nn.Parameter, Tensor]]
 
 
 def completion_logits_and_logprobs(
@@ -258,6 +364,54 @@ def completion_logits_and_logprobs(
     `share_prefix=False` and `by_length=False` too, this is the plain path (one forward of the model,
     `logits_to_keep`), which the tests compare against. Logits at padding positions are unspecified.
     """
+    logits, logp, _ = _completion_forward(model, batch, temperature, with_logits, share_prefix, chunk_tokens, by_length)
+    return logits, logp
+
+
+def completion_logprobs_with_entropy(
+    model: nn.Module,
+    batch: RolloutBatch,
+    temperature: float,
+    weights: Tensor,  # [B, C] weight of each position's entropy in the gradient (the trained-token mask)
+    share_prefix: bool = True,
+    chunk_tokens: int | None = 128,
+    by_length: bool = True,
+    with_grad: bool = True,
+) -> tuple[Tensor, EntropyTerms]:
+    """The training forward's log-probs [B, C] (bitwise those of `completion_logits_and_logprobs`) and its token
+    entropies with what their parameter gradient needs (`EntropyTerms`; `with_grad=False`: entropies only),
+    from the same logits."""
+    _, logp, terms = _completion_forward(
+        model, batch, temperature, False, share_prefix, chunk_tokens, by_length, weights, with_grad
+    )
+    return logp, terms
+
+
+def _logits_terms(logits: Tensor, weights: Tensor, with_grad: bool, rows: int = 2) -> EntropyTerms:  # [B, C, V]
+    """EntropyTerms of materialised logits, `rows` rows at a time."""
+    entropy = torch.zeros(logits.shape[:2], dtype=torch.float64, device=logits.device)
+    grad = torch.empty_like(logits) if with_grad else logits.new_zeros(())
+    for start in range(0, logits.shape[0], rows):
+        end = start + rows
+        if not with_grad:
+            entropy[start:end] = token_entropy(logits[start:end])
+            continue
+        entropy[start:end], chunk_grad = entropy_and_logit_grad(logits[start:end].detach(), weights[start:end])
+        grad[start:end] = chunk_grad.to(logits.dtype)
+    return EntropyTerms(entropy=entropy, anchor=logits, anchor_grad=grad, head_grads=[])
+
+
+def _completion_forward(
+    model: nn.Module,
+    batch: RolloutBatch,
+    temperature: float,
+    with_logits: bool,
+    share_prefix: bool = True,
+    chunk_tokens: int | None = 128,
+    by_length: bool = True,
+    entropy_weights: Tensor | None = None,
+    entropy_grad: bool = True,
+) -> tuple[Tensor | None, Tensor, EntropyTerms | None]:
     real = batch.sequence_mask.bool()  # [B, C]
     parts = backbone_and_head(model) if share_prefix or chunk_tokens or by_length else None
     if parts is None:  # plain path: the model's own logits at completion positions
@@ -270,18 +424,29 @@ def completion_logits_and_logprobs(
             use_cache=False,
         )
         logits = out.logits[:, :-1, :] / temperature  # [B, C, V]: position t predicts token t + 1
-        return logits, selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0)
+        terms = None if entropy_weights is None else _logits_terms(logits, entropy_weights, entropy_grad)
+        return logits, selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0), terms
     backbone, head = parts
     hidden = completion_hidden(backbone, batch, share_prefix, by_length)  # [B, C, H]
     if not chunk_tokens:
         logits = head(hidden) / temperature  # [B, C, V]
-        return logits, selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0)
+        terms = None if entropy_weights is None else _logits_terms(logits, entropy_weights, entropy_grad)
+        return logits, selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0), terms
     # The log-probs (hence the loss and its gradient) come from the chunked head whether or not observers ask
-    # for logits, so a probe that does leaves training bitwise unchanged (tests/probes/test_zero_impact.py).
+    # for logits or entropies, so a probe leaves training bitwise unchanged (tests/probes/test_zero_impact.py).
     # The head runs on real positions only: `index_select`, whose backward is an `index_add_`.
     positions = real.reshape(-1).nonzero().squeeze(-1)  # [N]
     real_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)  # [N, H]
     real_ids = batch.completion_ids.reshape(-1).index_select(0, positions)  # [N]
-    logp = chunked_logprobs(real_hidden, head, real_ids, temperature, chunk_tokens)  # [N]
+    sink = None
+    if entropy_weights is not None:
+        weights = entropy_weights.reshape(-1).index_select(0, positions)
+        sink = EntropySink(real_hidden, weights, head, temperature, entropy_grad)
+    logp = chunked_logprobs(real_hidden, head, real_ids, temperature, chunk_tokens, sink)  # [N]
     logprobs = logp.new_zeros(real.shape).masked_scatter(real, logp)  # [B, C]
-    return (head(hidden) / temperature if with_logits else None), logprobs
+    terms = None
+    if sink is not None:
+        entropy = sink.entropy.new_zeros(real.shape).masked_scatter(real, sink.entropy)  # [B, C]
+        head_grads = [(p, g) for p, g in ((head.weight, sink.grad_weight), (head.bias, sink.grad_bias)) if g is not None]
+        terms = EntropyTerms(entropy, real_hidden, sink.grad_hidden.to(real_hidden.dtype), head_grads)
+    return (head(hidden) / temperature if with_logits else None), logprobs, terms

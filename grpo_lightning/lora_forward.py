@@ -3,7 +3,7 @@
 peft computes `result + lora_B(lora_A(x)) * scaling`, which allocates three fresh `[tokens, out]` tensors (B's
 output, its scaled copy, the sum). In a training forward every one of them is new memory (autograd keeps the
 activations alive), and on this CPU such a pass cost 1.4 to 2 ms for a 508 x 1536 block against 0.1 to 0.2 ms
-on warm memory (README: Performance). The fused form, `result.addmm_(lora_A(x), (scaling * B)^T)`, is the same
+on warm memory (benchmarks/README.md). The fused form, `result.addmm_(lora_A(x), (scaling * B)^T)`, is the same
 sum up to float rounding with the same gradients, and writes no new `[tokens, out]` tensor.
 
 It is installed per module instance (`module.forward`); peft's class is untouched. Anything other than plain
@@ -23,7 +23,10 @@ from torch import Tensor, nn
 def _plain_lora_adapter(module: LoraLinear, x: Tensor, kwargs: dict) -> str | None:
     """The single active adapter when the fused form computes exactly what peft would, else None."""
     adapters = module.active_adapters
-    if module.disable_adapters or module.merged or kwargs or len(adapters) != 1 or torch.is_autocast_enabled():
+    # Autocast must be asked per device type: the bare `torch.is_autocast_enabled()` only reports CUDA, so under
+    # CPU autocast (trainer.precision=bf16-mixed / 16-mixed) the fused addmm_ would mix bf16 and fp32 operands.
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if module.disable_adapters or module.merged or kwargs or len(adapters) != 1 or autocast:
         return None
     name = adapters[0]
     if name not in module.lora_A or name in module.lora_variant:

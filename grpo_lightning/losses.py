@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "batch", "none")
 
 
 def selective_log_softmax(
@@ -143,8 +142,6 @@ class GRPOLoss:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     max_completion_length: int = 256
-    scale_rewards: str = "group"
-    """Advantage scaling this objective is defined with; validated here, read by rollout variants."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -158,10 +155,6 @@ class GRPOLoss:
             raise ValueError(f"loss.epsilon_high must be >= 0 (got {self.epsilon_high!r})")
         if not self.max_completion_length >= 1:
             raise ValueError(f"loss.max_completion_length must be >= 1 (got {self.max_completion_length!r})")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(
-                f"loss.scale_rewards must be one of {', '.join(SCALE_REWARDS)} (got {self.scale_rewards!r})"
-            )
 
     @property
     def needs_reference(self) -> bool:

@@ -5,7 +5,7 @@ process's resident size after a training round stays near its peak (~2 GB here) 
 The next phase (generation, with its merged and packed weights) then adds its own memory on top of that
 retained memory, and the run's peak RSS climbs from round to round. `malloc_trim(0)` returns every free page
 (tens of ms); with it at the two phase boundaries a 4-round benchmark run peaked at 2.49 GB instead of 2.98 GB,
-for 0.3-0.5 s per round of page faults when the next phase takes the pages again (README: Performance).
+for 0.3-0.5 s per round of page faults when the next phase takes the pages again (benchmarks/README.md).
 Elsewhere than glibc it does nothing.
 """
 

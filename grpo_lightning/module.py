@@ -1,4 +1,4 @@
-"""GRPOModule: the policy, its reference, and the GRPO loss (REFERENCE §1) as a LightningModule.
+"""GRPOModule: the policy, its reference, and the GRPO loss (docs/algorithm.md; Shao et al. 2024) as a LightningModule.
 
 One training step is one micro-batch of whole advantage groups; Lightning accumulates `accumulate_grad_batches`
 of them per optimizer step and divides each loss by that count. That division is right for `grpo`, `bnpo` and
@@ -18,6 +18,17 @@ step (torch optimizers leave parameters without a gradient untouched: no Adam mo
 so Lightning's step counters and the LR schedule advance as usual. Skips are counted (`train/skipped_steps`);
 after `max_consecutive_skips` in a row the run stops at the end of the round with a checkpoint and
 `stop_reason` set (train.py turns it into a clear error).
+
+Divergence guard: a step can also blow the parameters up while every number stays finite (a huge lr: Adam moves
+every weight by about lr per step, whatever the gradient). After each optimizer step the global norm of the
+trainable parameters is compared with its value before the step; more than `max_norm_growth` times larger, or
+non-finite, and the run is marked `diverged` and stops at the end of the round WITHOUT saving it
+(checkpointing.py), so the newest checkpoint holds the weights from before the divergence. The stop message names
+the likely cause (the lr for an exploding update, the temperature or the lr for non-finite losses).
+
+Resuming: Lightning restores the optimizer's param groups and the scheduler's base lrs from the checkpoint;
+`on_train_start` writes this run's optimizer settings (lr, weight decay, betas, ...) over them, so a resume with
+a new lr or schedule trains with it (a resume with unchanged settings computes the very same lr, bit for bit).
 """
 
 from __future__ import annotations
@@ -31,11 +42,14 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.forward import completion_logits_and_logprobs
+from grpo_lightning.forward import EntropyTerms, completion_logits_and_logprobs, completion_logprobs_with_entropy
 from grpo_lightning.losses import GRPOLoss
 from grpo_lightning.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
+
+
+SCHEDULE_KINDS = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -47,8 +61,8 @@ class LRSchedule:
     min_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("constant", "linear", "cosine"):
-            raise ValueError(f"optim.schedule.kind must be one of constant, linear, cosine (got {self.kind!r})")
+        if self.kind not in SCHEDULE_KINDS:
+            raise ValueError(f"optim.schedule.kind must be one of {', '.join(SCHEDULE_KINDS)} (got {self.kind!r})")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.schedule.warmup_steps must be >= 0 (got {self.warmup_steps})")
 
@@ -74,6 +88,7 @@ class GRPOModule(L.LightningModule):
         total_steps: int,
         temperature: float = 1.0,
         max_consecutive_skips: int = 3,
+        max_norm_growth: float | None = 2.0,
     ) -> None:
         super().__init__()
         if max_consecutive_skips < 1:
@@ -86,13 +101,21 @@ class GRPOModule(L.LightningModule):
         self.total_steps = total_steps
         self.temperature = temperature
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
-        self.logits_observer: Callable[[Tensor, Tensor, RolloutBatch], None] | None = None  # set by probes
+        self.entropy_observer: Callable[[Tensor, EntropyTerms, RolloutBatch], None] | None = None  # set by probes
+        self.entropy_grad = False
+        """Whether the entropy observer also needs the gradient of the entropies (set with it by the probe)."""
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.stop_reason: str | None = None
+        self.max_norm_growth = max_norm_growth
+        self.diverged = False
+        """Set when a step blew the parameters up; nothing is saved from then on (checkpointing.py)."""
+        self._norm_before_step: float | None = None
         self.run_info: dict = {}
         """What a checkpoint must match to be resumed (model, LoRA); set by train.build_run, saved in checkpoints."""
+        self.fixed_settings: dict = {}
+        """The config keys a resume may not change (checkpointing.FIXED_ON_RESUME); saved in checkpoints."""
 
     # ---- log-probs -----------------------------------------------------------------------------------------
     share_prefix: bool = True
@@ -104,16 +127,14 @@ class GRPOModule(L.LightningModule):
     """Run rows in runs of similar completion length, each only as far as its longest row (forward.py)."""
 
     def policy_forward(
-        self, model: nn.Module, batch: RolloutBatch, with_logits: bool | None = None
+        self, model: nn.Module, batch: RolloutBatch, with_logits: bool = False
     ) -> tuple[Tensor | None, Tensor]:
         """Logits at completion positions [B, C, V] (divided by the temperature) and completion log-probs [B, C].
 
-        Logits are materialised only when asked (`with_logits`; None = when a probe observes them), else None;
-        the log-probs come from the chunked LM head either way. Prompts shared by several rows run once
-        (`share_prefix`). See `grpo_lightning.forward`.
+        Logits are materialised only when asked (`with_logits`), else None; the log-probs come from the chunked
+        LM head either way. Prompts shared by several rows run once (`share_prefix`). See
+        `grpo_lightning.forward`.
         """
-        if with_logits is None:
-            with_logits = self.logits_observer is not None
         return completion_logits_and_logprobs(
             model,
             batch,
@@ -142,19 +163,39 @@ class GRPOModule(L.LightningModule):
         return self.completion_logprobs(self.policy, batch)
 
     def sample_weights(self, batch: RolloutBatch) -> Tensor:  # [B]
-        """Relative weight of each completion's token-mean loss in this micro-batch's loss (for ESS).
+        """Weight of each completion in this micro-batch's loss, in the loss type's sample unit (GNS probe, ESS).
 
-        `grpo` averages completions equally; `bnpo`, `dr_grpo` and `dapo` sum tokens, so a completion weighs
-        in proportion to its trained tokens. Completions with no trained token weigh 0.
+        `grpo` (token means), `dr_grpo` (token sums / max length) and `dapo` (token sums / the step's mean
+        length) average one value per completion with equal weights, every row counted (a row without trained
+        tokens contributes 0, and the loss still divides by it); `bnpo`'s token mean weighs each completion's
+        token mean by its trained tokens. See `grpo_lightning.probes.gns`.
         """
-        tokens = batch.completion_mask.sum(-1)  # [B]
-        return (tokens > 0).float() if self.loss_fn.loss_type == "grpo" else tokens
+        if self.loss_fn.loss_type == "bnpo":
+            return batch.completion_mask.sum(-1).float()
+        return torch.ones(len(batch), device=batch.completion_mask.device)
+
+    @property
+    def step_weighting(self) -> str:
+        """How the optimizer step's gradient weighs micro-batches: "micro_batch" (Lightning's mean over them) or
+        "sample" (`dapo`: the loss is scaled so that the step is the mean over all its completions)."""
+        return "sample" if self.loss_fn.loss_type == "dapo" else "micro_batch"
 
     # ---- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        logits, logp = self.policy_forward(self.policy, batch)  # [B, C, V], [B, C]
-        if self.logits_observer is not None:  # a probe reads the live logits (entropy); it never changes them
-            self.logits_observer(logits, logp, batch)
+        if self.entropy_observer is None:
+            _, logp = self.policy_forward(self.policy, batch)  # [B, C]
+        else:  # a probe reads the entropies of this forward's own logits; the log-probs are bitwise the same
+            logp, terms = completion_logprobs_with_entropy(
+                self.policy,
+                batch,
+                self.temperature,
+                batch.completion_mask,
+                self.share_prefix,
+                self.logits_chunk_tokens,
+                self.runs_by_length,
+                with_grad=self.entropy_grad,
+            )
+            self.entropy_observer(logp, terms, batch)
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         ref_logp = self.reference_logprobs(batch)
         out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step)
@@ -197,6 +238,8 @@ class GRPOModule(L.LightningModule):
         )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.max_norm_growth is not None:
+            self._norm_before_step = self.trainable_norm()
         params = [p for p in self.policy.parameters() if p.grad is not None]
         norm = grad_norm([p.grad for p in params])  # before clipping; under DDP the grads are already synced
         if math.isfinite(norm):
@@ -225,9 +268,70 @@ class GRPOModule(L.LightningModule):
             self.stop_reason = (
                 f"{self.consecutive_skips} optimizer steps in a row had a non-finite loss or gradient "
                 f"(guard.max_consecutive_skipped_steps={self.max_consecutive_skips}); the parameters are those "
-                "of the last finite step. Lower optim.optimizer.lr or check the reward, then resume."
+                f"of the last finite step. {self.likely_cause()}"
             )
             self.trainer.should_stop = True
+
+    def trainable_norm(self) -> float:
+        """Global L2 norm of the trainable parameters (inf/nan when any entry is)."""
+        return grad_norm([p.detach() for p in self.policy.parameters() if p.requires_grad])
+
+    def current_lr(self) -> float:
+        group = self.trainer.optimizers[0].param_groups[0]
+        return float(group.get("initial_lr", group["lr"]))
+
+    def likely_cause(self) -> str:
+        """What most likely made the loss non-finite, in config keys."""
+        from grpo_lightning.validation import LOW_TEMPERATURE
+
+        if self.temperature < LOW_TEMPERATURE:
+            return (
+                f"Likely cause: generator.temperature={self.temperature:g} is so low that logits / temperature "
+                "overflow; use a temperature near 1"
+            )
+        return (
+            f"Likely causes: optim.optimizer.lr={self.current_lr():g} too large (lower it and resume), or a reward "
+            "that returns NaN or inf"
+        )
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """The step, then the divergence check (the closure runs `on_before_optimizer_step` first)."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        before, self._norm_before_step = self._norm_before_step, None
+        if before is None or self.diverged:
+            return
+        after = self.trainable_norm()
+        exploded = not math.isfinite(after) or (before > 0 and after > self.max_norm_growth * before)
+        # Any rank: under FSDP each rank sees only its shard of the parameters; all must stop together.
+        if not self.trainer.strategy.reduce_boolean_decision(exploded, all=False):
+            return
+        self.diverged = True
+        self.stop_reason = (
+            f"the run diverged at optimizer step {self.global_step - 1}: the trainable parameters' norm went from "
+            f"{before:.4g} to {after:.4g} in one step (guard.max_norm_growth={self.max_norm_growth:g}). Likely "
+            f"cause: optim.optimizer.lr={self.current_lr():g} is too large for this model; lower it"
+        )
+        log.error("%s", self.stop_reason)
+        self.trainer.should_stop = True
+
+    def on_train_start(self) -> None:
+        """On resume: this run's optimizer settings over the restored ones (see the module docstring)."""
+        if self.trainer.ckpt_path is None:
+            return
+        optimizer = self.trainer.optimizers[0]
+        settings = optimizer.defaults  # built by configure_optimizers from this run's config: lr, betas, ...
+        restored_lr = optimizer.param_groups[0].get("initial_lr")
+        for group in optimizer.param_groups:
+            group.update({k: v for k, v in settings.items() if k != "params"})
+            group["initial_lr"] = settings["lr"]
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            scheduler.base_lrs = [settings["lr"]] * len(optimizer.param_groups)
+            for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+                group["lr"] = settings["lr"] * factor(scheduler.last_epoch)  # what LambdaLR.step() computes
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        if restored_lr != settings["lr"]:
+            log.info("resumed with optim.optimizer.lr=%g (the checkpoint's run had %g)", settings["lr"], restored_lr)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -245,6 +349,7 @@ class GRPOModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["grpo_lightning"] = {
             "run_info": self.run_info,
+            "fixed_settings": self.fixed_settings,
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
         }

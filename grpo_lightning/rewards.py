@@ -25,7 +25,7 @@ This module deliberately imports neither Lightning nor Hydra, only the standard 
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ class RewardResult:
     reward: float
     extracted: str | None
     correct: bool
+    terms: dict[str, float] | None = field(default=None, compare=False)
+    """Unweighted value of each reward term (set by the reward pipeline, `grpo_lightning.reward_pipeline`)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class GSM8KReward:
         bonus = self.format_bonus
         valid_type = isinstance(bonus, (int, float)) and not isinstance(bonus, bool)
         if not (valid_type and math.isfinite(bonus) and 0.0 <= bonus < 1.0):
-            raise ValueError(f"reward.format_bonus must be in [0, 1) (got {bonus!r})")
+            raise ValueError(f"format_bonus must be in [0, 1) (got {bonus!r})")
 
     def score_detailed(self, completion: str, reference: str) -> RewardResult:
         """Score ``completion`` against an already-extracted reference answer such as ``"18"``."""
@@ -129,6 +131,56 @@ class GSM8KReward:
     def __call__(self, completion: str, reference: str) -> float:
         """Return the scalar reward of ``completion`` against the reference answer string."""
         return self.score_detailed(completion, reference).reward
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """1.0 when the completion states a final answer in a recognised format (correct or not), else 0.0.
+
+    A reward term (`reward=gsm8k_shaped`): with weight 0.1 beside a correctness term of format_bonus 0, a wrong
+    answer in a recognised format scores what today's format bonus gives it, and a correct one 1.1.
+    """
+
+    def __call__(self, completion: str, reference: str) -> float:
+        return 0.0 if extract_predicted_answer(completion) is None else 1.0
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), a reward term in [-1, 0].
+
+    With L_max = `max_new_tokens` and a buffer of L_cache = `buffer_fraction` x L_max tokens: 0 up to
+    L_max - L_cache tokens, then falling linearly to -1 at L_max. A truncated completion (cut at L_max without
+    an end of sequence, DAPO's |y| > L_max) scores `truncated_penalty`. Needs the rollout's `num_tokens`,
+    `max_new_tokens` and `truncated` (the pipeline passes them); without a token count it scores 0.
+    """
+
+    buffer_fraction: float = 0.2
+    truncated_penalty: float = -1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.buffer_fraction <= 1.0:
+            raise ValueError(f"buffer_fraction must be in (0, 1] (got {self.buffer_fraction!r})")
+        if not (math.isfinite(self.truncated_penalty) and self.truncated_penalty <= 0.0):
+            raise ValueError(f"truncated_penalty must be a finite number <= 0 (got {self.truncated_penalty!r})")
+
+    def __call__(
+        self,
+        completion: str,
+        reference: str,
+        truncated: bool = False,
+        num_tokens: int | None = None,
+        max_new_tokens: int | None = None,
+    ) -> float:
+        if truncated:
+            return float(self.truncated_penalty)
+        if num_tokens is None or not max_new_tokens:
+            return 0.0
+        cache = max(self.buffer_fraction * max_new_tokens, 1.0)
+        expected = max_new_tokens - cache
+        if num_tokens <= expected:
+            return 0.0
+        return max((expected - num_tokens) / cache, -1.0)
 
 
 class SafeReward:

@@ -11,7 +11,7 @@ Pure: imports neither Lightning nor Hydra.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ class Rollout:
     """Log-prob of each completion token under the generator's sampling distribution (len = completion)."""
     reward: float
     group_id: int
-    """Samples with the same group id share one advantage baseline (REFERENCE §2)."""
+    """Samples with the same group id share one advantage baseline (docs/algorithm.md, Advantages)."""
     truncated: bool
     """True when the completion hit max_new_tokens without an EOS."""
     text: str = ""
@@ -41,6 +41,8 @@ class Rollout:
     """Whether the reward function found an answer in the completion (format rate)."""
     old_logprobs: list[float] | None = None
     """Policy log-probs before the round's first update; set only when several optimizer steps use a round."""
+    reward_terms: dict[str, float] = field(default_factory=dict)
+    """Unweighted value of each reward term (`reward.terms.<name>`); `reward` is their weighted, transformed sum."""
 
     def __post_init__(self) -> None:
         if len(self.gen_logprobs) != len(self.completion_ids):

@@ -39,9 +39,14 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_summary(sweep_dir: Path, metrics: tuple[str, ...] = DEFAULT_METRICS) -> list[dict[str, Any]]:
-    """Write `summary.csv` and `summary.md` in `sweep_dir`; returns the rows."""
+    """Write `summary.csv` and `summary.md` in `sweep_dir`; returns the rows.
+
+    Besides `metrics`, every reward term any job logged (`reward/<term>_mean`) gets a column, so a sweep over
+    rewards (`-m reward=gsm8k,gsm8k_shaped`) shows each reward's terms; a job without that term leaves it blank.
+    """
     rows = collect_jobs(sweep_dir)
-    columns = ["job", "overrides", *metrics]
+    terms = dict.fromkeys(k for row in rows for k in row if k.startswith("reward/") and k not in metrics)
+    columns = ["job", "overrides", *metrics, *sorted(terms, key=lambda k: (k != "reward/total_mean", k))]
     with (sweep_dir / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

@@ -17,20 +17,35 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.callbacks import SavePolicy
-from grpo_lightning.checkpointing import AtomicCheckpointIO, LastCheckpoint, check_resumable, resolve_ckpt_path
+from grpo_lightning.checkpointing import (
+    AtomicCheckpointIO,
+    LastCheckpoint,
+    RoundCheckpoint,
+    RunLock,
+    check_resumable,
+    check_resume_settings,
+    fixed_settings,
+    read_checkpoint,
+    resolve_ckpt_path,
+)
 from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.evaluation import GSM8KEvaluator
+from grpo_lightning.export import export_policy
 from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import SafeReward
-from grpo_lightning.validation import validate, world_size
+from grpo_lightning.quiet import quiet_third_party
+from grpo_lightning.reward_pipeline import build_reward
+from grpo_lightning.summary import render as render_summary
+from grpo_lightning.summary import summary_metrics
+from grpo_lightning.validation import check_fresh_or_resume, validate, world_size
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +67,14 @@ def build(node: DictConfig, **kwargs):
             raise ValueError(f"{key}: {cause} (check the keys and values under {key})") from None
         if "Error locating target" in str(err):
             raise ValueError(f"{key}._target_: cannot import {node.get('_target_')!r}") from None
+        if isinstance(cause, Exception):  # e.g. Lightning's MisconfigurationException for a trainer setting
+            raise ValueError(f"{key}: {first_line(cause)} (check the keys and values under {key})") from None
         raise
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def rank_zero_print(message: str) -> None:
@@ -76,6 +98,7 @@ class Plan:
     optimizer_steps_per_round: int
     max_new_tokens: int
     loss: str
+    reward: str
     output_dir: str
 
     def render(self) -> str:
@@ -93,9 +116,18 @@ class Run:
     trainer: L.Trainer
     ckpt_path: Path | None = None
     """The checkpoint this run resumes from (`ckpt_path` config key), None for a fresh run."""
+    lock: RunLock | None = None
+    """This run's hold on its output directory (rank 0), released when `fit` returns or raises."""
 
     def fit(self) -> dict[str, float]:
-        """Train; raises TrainingStopped (non-finite guard) or RunInterrupted (signal) after saving."""
+        """Train; raises TrainingStopped (non-finite or divergence guard) or RunInterrupted (signal)."""
+        try:
+            return self._fit()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _fit(self) -> dict[str, float]:
         for lg in self.trainer.loggers:
             lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
         if self.ckpt_path is not None:
@@ -106,9 +138,20 @@ class Run:
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
         for callback in self.trainer.callbacks:  # e.g. the evaluator logs outside Lightning's metric store
             metrics.update(getattr(callback, "final_metrics", {}))
+        rounds = next(c for c in self.trainer.callbacks if isinstance(c, RolloutCallback)).history
+        evaluator = next((c for c in self.trainer.callbacks if isinstance(c, GSM8KEvaluator)), None)
+        evals = evaluator.history if evaluator is not None else []
+        summary = summary_metrics(rounds, evals)
+        metrics.update(summary)
+        rank_zero_print(render_summary(summary, len(rounds), len(evals)))
         if self.trainer.is_global_zero:
             write_final_metrics(output_dir, metrics)
+            saver = next((c for c in self.trainer.callbacks if isinstance(c, SavePolicy)), None)
+            if saver is not None:
+                export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.plan.model)
         last = output_dir / "checkpoints" / "last.ckpt"
+        if self.module.diverged:
+            raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
         if self.module.stop_reason is not None:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\ncheckpoint: {last}")
         stop = next((c for c in self.trainer.callbacks if isinstance(c, GracefulStop)), None)
@@ -120,9 +163,22 @@ class Run:
             )
         return metrics
 
+    def checkpoint_before_divergence(self) -> str:
+        """Where the newest checkpoint from before the divergence is, and how to resume from it."""
+        last = Path(self.cfg.paths.output_dir).resolve() / "checkpoints" / "last.ckpt"
+        candidate = last if last.is_file() else self.ckpt_path
+        if candidate is None:
+            return "nothing was saved: the run diverged in its first round; start again with a lower optim.optimizer.lr"
+        round_index = read_checkpoint(candidate).get("epoch")
+        return (
+            f"checkpoint: {candidate} (round {round_index}, from before the divergence; the diverged round was not "
+            "saved). Resume: python -m grpo_lightning <same overrides> optim.optimizer.lr=<lower> "
+            f"ckpt_path={candidate}"
+        )
+
 
 class TrainingStopped(Exception):
-    """The run stopped itself (non-finite guard) after saving a checkpoint; the CLI prints it and exits 1."""
+    """The run stopped itself (non-finite or divergence guard); the CLI prints it and exits 1."""
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -134,15 +190,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def dry_run(cfg: DictConfig) -> dict[str, float]:
     """Validate the config, load the data, score the reference answers, print the plan; no model load."""
+    quiet_third_party()
+    validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
-    validate(cfg)
+    build(cfg.model.source)  # its own checks (a local folder's config.json and weights)
     build(cfg.loss)
-    reward_fn = build(cfg.reward)
+    reward_fn = build_pipeline(cfg)
     datamodule, variant, accumulate = _data_and_variant(cfg)
+    check_reward_fits_variant(reward_fn, variant)
     build(cfg.optim.schedule)
     LoraSettings(**cfg.model.lora)
     build(cfg.eval)
-    plan = make_plan(cfg, datamodule, variant, accumulate)
+    plan = make_plan(cfg, datamodule, variant, accumulate, reward_fn)
     build_probes(cfg, plan)
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     print(f"grpo_lightning plan (dry run):\n{plan.render()}")
@@ -150,19 +209,39 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
 
 
 def build_run(cfg: DictConfig) -> Run:
+    quiet_third_party()
+    validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
-    validate(cfg)
+    source = build(cfg.model.source)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
+    settings = fixed_settings(cfg)
+    if ckpt_path is not None:
+        check_resume_settings(ckpt_path, settings)
+    available = getattr(source, "check_available", None)  # e.g. a Hub model offline and not in the cache
+    if available is not None:
+        available()
+    lock = RunLock(cfg.paths.output_dir) if rank_zero_only.rank == 0 else None
+    try:
+        check_fresh_or_resume(cfg)  # again, now that no other run can start here
+        return _build_run(cfg, source, ckpt_path, settings, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, lock: RunLock | None) -> Run:
     loss = build(cfg.loss)
-    reward_fn = SafeReward(build(cfg.reward))
+    reward_fn = build_pipeline(cfg)  # a term that raises scores 0, counted in rollout/reward_errors
     datamodule, variant, accumulate = _data_and_variant(cfg)
-    plan = make_plan(cfg, datamodule, variant, accumulate)
+    check_reward_fits_variant(reward_fn, variant)
+    plan = make_plan(cfg, datamodule, variant, accumulate, reward_fn)
     probes = build_probes(cfg, plan)
     rank_zero_print(f"grpo_lightning plan:\n{plan.render()}")
 
-    source = build(cfg.model.source)
     with torch.random.fork_rng():  # loading (and a first-run GGUF conversion) must not move the seeded RNG
-        model, tokenizer = source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
+        model, tokenizer = load_model(source, cfg)
+    check_model_fits(cfg, model, tokenizer, datamodule)
     lora = LoraSettings(**cfg.model.lora)
     policy, reference = wrap_policy(model, lora, loss.needs_reference)
     if (cfg.get("forward") or {}).get("fused_lora", True):
@@ -181,14 +260,72 @@ def build_run(cfg: DictConfig) -> Run:
         total_steps=plan.rounds * plan.optimizer_steps_per_round,
         temperature=cfg.generator.temperature,
         max_consecutive_skips=cfg.guard.max_consecutive_skipped_steps,
+        max_norm_growth=cfg.guard.get("max_norm_growth", 2.0),
     )
     module.run_info = run_info
-    forward = cfg.get("forward") or {}  # training-forward levers (README: Performance)
+    module.fixed_settings = settings
+    forward = cfg.get("forward") or {}  # training-forward levers (docs/configuration.md, forward)
     module.share_prefix = bool(forward.get("share_prefix", True))
     module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 128)
     module.runs_by_length = bool(forward.get("runs_by_length", True))
     trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
-    return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, ckpt_path=ckpt_path)
+    return Run(
+        cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, ckpt_path=ckpt_path, lock=lock
+    )
+
+
+def load_model(source, cfg: DictConfig):
+    """`source.load`, with a failure turned into one line naming `model.source` (a folder without weights, a
+    broken config.json, a download that failed)."""
+    try:
+        return source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
+    except ValueError as err:
+        if str(err).startswith(("model.", "paths.")):  # ours: already names its key
+            raise
+        raise ValueError(f"model.source: cannot load {source.describe()}: {first_line(err)}") from None
+    except (OSError, KeyError, TypeError, RuntimeError) as err:
+        raise ValueError(
+            f"model.source: cannot load {source.describe()} ({type(err).__name__}: {first_line(err)})"
+        ) from None
+
+
+def check_model_fits(cfg: DictConfig, model, tokenizer, datamodule: RolloutDataModule) -> None:
+    """Token budgets the model can serve: prompt + completion within its context, and room for the question.
+
+    Why here: both need the model's config or tokenizer, so they run right after loading, before any round.
+    """
+    context = getattr(model.config, "max_position_embeddings", None)
+    prompt_tokens = cfg.data.max_prompt_tokens
+    budgets = [("generator.max_new_tokens", cfg.generator.max_new_tokens)]
+    if cfg.eval.enabled:
+        budgets.append(("eval.max_new_tokens", cfg.eval.max_new_tokens))
+    for key, new_tokens in budgets:
+        if context and prompt_tokens + new_tokens > context:
+            raise ValueError(
+                f"{key} ({new_tokens}) + data.max_prompt_tokens ({prompt_tokens}) exceed the model's context of "
+                f"{context} tokens (max_position_embeddings); lower them"
+            )
+    messages = datamodule.dataset.messages("")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    template_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if prompt_tokens <= template_tokens:
+        raise ValueError(
+            f"data.max_prompt_tokens ({prompt_tokens}) leaves no room for the question: the chat template, system "
+            f"prompt and data.dataset.prompt_template alone take {template_tokens} tokens; raise it (default 512)"
+        )
+
+
+def build_pipeline(cfg: DictConfig):
+    """The `reward` config group's pipeline (docs/rewards.md), told the loss type and the completion budget."""
+    return build_reward(cfg.reward, loss_type=cfg.loss.get("loss_type"), max_new_tokens=cfg.generator.max_new_tokens)
+
+
+def check_reward_fits_variant(reward_fn, variant) -> None:
+    if getattr(reward_fn, "uses_steps", False) and not variant.knows_steps:
+        raise ValueError(
+            f"reward.step_transforms need a variant that knows reasoning steps (variant=storpo); "
+            f"variant {variant.name!r} does not (remove them or choose variant=storpo)"
+        )
 
 
 def _data_and_variant(cfg: DictConfig):
@@ -224,9 +361,10 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
             num_samples_logged=cfg.logging.num_samples_logged,
             seed=cfg.seed,
         ),
-        ModelCheckpoint(
+        RoundCheckpoint(
             dirpath=output_dir / "checkpoints",
-            filename="round{epoch:03d}",
+            filename="round{epoch:03d}",  # round004.ckpt: no '=' in the name, which Hydra's override parser rejects
+            auto_insert_metric_name=False,
             every_n_epochs=cfg.checkpoint.every_n_rounds,
             save_top_k=-1,
             save_last=False,
@@ -271,7 +409,7 @@ def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:
     return int(value)
 
 
-def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int) -> Plan:
+def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int, reward_fn=None) -> Plan:
     rounds = cfg.trainer.max_epochs
     if rounds is None or rounds < 1:
         raise ValueError(f"trainer.max_epochs (number of rollout rounds) must be >= 1 (got {rounds})")
@@ -291,7 +429,8 @@ def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int) 
         accumulate_grad_batches=accumulate,
         optimizer_steps_per_round=per_round // accumulate,
         max_new_tokens=cfg.generator.max_new_tokens,
-        loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta}, scale_rewards={cfg.loss.scale_rewards})",
+        loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta})",
+        reward=reward_fn.describe() if hasattr(reward_fn, "describe") else "",
         output_dir=str(Path(cfg.paths.output_dir).resolve()),
     )
 

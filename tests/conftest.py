@@ -1,7 +1,11 @@
-"""Shared fixtures: composed configs (Hydra compose API) and the tiny random model."""
+"""Shared fixtures: composed configs (Hydra compose API), the tiny random model, and one load of each model.
+
+Test tiers and markers: tests/README.md.
+"""
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -10,11 +14,30 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
+# Files whose every test runs training in other processes (killed runs, DDP ranks): the slow tier.
+SLOW_FILES = {"tests/test_resume.py", "tests/test_ddp.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), and run the
+    real vLLM engines last.
+
+    Beside explicit `@pytest.mark.slow` marks: everything under tests/slow/, the files in SLOW_FILES, and every
+    test that uses the `tiny_cfg` fixture (a full training run, however tiny). The in-process vLLM engine
+    (tests/test_vllm.py) initialises torch.distributed and keeps its memory for the session, so nothing else runs
+    after it in the same process.
+    """
+    for item in items:
+        path = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
+        if path.startswith("tests/slow/") or path in SLOW_FILES or "tiny_cfg" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: file order otherwise
 
 
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:
-    """Compose `conf/config.yaml` with overrides, as the CLI would, writing into `output_dir`."""
+    """Compose `grpo_lightning/conf/config.yaml` with overrides, as the CLI would, writing into `output_dir`."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides or []))
     with open_dict(cfg):
@@ -28,8 +51,8 @@ TINY = [
     "generator.max_new_tokens=16",
     "trainer.enable_progress_bar=false",
     # A dense reward so a random model gets non-zero advantages (GSM8K correctness would be 0 everywhere).
-    "reward._target_=tests.helpers.VowelFractionReward",
-    "~reward.format_bonus",
+    "~reward.terms.gsm8k",
+    "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
     "optim.optimizer.lr=1e-3",
     "eval.num_problems=4",
 ]
@@ -71,7 +94,38 @@ def _packaged(cache: str):
     return PackagedGGUFSource(cache_dir=cache)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Real vLLM engines last: the in-process engine (tests/test_vllm.py) initialises torch.distributed and keeps
-    its memory for the session, so nothing else runs after it in the same process."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: file order otherwise
+@pytest.fixture(scope="session", autouse=True)
+def _each_model_loaded_once(request):
+    """Every test that loads the packaged model or tokenizer gets the first load's objects (the model copied).
+
+    Reading SmolLM2's weights and tokenizer from disk costs seconds; dozens of tests build runs through
+    `PackagedGGUFSource`, which now reads each file once per test run. The model is deep-copied for every
+    caller, so a test that trains it changes no other test's model. In the fast tier (`-m "not slow"`) any load
+    of model weights is an error: that tier promises to load none.
+    """
+    from grpo_lightning.models import PackagedGGUFSource
+
+    real_load, real_tokenizer = PackagedGGUFSource.load, PackagedGGUFSource.load_tokenizer
+    fast_tier = "not slow" in (request.config.getoption("markexpr") or "")
+    models, tokenizers = {}, {}
+
+    def load_tokenizer(self):
+        key = str(self.converted_dir())
+        if key not in tokenizers:
+            tokenizers[key] = real_tokenizer(self)
+        return tokenizers[key]
+
+    def load(self, dtype, trust_remote_code=False):
+        key = (str(self.converted_dir()), dtype)  # a missing package raises its own error first
+        if fast_tier:
+            raise AssertionError("a test of the fast tier loaded model weights: mark it slow")
+        if key not in models:
+            models[key] = real_load(self, dtype, trust_remote_code)
+        model, tokenizer = models[key]
+        return copy.deepcopy(model), tokenizer
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(PackagedGGUFSource, "load", load)
+    patch.setattr(PackagedGGUFSource, "load_tokenizer", load_tokenizer)
+    yield
+    patch.undo()

@@ -1,4 +1,5 @@
-"""Test-only pieces plugged in through config (`reward._target_=tests.helpers.VowelFractionReward`), and builders."""
+"""Test-only pieces plugged in through config (`+reward.terms.vowels._target_=tests.helpers.VowelFractionReward`),
+and builders."""
 
 import copy
 import os
@@ -65,3 +66,19 @@ def lora_policy_with_random_adapters(model: torch.nn.Module, seed: int = 0) -> t
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     return policy
+
+
+class VowelFractionOnEvenAnswers(VowelFractionReward):
+    """Vowel fraction for problems whose reference answer is an even integer, 0.0 for every other problem: the
+    groups of the other problems have all-equal rewards (what dynamic sampling drops), and which ones they are
+    is known from the data alone."""
+
+    def __call__(self, completion: str, answer: str) -> float:
+        return super().__call__(completion, answer) if is_even_integer(answer) else 0.0
+
+
+def is_even_integer(answer: str) -> bool:
+    try:
+        return float(answer) % 2 == 0
+    except ValueError:
+        return False

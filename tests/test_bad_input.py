@@ -1,11 +1,15 @@
 """Every mistake a user can make at the command line ends in a short message, a non-zero exit, no traceback.
 
-Each case runs the real CLI in a subprocess (as a user would) and asserts the exit code, the words that name the
-key or file and what to do, that no "Traceback" is printed, and that nothing already on disk was touched.
+Most cases run in-process: `train(compose(...))`, exactly what the CLI runs, and the CLI's own `describe` of the
+error; they assert a ValueError (or OmegaConf error) that the CLI turns into exit 2, a one-line message naming the
+key or file, and that nothing on disk was lost or written. They fail in validation, before anything loads, so
+they take well under a second each. A handful run the real CLI in a subprocess, for the exit code and the absence
+of a traceback as a user sees them.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -14,6 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf.errors import OmegaConfBaseException
+
+from grpo_lightning.__main__ import describe
+from grpo_lightning.train import train
+from tests.conftest import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -55,9 +64,9 @@ CONFIG_MISTAKES = [
     ("unknown key", ["generator.num_generation=4"], ["generator.num_generation"]),
     ("missing required key", ["model=local"], ["model.source.path", "Missing mandatory value"]),
     ("wrong type (int)", ["generator.num_generations=four"], ["generator.num_generations must be an integer"]),
-    ("wrong type (lr)", ["optim.optimizer.lr=fast"], ["optim.optimizer.lr must be a positive number"]),
+    ("wrong type (lr)", ["optim.optimizer.lr=fast"], ["optim.optimizer.lr must be a finite number >= 0"]),
     ("group size < 2", ["generator.num_generations=1"], ["generator.num_generations must be >= 2"]),
-    ("negative lr", ["optim.optimizer.lr=-0.1"], ["optim.optimizer.lr must be a positive number"]),
+    ("negative lr", ["optim.optimizer.lr=-0.1"], ["optim.optimizer.lr must be a finite number >= 0"]),
     ("max_new_tokens 0", ["generator.max_new_tokens=0"], ["generator.max_new_tokens must be >= 1"]),
     ("negative beta", ["loss.beta=-1"], ["loss.beta must be >= 0"]),
     ("zero prompts", ["data.prompts_per_round=0"], ["data.prompts_per_round must be >= 1"]),
@@ -70,7 +79,7 @@ CONFIG_MISTAKES = [
     ("missing model path", ["model=local", "model.source.path=/nope"], ["model.source.path is not a directory"]),
     (
         "probe on an incompatible setup",
-        ["probe=[gns]", "data.groups_per_micro_batch=4"],
+        ["probe=[gns]", "data.groups_per_micro_batch=2"],
         ["probe=[gns] needs two batch sizes", "data.groups_per_micro_batch"],
     ),
     ("resume from a missing checkpoint", ["ckpt_path=/nope/last.ckpt"], ["ckpt_path", "/nope/last.ckpt"]),
@@ -185,3 +194,231 @@ def test_full_error_env_shows_the_traceback(tmp_path):
         env=env,
     )
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+# ---- in-process: train(compose(...)), failing before anything loads -----------------------------------------------
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under `root` and its bytes: what must be on disk, unchanged, after a failed start."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def fails_in_process(tmp_path: Path, *overrides: str) -> str:
+    """Compose as the CLI does, run `train`, and return the CLI's one-line message of the error it raises.
+
+    Asserts: a config error (the CLI exits 2 for it), one line, nothing lost or changed under `tmp_path` (a
+    precious file is planted there first), and no checkpoint, log or policy written in the run directory.
+    """
+    precious = tmp_path / "earlier_results.txt"
+    precious.write_text("an earlier run's results")
+    before = snapshot(tmp_path)
+    with pytest.raises((ValueError, OmegaConfBaseException)) as info:
+        train(make_cfg(tmp_path / "run", list(overrides)))
+    message = describe(info.value)
+    assert "\n" not in message and message, message
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before, "a file on disk was changed"
+    assert not [k for k in after if k not in before and not k.startswith("run/.run.lock")], after.keys() - before
+    return message
+
+
+def latin1_file(path: Path) -> Path:
+    path.write_bytes(json.dumps({"question": "Caf\u00e9?", "answer": "#### 1"}, ensure_ascii=False).encode("latin-1"))
+    return path
+
+
+def utf16_file(path: Path) -> Path:
+    path.write_bytes(json.dumps({"question": "What is 1+1?", "answer": "#### 2"}).encode("utf-16"))
+    return path
+
+
+def utf16_no_bom_file(path: Path) -> Path:
+    path.write_bytes(json.dumps({"question": "What is 1+1?", "answer": "#### 2"}).encode("utf-16-le"))
+    return path
+
+
+def binary_file(path: Path) -> Path:
+    path.write_bytes(bytes(range(256)) * 8)
+    return path
+
+
+def gzip_file(path: Path) -> Path:
+    path.write_bytes(gzip.compress(json.dumps({"question": "What is 1+1?", "answer": "#### 2"}).encode()))
+    return path
+
+
+VALIDATION_MISTAKES = [
+    # (id, overrides, words the message must contain)
+    ("lora r not a number", ["model.lora.r=abc"], ["model.lora.r must be an integer", "'abc'"]),
+    ("lora alpha not a number", ["model.lora.alpha=abc"], ["model.lora.alpha must be a finite number"]),
+    ("lora dropout not a number", ["model.lora.dropout=abc"], ["model.lora.dropout must be a finite number"]),
+    ("lora dropout 1.5", ["model.lora.dropout=1.5"], ["model.lora.dropout must be < 1"]),
+    ("lora target modules empty", ["model.lora.target_modules=[]"], ["model.lora.target_modules"]),
+    ("prompts per round not a number", ["data.prompts_per_round=abc"], ["data.prompts_per_round must be an integer"]),
+    ("warmup not a number", ["optim.schedule.warmup_steps=abc"], ["optim.schedule.warmup_steps must be an integer"]),
+    ("schedule kind unknown", ["optim.schedule.kind=step"], ["optim.schedule.kind must be one of constant"]),
+    ("min ratio above 1", ["optim.schedule.min_ratio=2"], ["optim.schedule.min_ratio must be <= 1"]),
+    ("negative seed", ["seed=-1"], ["seed must be >= 0", "-1"]),
+    ("seed not a number", ["seed=abc"], ["seed must be an integer"]),
+    ("seed beyond 32 bits", ["seed=4294967296"], ["seed must be <= 4294967295"]),
+    ("betas out of range", ["optim.optimizer.betas=[2,3]"], ["optim.optimizer.betas must be two numbers in [0, 1)"]),
+    ("betas of one", ["optim.optimizer.betas=[0.9]"], ["optim.optimizer.betas"]),
+    ("negative weight decay", ["optim.optimizer.weight_decay=-1"], ["optim.optimizer.weight_decay must be >= 0"]),
+    ("infinite lr", ["optim.optimizer.lr=inf"], ["optim.optimizer.lr must be a positive number"]),
+    ("samples every 0 rounds", ["logging.samples_every_n_rounds=0"], ["logging.samples_every_n_rounds must be >= 1"]),
+    ("negative samples logged", ["logging.num_samples_logged=-1"], ["logging.num_samples_logged must be >= 0"]),
+    ("temperature 1e-40", ["generator.temperature=1e-40"], ["generator.temperature=1e-40", "greedy"]),
+    ("top_p 0", ["generator.top_p=0"], ["generator.top_p must be > 0"]),
+    ("top_k not a number", ["generator.top_k=abc"], ["generator.top_k must be an integer"]),
+    ("sampler unknown", ["generator.sampler=gumbel"], ["generator.sampler must be one of inverse_cdf, multinomial"]),
+    ("generate batch 0", ["generator.batch_size=0"], ["generator.batch_size must be >= 1"]),
+    ("epsilon_low 1.5", ["loss.epsilon_low=1.5"], ["loss.epsilon_low must be < 1"]),
+    ("loss type unknown", ["loss.loss_type=ppo"], ["loss.loss_type must be one of grpo"]),
+    ("scale rewards unknown", ["loss.scale_rewards=rank"], ["loss.scale_rewards must be one of"]),
+    ("format bonus 2", ["reward.format_bonus=2"], ["reward.format_bonus must be <= 1"]),
+    ("eval pass_k negative", ["eval.pass_k=-1"], ["eval.pass_k must be >= 0"]),
+    ("eval enabled not a bool", ["eval.enabled=maybe"], ["eval.enabled must be true or false"]),
+    ("split unknown", ["data.dataset.split=validation"], ["data.dataset.split must be one of train, test"]),
+    (
+        "template without question",
+        ["data.dataset.prompt_template=Solve"],
+        ["data.dataset.prompt_template must contain"],
+    ),
+    ("max epochs fractional", ["trainer.max_epochs=1.5"], ["trainer.max_epochs must be an integer"]),
+    ("precision unknown", ["trainer.precision=8-mixed"], ["trainer.precision must be one of"]),
+    ("devices 0", ["trainer.devices=0"], ["trainer.devices must be a count >= 1"]),
+    ("accumulation 0", ["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches must be >= 1"]),
+    ("checkpoint cadence not a number", ["checkpoint.every_n_rounds=often"], ["checkpoint.every_n_rounds must be an"]),
+    ("norm growth below 1", ["guard.max_norm_growth=0.5"], ["guard.max_norm_growth must be > 1"]),
+    ("chunk 0", ["forward.logits_chunk_tokens=0"], ["forward.logits_chunk_tokens must be >= 1"]),
+    ("model dtype unknown", ["model.dtype=float8"], ["model.dtype must be one of float32"]),
+    (
+        "storpo max below min",
+        ["variant=storpo", "variant.min_steps=3", "variant.max_steps=2"],
+        ["variant.max_steps (2)"],
+    ),
+    (
+        "several mistakes at once",
+        ["seed=abc", "model.lora.r=abc", "data.prompts_per_round=-2"],
+        ["seed must be", "model.lora.r must be", "data.prompts_per_round must be >= 1"],
+    ),
+    (
+        "eval data path missing",
+        ["data.dataset.source=path", "data.dataset.path=/dev/null"],
+        ["eval.dataset.path must be set", "eval.enabled=false"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"), [c[1:] for c in VALIDATION_MISTAKES], ids=[c[0] for c in VALIDATION_MISTAKES]
+)
+def test_validation_mistake_in_process(tmp_path, overrides, words):
+    message = fails_in_process(tmp_path, *overrides)
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize(
+    "make",
+    [latin1_file, utf16_file, utf16_no_bom_file, binary_file, gzip_file],
+    ids=["latin-1", "utf-16", "utf-16 without BOM", "binary", "gzip"],
+)
+@pytest.mark.parametrize("key", ["data.dataset.path", "eval.dataset.path"])
+def test_data_file_in_another_encoding(tmp_path, make, key):
+    bad = make(tmp_path / "bad.jsonl")
+    good = write(tmp_path / "good.jsonl", json.dumps({"question": "What is 1+1?", "answer": "#### 2"}) + "\n")
+    paths = {"data.dataset.path": good, "eval.dataset.path": good, key: bad}
+    message = fails_in_process(tmp_path, "data.dataset.source=path", *(f"{k}={v}" for k, v in paths.items()))
+    assert message.startswith(f"{key}: {bad}"), message
+    assert any(word in message for word in ("UTF-8", "gzip", "binary")), message
+
+
+def test_data_path_is_a_directory(tmp_path):
+    message = fails_in_process(
+        tmp_path, "data.dataset.source=path", f"data.dataset.path={tmp_path}", "eval.enabled=false"
+    )
+    assert message == f"data.dataset.path: {tmp_path} is not a file (give a JSONL file)"
+
+
+@pytest.mark.parametrize(
+    ("files", "words"),
+    [
+        ({}, ["has no config.json"]),
+        ({"config.json": "{not json"}, ["config.json is not valid JSON"]),
+        ({"config.json": "[]"}, ["has no model_type"]),
+        ({"config.json": '{"model_type": "llama"}'}, ["holds no weights", "save_pretrained"]),
+    ],
+    ids=["empty folder", "broken config.json", "config.json without model_type", "no weights"],
+)
+def test_local_model_folder_mistakes(tmp_path, files, words):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name, content in files.items():
+        write(folder / name, content)
+    message = fails_in_process(tmp_path, "model=local", f"model.source.path={folder}")
+    assert message.startswith("model.source.path:") and str(folder) in message, message
+    for word in words:
+        assert word in message, message
+
+
+def test_cache_dir_is_a_file(tmp_path):
+    blocker = write(tmp_path / "cache_file", "not a directory")
+    message = fails_in_process(tmp_path, f"paths.cache_dir={blocker}")
+    assert message.startswith(f"paths.cache_dir: {blocker} is a file"), message
+
+
+def test_cache_dir_cannot_be_created(tmp_path):
+    message = fails_in_process(tmp_path, "paths.cache_dir=/proc/grpo_lightning_cache")  # not writable, even as root
+    assert message.startswith("paths.cache_dir: cannot create /proc/grpo_lightning_cache"), message
+    assert "GRPO_LIGHTNING_CACHE" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the mistake is asking for a GPU where there is none")
+@pytest.mark.parametrize("override", ["trainer=gpu", "trainer.accelerator=cuda"])
+def test_gpu_trainer_without_a_gpu(tmp_path, override):
+    message = fails_in_process(tmp_path, override)
+    assert "trainer.accelerator" in message and "no CUDA GPU" in message and "trainer=cpu" in message
+
+
+def test_hub_model_offline_and_not_cached_fails_at_once(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_cache"))  # empty cache
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: no network
+    message = fails_in_process(tmp_path, "model=qwen0.5b", "model.dtype=float32")
+    assert message.startswith("model.source.repo_id 'Qwen/Qwen2.5-0.5B-Instruct' is not in the Hugging Face cache")
+    assert "no network" in message and "model=local" in message
+
+
+def test_max_prompt_tokens_shorter_than_the_template(tmp_path):
+    """Needs the tokenizer, so it fails right after the (tiny) model loads, before any round."""
+    message = fails_in_process(tmp_path, *TINY, "data.max_prompt_tokens=5")
+    assert message.startswith("data.max_prompt_tokens (5) leaves no room for the question"), message
+
+
+def test_max_new_tokens_beyond_the_context(tmp_path):
+    message = fails_in_process(tmp_path, *TINY, "generator.max_new_tokens=4000")
+    assert message.startswith("generator.max_new_tokens (4000) + data.max_prompt_tokens (512) exceed"), message
+    assert "2048" in message
+
+
+# ---- the CLI as a user runs it: exit codes, no traceback --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model.lora.r=abc"], ["model.lora.r must be an integer"]),
+        (["optim.optimizer.betas=[2,3]", "seed=-1"], ["optim.optimizer.betas", "seed must be >= 0"]),
+    ],
+    ids=["lora r", "two mistakes"],
+)
+def test_cli_validation_mistake_exits_2(tmp_path, overrides, words):
+    result = cli(f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
+    assert_clean_failure(result, *words, code=2)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and all(word in errors[0] for word in words), result.stderr
+
+
+def test_cli_unwritable_run_dir(tmp_path):
+    result = cli("hydra.run.dir=/proc/grpo_lightning_run", *TINY, cwd=tmp_path)
+    assert_clean_failure(result, "/proc/grpo_lightning_run", code=2)

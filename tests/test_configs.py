@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from hydra.utils import get_class, instantiate
 
+from grpo_lightning.reward_pipeline import build_reward
 from tests.conftest import CONF_DIR, make_cfg
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in Path(CONF_DIR).iterdir() if g.is_dir()}
@@ -15,12 +16,17 @@ def test_expected_groups_exist():
     assert GROUPS["loss"] == ["bnpo", "dapo", "dr_grpo", "grpo"]
     assert GROUPS["model"] == ["local", "qwen0.5b", "qwen1.5b", "smollm2_135m", "tiny"]
     assert GROUPS["trainer"] == ["cpu", "ddp", "fsdp", "gpu"]
+    assert GROUPS["reward"] == ["gsm8k", "gsm8k_shaped"]
     assert {"variant", "generator", "data", "trainer", "logger"} <= set(GROUPS)
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(tmp_path, group, option):
-    required = [f"model.source.path={tmp_path}"] if (group, option) == ("model", "local") else []
+    required = []
+    if (group, option) == ("model", "local"):  # a folder shaped like save_pretrained's (LocalSource checks it)
+        (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+        (tmp_path / "model.safetensors").write_bytes(b"")
+        required = [f"model.source.path={tmp_path}"]
     cfg = make_cfg(tmp_path, [f"{group}={option}", *required])
     if group == "experiment":  # '# @package _global_' bundles: they set keys across groups, not a node
         assert "experiment" not in cfg and instantiate(cfg.variant) is not None
@@ -35,6 +41,8 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         assert type(instantiate(node.strategy)).__name__ == "FSDPStrategy"  # the Trainer itself needs CUDA
     elif group == "trainer" and option != "cpu":
         assert get_class(node._target_) is not None  # a GPU trainer cannot be built on a CPU machine
+    elif group == "reward":  # a pipeline of terms and transforms, built by grpo_lightning.reward_pipeline
+        assert build_reward(node, loss_type="grpo", max_new_tokens=16)("#### 3", "3") >= 1.0
     elif group == "generator":
         assert get_class(node._target_) is not None  # needs a model; built in test_train
     else:
@@ -43,6 +51,6 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
 
 def test_top_level_nodes_instantiate(tmp_path):
     cfg = make_cfg(tmp_path)
-    assert instantiate(cfg.reward)("#### 3", "3") == 1.0
+    assert build_reward(cfg.reward)("#### 3", "3") == 1.0
     assert instantiate(cfg.optim.schedule).factor(0, 10) > 0
     assert callable(instantiate(cfg.optim.optimizer))

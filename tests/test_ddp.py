@@ -31,15 +31,16 @@ def run(run_dir: Path, devices: int, *extra: str) -> dict:
         "generator.max_new_tokens=12",
         "generator.seed_per_prefix=true",
         "trainer.enable_progress_bar=false",
-        "reward._target_=tests.helpers.RecordingReward",
-        f"+reward.directory={run_dir}",
-        "~reward.format_bonus",
+        "~reward.terms.gsm8k",
+        "+reward.terms.vowels._target_=tests.helpers.RecordingReward",
+        f"+reward.terms.vowels.directory={run_dir}",
         # SGD: the update is linear in the gradient, so float-rounding differences stay float-sized. (Adam's first
         # steps are ~lr * sign(g): a gradient entry near 0 flips with rounding and moves by a whole lr.)
         "optim.optimizer._target_=torch.optim.SGD",
         "~optim.optimizer.betas",
         "optim.optimizer.lr=1.0",
         f"data.prompts_per_round={PROMPTS}",
+        f"generator.num_generations={G}",
         "eval.num_problems=3",  # not a multiple of 2: ranks score 2 and 1 problems
         "eval.every_n_rounds=100",
         "+callbacks.dump._target_=tests.helpers.DumpTrainableParams",

@@ -30,7 +30,8 @@ def test_two_gpu_run(tmp_path, strategy):
         [
             sys.executable, "-m", "grpo_lightning", f"hydra.run.dir={tmp_path}", f"trainer={strategy}",
             "trainer.devices=2", "model=tiny", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
-            "reward._target_=tests.helpers.VowelFractionReward", "~reward.format_bonus", "eval.num_problems=4",
+            "~reward.terms.gsm8k", "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
+            "eval.num_problems=4",
             "trainer.strategy.auto_wrap_policy.min_num_params=10000" if strategy == "fsdp" else "seed=0",
         ],
         cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=900,

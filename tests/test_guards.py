@@ -87,7 +87,7 @@ def test_safe_reward_scores_failures_zero_and_counts_them(caplog):
 
 
 def test_a_reward_that_raises_on_some_samples_does_not_stop_the_run(tiny_cfg):
-    run = build_run(tiny_cfg("reward._target_=tests.helpers.FlakyReward", "eval.enabled=false"))
+    run = build_run(tiny_cfg("reward.terms.vowels._target_=tests.helpers.FlakyReward", "eval.enabled=false"))
     metrics = run.fit()
     assert metrics["rollout/reward_errors"] >= 1  # the last round's count
     assert run.trainer.current_epoch == 2  # both rounds trained

@@ -26,8 +26,8 @@ BASE = [
     f"trainer.max_epochs={ROUNDS}",
     "generator.max_new_tokens=12",
     "trainer.enable_progress_bar=false",
-    "reward._target_=tests.helpers.VowelFractionReward",
-    "~reward.format_bonus",
+    "~reward.terms.gsm8k",
+    "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
     "optim.optimizer.lr=1e-3",
     "data.prompts_per_round=2",
     "eval.num_problems=2",
@@ -38,6 +38,13 @@ SETUPS = {
     "grpo": [],
     # STORPO branches, and two passes over each round: old log-probs are scored before the round's first update.
     "storpo_two_passes": ["variant=storpo", "data.num_iterations=2", "trainer.accumulate_grad_batches=1"],
+    # Dynamic sampling: odd-answer problems score 0 everywhere, so rounds draw extra batches and the prompt
+    # stream position (checkpointed) moves by a varying amount per round.
+    "dynamic_sampling": [
+        "~reward.terms.vowels",
+        "+reward.terms.even._target_=tests.helpers.VowelFractionOnEvenAnswers",
+        "data.dynamic_sampling.enabled=true",
+    ],
 }
 
 

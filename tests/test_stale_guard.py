@@ -27,7 +27,7 @@ def guard_of(run) -> StaleWeightGuard:
 def test_hf_generator_runs_clean(tiny_cfg):
     run = build_run(tiny_cfg(QUICK))
     metrics = run.fit()
-    assert guard_of(run).threshold == 0.1  # conf/generator/hf.yaml
+    assert guard_of(run).threshold == 0.1  # grpo_lightning/conf/generator/hf.yaml
     assert guard_of(run).flagged == [] and metrics["rollout/logp_diff_mean"] < 1e-3
 
 

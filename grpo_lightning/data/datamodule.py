@@ -15,6 +15,7 @@ summed over ranks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,10 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.data.gsm8k import GSM8K, Problem
 from grpo_lightning.distributed import sum_across_ranks
+from grpo_lightning.dynamic_sampling import DynamicSampling
 from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,21 @@ class Prompt:
     answer: str
     question: str
     problem_index: int
+    full_length: int = 0
+    """Tokens before cutting to `max_prompt_tokens` (more than len(prompt_ids) when the prompt was cut)."""
 
 
 def encode_prompt(tokenizer, dataset: GSM8K, problem: Problem, index: int, max_prompt_tokens: int) -> Prompt:
     """Chat-format and tokenise one problem; an over-long prompt keeps its last `max_prompt_tokens` tokens."""
     text = tokenizer.apply_chat_template(dataset.messages(problem.question), tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
-    return Prompt(prompt_ids=ids, answer=problem.answer, question=problem.question, problem_index=index)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return Prompt(
+        prompt_ids=ids[-max_prompt_tokens:],
+        answer=problem.answer,
+        question=problem.question,
+        problem_index=index,
+        full_length=len(ids),
+    )
 
 
 def _identity(batch: RolloutBatch) -> RolloutBatch:
@@ -58,6 +70,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_prompt_tokens: int = 512,
         seed: int = 0,
         tokenizer=None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         super().__init__()
         for key, value in [
@@ -80,6 +93,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.tokenizer = tokenizer
+        self.dynamic_sampling = dynamic_sampling or DynamicSampling()
+        """Whether rounds drop zero-variance groups and draw fresh prompts (grpo_lightning/dynamic_sampling.py)."""
         self.world_size = 1
         self.problems: list[Problem] = []
         self.micro_batches: list[RolloutBatch] = []
@@ -105,13 +120,16 @@ class RolloutDataModule(L.LightningDataModule):
             self.problems = self.dataset.load()
 
     # ---- prompts -------------------------------------------------------------------------------------------
-    def problem_indices_for_round(self, round_index: int) -> list[int]:
-        """Indices of the round's problems: consecutive slices of one seeded permutation per data pass."""
+    def problem_indices(self, start: int, count: int) -> list[int]:
+        """Indices of the problems at positions [start, start + count) of the prompt stream.
+
+        The stream is one seeded permutation of the problems per pass over the data set, concatenated, so any
+        position maps to the same problem in every run with this seed (a resumed run included).
+        """
         n = len(self.problems)
-        start = round_index * self.prompts_per_round
         permutations: dict[int, list[int]] = {}
         indices = []
-        for k in range(start, start + self.prompts_per_round):
+        for k in range(start, start + count):
             data_pass, offset = divmod(k, n)
             if data_pass not in permutations:
                 gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_pass)
@@ -119,10 +137,29 @@ class RolloutDataModule(L.LightningDataModule):
             indices.append(permutations[data_pass][offset])
         return indices
 
+    def problem_indices_for_round(self, round_index: int) -> list[int]:
+        """Indices of round `round_index`'s problems when every round takes `prompts_per_round` of the stream."""
+        return self.problem_indices(round_index * self.prompts_per_round, self.prompts_per_round)
+
     def prompts_for_round(self, round_index: int) -> list[Prompt]:
+        return self.prompts_at(round_index * self.prompts_per_round, self.prompts_per_round)
+
+    def prompts_at(self, start: int, count: int) -> list[Prompt]:
+        """The prompts at stream positions [start, start + count) (dynamic sampling draws past a round's own)."""
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule needs a tokenizer to build prompts")
-        return [self.encode(i) for i in self.problem_indices_for_round(round_index)]
+        prompts = [self.encode(i) for i in self.problem_indices(start, count)]
+        cut = [p for p in prompts if p.full_length > len(p.prompt_ids)]
+        if cut:  # the start of the prompt (system prompt, question) is gone: the model sees a fragment
+            log.warning(
+                "%d of %d prompts were longer than data.max_prompt_tokens=%d (up to %d tokens) and lost their first "
+                "tokens",
+                len(cut),
+                len(prompts),
+                self.max_prompt_tokens,
+                max(p.full_length for p in cut),
+            )
+        return prompts
 
     def encode(self, problem_index: int) -> Prompt:
         return encode_prompt(
@@ -176,7 +213,7 @@ class RolloutDataModule(L.LightningDataModule):
             [sum(float(self.micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
             dtype=torch.float64,
         )
-        tokens = sum_across_ranks(local).tolist()  # dapo normalises by the whole step, all ranks (REFERENCE §1)
+        tokens = sum_across_ranks(local).tolist()  # dapo: the whole step, all ranks (docs/algorithm.md)
         return [
             dataclasses.replace(self.micro_batches[i], num_tokens_in_step=n)
             for step, n in zip(steps, tokens, strict=True)

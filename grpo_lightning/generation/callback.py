@@ -30,6 +30,7 @@ from grpo_lightning.advantages import zero_std_group_fraction
 from grpo_lightning.checkpointing import capture_rng, restore_rng
 from grpo_lightning.data.datamodule import Prompt, RolloutDataModule
 from grpo_lightning.distributed import derive_seed, full_parameters, gather_objects, rank_and_world, shard
+from grpo_lightning.dynamic_sampling import groups_in_order, is_informative, renumbered
 from grpo_lightning.memory import release_freed_memory
 from grpo_lightning.rollouts import Rollout, RolloutBatch
 
@@ -56,6 +57,10 @@ class RolloutCallback(L.Callback):
         self.samples_every_n_rounds = samples_every_n_rounds
         self.num_samples_logged = num_samples_logged
         self.seed = seed
+        self.prompt_cursor = 0
+        """Dynamic sampling: the prompt stream position of the next unused prompt."""
+        self.history: list[tuple[int, float, float]] = []
+        """(round, train/reward_mean, rollout/format_rate) of every round produced so far (run summary)."""
         self.round_metrics: dict[str, float] = {}
         self._train_start = 0.0
         self.next_round = 0
@@ -67,13 +72,17 @@ class RolloutCallback(L.Callback):
     # ---- checkpoint state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Called on every rank when a checkpoint is written; rank 0 writes everybody's part."""
+        reward_state = getattr(self.reward_fn, "state_dict", None)  # e.g. an EMA baseline across rounds
         local = {
             "pending": None if self.pending is None else [dataclasses.asdict(r) for r in self.pending],
             "rng": capture_rng(),
+            "reward": reward_state() if reward_state is not None else {},
         }
         return {
             "next_round": self.next_round,
             "round_metrics": dict(self.round_metrics),
+            "prompt_cursor": self.prompt_cursor,
+            "history": list(self.history),
             "ranks": gather_objects(local),
         }
 
@@ -95,6 +104,10 @@ class RolloutCallback(L.Callback):
                 f"{world_size}; resume with the same trainer.devices x trainer.num_nodes"
             )
         mine = state["ranks"][rank]
+        self.prompt_cursor = state.get("prompt_cursor", 0)
+        self.history = [tuple(h) for h in state.get("history", [])]
+        if mine.get("reward"):
+            self.reward_fn.load_state_dict(mine["reward"])
         if mine["pending"] is None:
             restore_rng(mine["rng"])
             self.produce(trainer, pl_module, state["next_round"])
@@ -127,22 +140,30 @@ class RolloutCallback(L.Callback):
         if reseed is not None:
             reseed(derive_seed(self.seed, "round", round_index))
         rank, world_size = rank_and_world()
-        prompts = shard(self.datamodule.prompts_for_round(round_index), rank, world_size)
         start = time.perf_counter()
         release_freed_memory()  # the training phase's freed activations, before generation adds its own
         with full_parameters(trainer):  # FSDP: sample from gathered weights
-            rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
+            if self.datamodule.dynamic_sampling.enabled:
+                prompts, rollouts, sampled, sampling_metrics = self.sample_informative(rank, world_size)
+            else:
+                prompts = shard(self.datamodule.prompts_for_round(round_index), rank, world_size)
+                rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
+                sampled, sampling_metrics = rollouts, {}
         release_freed_memory()  # generation's merged / packed weights and KV cache, before training
         rollout_s = time.perf_counter() - start
         pop_errors = getattr(self.reward_fn, "pop_errors", None)  # SafeReward counts failing reward calls
         local = {
-            "stats": [RolloutStats.of(r, rank) for r in rollouts],
+            "stats": [RolloutStats.of(r, rank) for r in sampled],
             "rollout_s": rollout_s,
             "variant": dict(self.variant.metrics),
             "reward_errors": pop_errors() if pop_errors is not None else None,
+            "sampling": sampling_metrics,
         }
         self.round_metrics = round_metrics(gather_objects(local)) | self.install(
             trainer, pl_module, rollouts, round_index
+        )
+        self.history.append(
+            (round_index, self.round_metrics["train/reward_mean"], self.round_metrics["rollout/format_rate"])
         )
         log.info(
             "round %d: reward %.3f, %d rollouts in %.1f s",
@@ -153,6 +174,42 @@ class RolloutCallback(L.Callback):
         )
         if trainer.is_global_zero and round_index % self.samples_every_n_rounds == 0:
             self.log_samples(trainer, prompts, rollouts)
+
+    def sample_informative(self, rank: int, world_size: int):
+        """Dynamic sampling (grpo_lightning/dynamic_sampling.py): batches of fresh prompts until this round has
+        `prompts_per_round` groups whose rewards differ, or the cap on extra batches is reached.
+
+        Every rank draws the same number of batches (the stop decision is taken over all ranks), each from its
+        block of the same stream positions. Returns the round's prompts and rollouts (group ids 0..n-1, with
+        advantages), every rollout sampled on the way (for the round's reward metrics) and the sampling metrics.
+        """
+        per_round = self.datamodule.prompts_per_round
+        needed = per_round // world_size
+        kept: list[tuple[Prompt, list[Rollout]]] = []
+        dropped: list[tuple[Prompt, list[Rollout]]] = []
+        sampled: list[Rollout] = []
+        batches = 0
+        while True:
+            prompts = shard(self.datamodule.prompts_at(self.prompt_cursor, per_round), rank, world_size)
+            self.prompt_cursor += per_round
+            batches += 1
+            rollouts = self.variant.sample_rollouts(self.generator, prompts, self.reward_fn, self.decode)
+            sampled.extend(dataclasses.replace(r, group_id=r.group_id + (batches - 1) * len(prompts)) for r in rollouts)
+            for prompt, group in zip(prompts, groups_in_order(rollouts, len(prompts)), strict=True):
+                (kept if is_informative(group) else dropped).append((prompt, group))
+            still_short = max(gather_objects(needed - len(kept)))
+            if still_short <= 0 or batches > self.datamodule.dynamic_sampling.max_extra_batches:
+                break
+        chosen = kept[:needed] + dropped[: max(0, needed - len(kept))]
+        rollouts = renumbered([group for _, group in chosen])
+        self.variant.assign_advantages(rollouts, self.reward_fn)
+        metrics = {
+            "rollout/ds_groups_filtered": float(len(dropped)),
+            "rollout/ds_groups_short": float(max(0, needed - len(kept))),
+            "rollout/ds_extra_batches": float(batches - 1),
+            "rollout/ds_prompts_consumed": float(batches * len(prompts)),
+        }
+        return [prompt for prompt, _ in chosen], rollouts, sampled, metrics
 
     def install(self, trainer: L.Trainer, pl_module: L.LightningModule, rollouts: list[Rollout], round_index: int):
         """Hand a round's rollouts to the data module (scoring old log-probs first when the round takes several
@@ -198,6 +255,8 @@ class RolloutStats:
     """Sampled tokens (a STORPO continuation's branched prefix was sampled once, by the initial completion)."""
     truncated: bool
     extracted: bool
+    terms: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Unweighted reward terms (`reward.terms.<name>`)."""
 
     @staticmethod
     def of(r: Rollout, rank: int = 0) -> RolloutStats:
@@ -208,6 +267,7 @@ class RolloutStats:
             generated=len(r.completion_ids) - r.branch_point,
             truncated=r.truncated,
             extracted=r.answer_extracted,
+            terms=dict(r.reward_terms),
         )
 
 
@@ -217,6 +277,9 @@ def round_metrics(per_rank: list[dict]) -> dict[str, float]:
     metrics = rollout_metrics(stats, max(part["rollout_s"] for part in per_rank))  # ranks generate in parallel
     for key in per_rank[0]["variant"]:
         metrics[key] = sum(part["variant"][key] for part in per_rank) / len(per_rank)
+    for key in per_rank[0]["sampling"]:  # dynamic sampling: counts over all ranks (extra batches: equal on all)
+        values = [part["sampling"][key] for part in per_rank]
+        metrics[key] = values[0] if key == "rollout/ds_extra_batches" else sum(values)
     if per_rank[0]["reward_errors"] is not None:
         metrics["rollout/reward_errors"] = float(sum(part["reward_errors"] for part in per_rank))
     return metrics
@@ -229,7 +292,7 @@ def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, fl
     lengths = torch.tensor([s.length for s in stats], dtype=torch.float32)  # [N]
     generated = sum(s.generated for s in stats)
     num_groups = len(set(groups.tolist()))
-    return {
+    metrics = {
         "train/reward_mean": float(rewards.mean()),
         "train/reward_std": float(rewards.std()) if len(stats) > 1 else 0.0,
         "train/frac_zero_std_groups": zero_std_group_fraction(rewards, groups),
@@ -241,6 +304,13 @@ def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, fl
         "rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
         "time/rollout_s": rollout_s,
     }
+    names = dict.fromkeys(name for s in stats for name in s.terms)  # in config order
+    if names:  # each reward term beside the total, so a user sees which term moves
+        metrics["reward/total_mean"] = metrics["train/reward_mean"]
+        for name in names:
+            values = [s.terms[name] for s in stats if name in s.terms]
+            metrics[f"reward/{name}_mean"] = sum(values) / len(values)
+    return metrics
 
 
 def logp_diff(micro_batches: list[RolloutBatch]) -> dict[str, float]:

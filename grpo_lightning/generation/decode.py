@@ -1,6 +1,6 @@
 """Our own sampling loop for HF models: a pre-allocated KV cache and an O(V) exact sampler.
 
-Measured on the embedded model (16 rows x 128 new tokens, 2 CPU cores; README: Performance), `generate`
+Measured on the embedded model (16 rows x 128 new tokens, 2 CPU cores; benchmarks/README.md), `generate`
 spends its time on three things besides the weight-bound matmuls: `DynamicCache` re-concatenating every layer's
 keys and values at every step (O(T^2) copying), `torch.multinomial` drawing one exponential per vocabulary entry
 per row (~14 ms a step for 16 x 49152), and bookkeeping. This loop keeps the model call and replaces the rest:

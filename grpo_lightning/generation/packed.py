@@ -1,13 +1,11 @@
 """Linear layers through MKL's packed GEMM while generating: each weight packed once per call, not per matmul.
 
 For the few rows of a decoding step (16 x 576 times 576 x 1536), MKL's `sgemm` can spend much of every call
-re-packing the weight into its blocked layout. On an Intel Xeon with AVX-512 / AMX a call took 147 us, against
-81 us with the weight packed once beforehand by `torch.ops.mkl._mkl_reorder_linear_weight` (the op PyTorch's own
-CPU freezing pass uses), and the packed product equalled `F.linear` bit for bit. Whether it pays depends on the
-CPU: on an AMD EPYC without AVX-512 the packed buffer is 2-16x the weight's size, an isolated call is only ~5%
-faster, a whole rollout took 21-24 s instead of 15-17 s (cache pressure) and peaked 0.8 GB higher, and products
-with other row counts than 16 differ from `F.linear` by float rounding (1e-5), enough to change a sampled token
-now and then.
+re-packing the weight into its blocked layout; `torch.ops.mkl._mkl_reorder_linear_weight` (the op PyTorch's own
+CPU freezing pass uses) packs it once beforehand. Whether that pays depends on the CPU: on some it is much faster
+and bit-exact, on others the packed buffer is several times the weight's size, the call is barely faster, and
+products with some row counts differ from `F.linear` by float rounding (enough to change a sampled token now and
+then). Measured numbers: benchmarks/README.md.
 
 So the default, `auto`, runs a trial per weight shape and row count, once per process (`packing_trial`: exact
 equality with `F.linear` on a random input, packed size, best-of-3 speed), and packs only the shapes whose
@@ -111,7 +109,7 @@ def _trial_pays(layer: nn.Linear, rows: int) -> bool:
 
 @functools.cache
 def _log_auto_choice(rows: int, packed: int, packable: int) -> None:
-    log.info("generator.packed_weights=auto: %d of %d linear layers packed for %d rows", packed, packable, rows)
+    log.debug("generator.packed_weights=auto: %d of %d linear layers packed for %d rows", packed, packable, rows)
 
 
 @contextlib.contextmanager

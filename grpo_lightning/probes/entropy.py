@@ -1,27 +1,35 @@
 """Entropy probe: per-sequence policy entropy, its correlation with advantages, and how an update moves it.
 
-Following Cui et al. 2025 ("The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617) and seed 002:
+Following Cui et al. 2025 ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
+arXiv 2505.22617) and seed 002; what each metric estimates and how to read it: docs/probes.md.
 
 - Token entropy H_t = -sum_v p(v|s_t) log p(v|s_t) of the sampling distribution (logits / temperature), taken
-  from the training forward's own logits (the module hands them over on probed steps: no second forward), row
-  chunk by row chunk so no extra [B, T, V] tensor is held at once. Per-sequence entropy: mean over trained tokens.
+  from the training forward's own logits chunk by chunk as the chunked LM head computes them
+  (`forward.completion_logprobs_with_entropy`: no second forward, no `[B, C, V]` tensor), in float64.
+  Per-sequence entropy: mean over trained tokens. `token_mean`: mean over the step's trained tokens.
 - `adv_corr`: Pearson correlation over sequences of (sequence entropy, advantage).
 - `cov_logp_adv`: covariance over the step's trained tokens of (log p(y_t), A_t), centred by batch means (as
   verl's clip_cov). Cui's Lemma 1 (natural policy gradient, step eta): dH ~= -eta Cov(log p, A); logged as
   `projected_delta_cov` with eta = the current learning rate (Adam is not natural gradient: read its sign and
-  trend, not its size). A positive covariance (confident tokens rewarded, unlikely ones penalised) predicts an
-  entropy drop, the mechanism of entropy collapse; a negative one predicts entropy growth.
-- `projected_delta_first_order`: grad_theta(H) . delta_theta with delta_theta the actual optimizer update.
-  grad_theta(H) is one extra backward from the training forward's logits: dH_t/dl = -p (log p + H_t) is built
-  chunk by chunk and pulled back with `torch.autograd.grad` (never touching `.grad`).
-- `actual_delta` (opt-in, `measure_actual`): mean entropy of the same micro-batches re-scored after the step
-  (one extra forward per micro-batch). `sign_agreement` / `sign_agreement_first_order`: running fraction of
-  steps where a projection had the sign of the actual change.
+  trend, not its size).
+- `projected_delta_first_order` (`first_order`, off by default: it costs a backward): grad_theta(token_mean) . delta_theta with
+  delta_theta the actual optimizer update. The gradient of sum_t H_t with respect to the LM head's input comes
+  with the entropies (one more `[n, V] x [V, H]` product per chunk); one extra backward from there
+  (`torch.autograd.grad`, `.grad` untouched) gives the trainable parameters' part. The update is never copied:
+  grad . theta is taken (in float64, exact products) before and after the optimizer step.
+- `actual_delta` (`measure_actual`): mean entropy of the same micro-batches re-scored after the step (one extra
+  forward per micro-batch) minus before. From the steps where it is not 0:
+  `sign_agreement_cov` / `sign_agreement_first_order`, the running fraction of steps where that projection had
+  the sign of the actual change (a projection of exactly 0 disagrees), and `corr_actual_cov` /
+  `corr_actual_first_order`, the Pearson correlation across steps of the projection and the actual change
+  (logged from 3 steps on).
 
 Zero impact: every extra computation runs without touching `.grad`, and under `torch.random.fork_rng`.
 
 DDP: each rank measures its own micro-batches (its entropy gradient is local, the update delta_theta global);
-the logged values are the mean over ranks (`sync_dist`), NaN kept so every rank logs the same keys.
+the logged values are the mean over ranks (`sync_dist`), NaN kept so every rank logs the same keys. The
+(projection, actual) pairs that feed the agreement and correlation are averaged over ranks first, so every rank
+keeps the same running statistics.
 """
 
 from __future__ import annotations
@@ -32,36 +40,9 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from grpo_lightning.forward import completion_logprobs_with_entropy, entropy_and_logit_grad, token_entropy
 
-@torch.no_grad()
-def token_entropy(logits: Tensor, chunk_size: int = 2, dtype: torch.dtype = torch.float64) -> Tensor:
-    """Entropy of softmax(logits) per position: [B, T, V] -> [B, T], `chunk_size` rows at a time.
-
-    float64 by default: entropy changes of one small step (~1e-6 nats) are below float32 resolution of a sum
-    of ~10-nat entropies. Peak extra memory: chunk_size x T x V x 8 bytes.
-    """
-    rows = []
-    for chunk in logits.detach().split(chunk_size):
-        logp = torch.log_softmax(chunk.to(dtype), dim=-1)  # [b, T, V]
-        rows.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(rows)
-
-
-@torch.no_grad()
-def entropy_logit_grad(logits: Tensor, weights: Tensor, chunk_size: int = 4) -> Tensor:  # [B, T, V], [B, T]
-    """d(sum_t weights_t H_t) / d logits = -weights_t p (log p + H_t), in the logits' dtype, chunk by chunk.
-
-    Computed in at least float32; this tensor is the one extra [B, T, V] buffer the first-order projection needs.
-    """
-    out = torch.empty_like(logits)
-    for start in range(0, logits.shape[0], chunk_size):
-        chunk = logits[start : start + chunk_size]
-        logp = torch.log_softmax(chunk.to(torch.promote_types(chunk.dtype, torch.float32)), dim=-1)  # [b, T, V]
-        p = logp.exp()
-        h = -(p * logp).sum(-1, keepdim=True)  # [b, T, 1]
-        w = weights[start : start + chunk_size].unsqueeze(-1)
-        out[start : start + chunk_size] = (-w * p * (logp + h)).to(logits.dtype)
-    return out
+__all__ = ["EntropyProbe", "RunningAgreement", "entropy_and_logit_grad", "pearson", "token_entropy"]
 
 
 def pearson(x: Tensor, y: Tensor) -> float:  # [N], [N]
@@ -71,11 +52,58 @@ def pearson(x: Tensor, y: Tensor) -> float:  # [N], [N]
     return float((x * y).sum()) / denom if denom > 0 else float("nan")
 
 
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)  # +0.0 and -0.0 are both 0 (math.copysign tells them apart)
+
+
+def _dot64(a: Tensor, b: Tensor, block: int = 1 << 20) -> float:
+    """sum(a * b) with float64 products and sums, a block at a time (float32 products are exact in float64)."""
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    return sum(float(torch.dot(a[i : i + block].double(), b[i : i + block].double())) for i in range(0, a.numel(), block))
+
+
+class RunningAgreement:
+    """Across steps: how often a projection has the sign of the actual change, and their Pearson correlation.
+
+    Only steps whose actual change is not 0 count (no change has no sign to agree with). Constant memory.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.agree = 0
+        self.sx = self.sy = self.sxx = self.syy = self.sxy = 0.0
+
+    def update(self, projected: float, actual: float) -> None:
+        if actual == 0 or not (math.isfinite(actual) and math.isfinite(projected)):
+            return
+        self.n += 1
+        self.agree += int(_sign(projected) == _sign(actual))
+        self.sx, self.sy = self.sx + projected, self.sy + actual
+        self.sxx, self.syy, self.sxy = self.sxx + projected**2, self.syy + actual**2, self.sxy + projected * actual
+
+    @property
+    def sign_agreement(self) -> float:
+        return self.agree / self.n if self.n else float("nan")
+
+    @property
+    def correlation(self) -> float:
+        if self.n < 3:
+            return float("nan")
+        n = self.n
+        cxx, cyy, cxy = self.sxx - self.sx**2 / n, self.syy - self.sy**2 / n, self.sxy - self.sx * self.sy / n
+        return cxy / math.sqrt(cxx * cyy) if cxx > 0 and cyy > 0 else float("nan")
+
+
 class EntropyProbe(L.Callback):
     """Logs `probe/entropy/*` every `every_n_steps` optimizer steps; never changes training."""
 
     def __init__(
-        self, enabled: bool = False, every_n_steps: int = 1, measure_actual: bool = False, chunk_size: int = 2
+        self,
+        enabled: bool = False,
+        every_n_steps: int = 1,
+        measure_actual: bool = False,
+        first_order: bool = False,
+        chunk_size: int = 2,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"probe.entropy.every_n_steps must be >= 1 (got {every_n_steps})")
@@ -84,72 +112,88 @@ class EntropyProbe(L.Callback):
         self.enabled = enabled
         self.every_n_steps = every_n_steps
         self.measure_actual = measure_actual
-        self.chunk_size = chunk_size
+        self.first_order = first_order
+        self.chunk_size = chunk_size  # rows per chunk where a model's logits are materialised (plain forward)
         self.last_metrics: dict[str, float] = {}
-        self._agree = {"cov": [0, 0], "first_order": [0, 0]}  # [agreeing steps, steps with an actual change]
-        self._module = None
+        self._agreement = {"cov": RunningAgreement(), "first_order": RunningAgreement()}
+        self._params: list[torch.nn.Parameter] = []
         self._reset()
 
     def _reset(self) -> None:
         self._seq_entropy: list[Tensor] = []  # [B] per micro-batch
         self._advantages: list[Tensor] = []  # [B]
-        self._token_logp: list[Tensor] = []  # [n] trained tokens
-        self._token_adv: list[Tensor] = []  # [n]
+        self._cov_sums = {"n": 0.0, "logp": 0.0, "adv": 0.0, "logp_adv": 0.0}  # sums over trained tokens
         self._entropy_sum, self._tokens = 0.0, 0.0
         self._grad_h: list[Tensor] | None = None  # sum over micro-batches of grad_theta sum_t H_t
+        self._dot_before = 0.0
         self._batches: list = []
-        self._before: list[Tensor] | None = None
+        self._stepped = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._module = pl_module
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        pl_module.logits_observer = None
+        pl_module.entropy_observer, pl_module.entropy_grad = None, False
         self._params = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         active = self.enabled and trainer.global_step % self.every_n_steps == 0
-        pl_module.logits_observer = self._observe if active else None
+        pl_module.entropy_observer = self._observe if active else None
+        pl_module.entropy_grad = active and self.first_order
         if active and self.measure_actual:
             self._batches.append(batch)
 
-    # ---- per micro-batch (called from training_step with the live logits) ----------------------------------
-    def _observe(self, logits: Tensor, logp: Tensor, batch) -> None:  # [B, C, V], [B, C]
+    # ---- per micro-batch (called from training_step with this forward's entropies) ------------------------
+    def _observe(self, logp: Tensor, terms, batch) -> None:  # [B, C], EntropyTerms
         mask = batch.completion_mask  # [B, C]
-        entropy = token_entropy(logits, self.chunk_size) * mask  # [B, C]
+        entropy = terms.entropy * mask  # [B, C] float64
         tokens = mask.sum(-1)  # [B]
         self._seq_entropy.append((entropy.sum(-1) / tokens.clamp(min=1)).cpu())
         self._advantages.append(batch.advantages.float().cpu())
         keep = mask.bool()
-        self._token_logp.append(logp.detach()[keep].float().cpu())
-        self._token_adv.append(batch.advantages[:, None].expand_as(mask)[keep].float().cpu())
+        lp = logp.detach()[keep].double()
+        adv = batch.advantages.double()[:, None].expand_as(mask)[keep]
+        sums = self._cov_sums
+        sums["n"] += float(lp.numel())
+        sums["logp"] += float(lp.sum())
+        sums["adv"] += float(adv.sum())
+        sums["logp_adv"] += float((lp * adv).sum())
         self._entropy_sum += float(entropy.sum())
         self._tokens += float(tokens.sum())
-        grad_logits = entropy_logit_grad(logits.detach(), mask, self.chunk_size)  # [B, C, V]
-        grads = torch.autograd.grad(logits, self._params, grad_logits, retain_graph=True, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)]
+        if not self.first_order:
+            return
+        grads = torch.autograd.grad(terms.anchor, self._params, terms.anchor_grad, retain_graph=True, allow_unused=True)
+        grads = list(grads)
+        for param, head_grad in terms.head_grads:  # a trainable LM head's direct term (tied embeddings included)
+            for k, p in enumerate(self._params):
+                if p is param:
+                    grads[k] = head_grad.to(p.dtype) if grads[k] is None else grads[k] + head_grad.to(grads[k].dtype)
         if self._grad_h is None:
-            self._grad_h = grads
+            self._grad_h = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params, grads, strict=True)]
         else:
-            self._grad_h = [a + g for a, g in zip(self._grad_h, grads, strict=True)]
+            for acc, g in zip(self._grad_h, grads, strict=True):
+                if g is not None:
+                    acc.add_(g)
 
     # ---- per optimizer step --------------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if pl_module.logits_observer is None or not self._seq_entropy:
+        if pl_module.entropy_observer is None or not self._seq_entropy:
             return
-        self._before = [p.detach().clone() for p in self._params]
+        self._stepped = True
         self._lr = optimizer.param_groups[0]["lr"]
+        if self._grad_h is not None:
+            self._dot_before = sum(_dot64(g, p) for g, p in zip(self._grad_h, self._params, strict=True))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if self._before is None:  # not an optimizer step, or not probed
+        if not self._stepped:  # not an optimizer step, or not probed
             return
         metrics = self._step_metrics()
+        distributed = trainer.world_size > 1
         if self.measure_actual:
-            metrics.update(self._actual(pl_module, metrics))
+            metrics.update(self._actual(trainer, pl_module, metrics, distributed))
         self.last_metrics = metrics
-        distributed = trainer.world_size > 1  # every rank must log the same keys: NaN stays, averaged over ranks
+        # every rank must log the same keys: NaN stays under DDP, averaged over ranks
         pl_module.log_dict(
             {f"probe/entropy/{k}": v for k, v in metrics.items() if distributed or not math.isnan(v)},
             on_step=True,
@@ -157,17 +201,15 @@ class EntropyProbe(L.Callback):
             batch_size=1,
             sync_dist=distributed,
         )
-        pl_module.logits_observer = None
+        pl_module.entropy_observer = None
         self._reset()
 
     def _step_metrics(self) -> dict[str, float]:
         seq = torch.cat(self._seq_entropy)  # [N]
-        logp, adv = torch.cat(self._token_logp).double(), torch.cat(self._token_adv).double()  # [n], [n]
-        cov = float(((logp - logp.mean()) * (adv - adv.mean())).mean()) if logp.numel() else float("nan")
+        n, s_lp, s_adv, s_lp_adv = self._cov_sums.values()
+        cov = s_lp_adv / n - (s_lp / n) * (s_adv / n) if n else float("nan")
         tokens = max(self._tokens, 1.0)
-        delta = [p.detach() - b for p, b in zip(self._params, self._before, strict=True)]
-        first_order = sum(float((g.double() * d.double()).sum()) for g, d in zip(self._grad_h, delta, strict=True))
-        return {
+        metrics = {
             "seq_mean": float(seq.mean()),
             "seq_std": float(seq.std()) if seq.numel() > 1 else 0.0,
             "seq_min": float(seq.min()),
@@ -176,23 +218,41 @@ class EntropyProbe(L.Callback):
             "adv_corr": pearson(seq, torch.cat(self._advantages)),
             "cov_logp_adv": cov,
             "projected_delta_cov": -self._lr * cov,
-            "projected_delta_first_order": first_order / tokens,
         }
+        if self._grad_h is not None:
+            dot_after = sum(_dot64(g, p) for g, p in zip(self._grad_h, self._params, strict=True))
+            metrics["projected_delta_first_order"] = (dot_after - self._dot_before) / tokens
+        return metrics
 
     @torch.no_grad()
-    def _actual(self, pl_module, metrics: dict[str, float]) -> dict[str, float]:
+    def _actual(self, trainer, pl_module, metrics: dict[str, float], distributed: bool) -> dict[str, float]:
         """Re-score the step's micro-batches with the updated policy: the entropy change the step caused."""
         total = 0.0
         with torch.random.fork_rng():
             for batch in self._batches:
                 b = batch.to(pl_module.device)
-                logits, _ = pl_module.policy_forward(pl_module.policy, b, with_logits=True)
-                total += float((token_entropy(logits, self.chunk_size) * b.completion_mask).sum())
+                _, terms = completion_logprobs_with_entropy(
+                    pl_module.policy,
+                    b,
+                    pl_module.temperature,
+                    b.completion_mask,
+                    pl_module.share_prefix,
+                    pl_module.logits_chunk_tokens,
+                    pl_module.runs_by_length,
+                    with_grad=False,
+                )
+                total += float((terms.entropy * b.completion_mask).sum())
         actual = total / max(self._tokens, 1.0) - metrics["token_mean"]
         out = {"actual_delta": actual}
-        for name, key in (("cov", "projected_delta_cov"), ("first_order", "projected_delta_first_order")):
-            agree = self._agree[name]
-            agree[0] += int(math.copysign(1, metrics[key]) == math.copysign(1, actual))
-            agree[1] += 1
-            out["sign_agreement" if name == "cov" else "sign_agreement_first_order"] = agree[0] / agree[1]
+        for name in ("cov", "first_order"):
+            projected = metrics.get(f"projected_delta_{name}")
+            if projected is None:
+                continue
+            pair = torch.tensor([projected, actual], dtype=torch.float64)
+            if distributed:  # every rank keeps the same running statistics
+                pair = trainer.strategy.reduce(pair.to(pl_module.device), reduce_op="mean").cpu()
+            running = self._agreement[name]
+            running.update(*pair.tolist())
+            out[f"sign_agreement_{name}"] = running.sign_agreement
+            out[f"corr_actual_{name}"] = running.correlation
         return out

@@ -1,46 +1,74 @@
 """Gradient noise scale probe (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A).
 
-Two batch sizes give two unbiased equations (REFERENCE §5): micro-batch gradients g_i (batch B_s) and the
-optimizer step's synchronised gradient G_big (batch B_b = sum of all B_s, all micro-batches, all ranks):
+Two batch sizes give two unbiased equations (REFERENCE §5; docs/probes.md): micro-batch gradients g_i (batch
+B_i) and the optimizer step's synchronised gradient G_big (batch B_b, all micro-batches of all ranks):
 
-    E|g_i|^2   = |G|^2 + tr(S) / B_s          E|G_big|^2 = |G|^2 + tr(S) / B_b
+    E|g_i|^2   = |G|^2 + tr(S) / B_i          E|G_big|^2 = |G|^2 + tr(S) / B_b
+    B_s        = m / sum_i (1 / B_i)          (harmonic mean over the step's m micro-batches: then
+                                               E[mean_i |g_i|^2] = |G|^2 + tr(S) / B_s exactly)
     trS_hat    = (mean_i |g_i|^2 - |G_big|^2) / (1/B_s - 1/B_b)
     G2_hat     = (B_b |G_big|^2 - B_s mean_i |g_i|^2) / (B_b - B_s)
-    B_simple   = EMA(trS_hat) / EMA(G2_hat)     (numerator and denominator averaged separately)
 
-Why hooks and not the seed's gradient snapshots: a tensor hook on each trainable parameter receives that
-backward's own gradient before it is accumulated into `.grad` (local to the rank even under DDP, as in
-petuum/adaptdl), so |g_i|^2 is a running sum of squares: no copy of the model, 4 scalars all-reduced per step.
-Lightning divides each micro-batch loss by `accumulate_grad_batches`; the probe multiplies that back so g_i is
-the gradient of micro-batch i's own loss. The hooks count only between `on_before_backward` and
-`on_after_backward`: other gradient computations (the entropy probe's `torch.autograd.grad`) fire the same hooks.
+Sample unit and g_i, per loss type (`GRPOModule.sample_weights`, `GRPOModule.step_weighting`): the loss of a
+micro-batch is a weighted mean of one value per completion, and g_i is the gradient of that micro-batch loss
+on its own (the loss type applied to the micro-batch alone):
 
-Sample unit: one completion, whose token-mean loss is weighted by the loss type (`GRPOModule.sample_weights`):
-equal for `grpo`, proportional to its trained tokens for `bnpo`, `dr_grpo` and `dapo`. B_s of a micro-batch is
-its effective sample size ESS = (sum w)^2 / sum w^2 (seed 002). Completions of one prompt share a group-relative
-advantage and are not independent; micro-batches hold whole groups, so the estimates describe batches of groups
-made of such completions (the B_simple unit is completions, counted by ESS).
+- `grpo`: the mean over completions of each completion's token-mean loss: equal weights, B_i = completions.
+- `dr_grpo`: the mean over completions of (token sum / max_completion_length): equal weights, B_i = completions.
+- `bnpo`: the micro-batch's token mean = completions' token means weighted by their trained tokens n_j;
+  B_i = its effective sample size (sum n)^2 / sum n^2.
+- `dapo`: the step's loss is the token sum over the whole step / N_step = the mean over ALL the step's
+  completions of (token sum / nbar), nbar = N_step / completions in the step (a constant within the step). The
+  micro-batch's own loss is the mean of that same per-completion value over its completions: equal weights,
+  B_i = completions, and g_i = (B_step / (W B_i)) h_i with h_i the gradient Lightning's backward sees.
+  (The module multiplies dapo's micro-batch loss by accumulate x world size so the summed gradient is the
+  step's token mean; dividing by the micro-batch's share B_i / B_step undoes exactly that.)
+
+In general G_big = sum_i a_i g_i with sum_i a_i = 1: a_i = 1/m for the losses Lightning averages over
+micro-batches (`step_weighting = "micro_batch"`: grpo, bnpo, dr_grpo) and a_i = B_i / B_step for dapo
+(`"sample"`), so 1/B_b = sum_i a_i^2 / B_i: B_b = m B_s, resp. B_b = B_step. B_b is the whole step's effective
+sample size in both cases (`gns_B_big`); B_s is logged as `gns_B_small`.
+
+Completions of one prompt share a group-relative advantage and are not independent; micro-batches hold whole
+groups, so the estimates describe batches of groups made of such completions (the unit is still completions).
+
+Why hooks and not gradient snapshots: a tensor hook on each trainable parameter receives that backward's own
+gradient h_i before it is accumulated into `.grad` (local to the rank even under DDP, as in petuum/adaptdl), so
+|h_i|^2 is a running sum of float32 dot products (BLAS, no copy of a gradient), accumulated in float64; 7
+scalars are all-reduced per step. The hooks count only between `on_before_backward` and `on_after_backward`:
+other gradient computations (the entropy probe's `torch.autograd.grad`) fire the same hooks.
 
 Consistency ratio: the hook also sums <h_i, .grad before h_i> (the gradients accumulated so far), so
 |sum_i h_i|^2 = sum_i |h_i|^2 + 2 sum_i <h_i, sum_{j<i} h_j> is known without storing a gradient. On one process
-`.grad` at the optimizer step IS sum_i h_i, so the ratio |sum_i h_i|^2 / |.grad|^2 is 1.0 exactly (up to the
-float32 rounding of `.grad`, ~1e-7) when the hooks saw every gradient that reached `.grad`. Under DDP `.grad` is
-averaged over ranks and the ratio is not logged.
+`.grad` at the optimizer step IS sum_i h_i, so the ratio |sum_i h_i|^2 / |.grad|^2 is 1.0 (up to float32
+rounding, ~1e-7) when the hooks saw every gradient that reached `.grad`. Under DDP `.grad` is averaged over
+ranks and the ratio is not logged.
 
-With `accumulate_grad_batches = 1` on one process there is a single batch size (B_s = B_b): tr(S) and |G|^2 are
-not separable, so only `gns_G2_big` (the biased |G_big|^2) and the ESS are logged, never the estimators.
+Smoothing: single-step estimates are noisy and G2_hat is often negative. `B_simple` is EMA(trS_hat) /
+EMA(G2_hat) (bias-corrected EMAs, numerator and denominator averaged separately), logged only while
+EMA(G2_hat) is at least `min_snr` standard errors above zero; the standard error comes from the EMA-weighted
+spread of the per-step G2_hat. Otherwise the ratio would divide by ~0 and report any number: `B_simple_defined`
+is 0 on those steps and `B_simple` is not logged.
+
+With one micro-batch per step on one process there is a single batch size (B_s = B_b): tr(S) and |G|^2 are not
+separable, so only `gns_G2_big` (the biased |G_big|^2) and the batch sizes are logged, never the estimators.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import lightning as L
 import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+# Per-step sums over micro-batches (then over ranks): |h_i|^2, |h_i|^2 / B_i^2, 1 / B_i, B_i, micro-batches,
+# |sum_i h_i|^2 (consistency ratio), micro-batches without a sample.
+_TOTALS = ("sum_sq", "sum_sq_per_b2", "sum_inv_b", "sum_b", "count", "hook_total", "empty")
 
 
 def effective_sample_size(weights: Tensor) -> float:  # weights [B] >= 0
@@ -49,39 +77,90 @@ def effective_sample_size(weights: Tensor) -> float:  # weights [B] >= 0
     return float(weights.sum() ** 2 / (weights.pow(2).sum().clamp(min=1e-300)))
 
 
-def gns_estimates(sum_sq: float, count: float, ess_sum: float, big_sq: float) -> dict[str, float]:
-    """Unbiased tr(S) and |G|^2 from the all-reduced scalars of one optimizer step (see module docstring).
-
-    sum_sq: sum_i |g_i|^2 over all micro-batches and ranks; count: their number; ess_sum: sum_i B_s,i (= B_b);
-    big_sq: |G_big|^2. B_s is the mean micro-batch ESS. Returns {} when the two batch sizes coincide.
-    """
-    b_small, b_big = ess_sum / count, ess_sum
-    if count < 2 or b_big - b_small <= 1e-9 * b_big:
+def gns_estimates(mean_sq: float, b_small: float, b_big: float, big_sq: float) -> dict[str, float]:
+    """Unbiased tr(S) and |G|^2 from one optimizer step (module docstring): mean_i |g_i|^2, the harmonic-mean
+    micro-batch size B_s, the step's batch size B_b and |G_big|^2. {} when the two batch sizes coincide."""
+    if not b_small > 0 or b_big - b_small <= 1e-9 * b_big:
         return {}
-    mean_sq = sum_sq / count
     tr_sigma = (mean_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
     g2 = (b_big * big_sq - b_small * mean_sq) / (b_big - b_small)
     return {"tr_sigma": tr_sigma, "G2": g2, "B_small": b_small, "B_big": b_big}
 
 
+def _sq_norm(grad: Tensor) -> Tensor:
+    """|grad|^2 as a float64 scalar: a float32 dot product (no float64 copy of the gradient)."""
+    g = grad.detach().reshape(-1)
+    if g.dtype not in (torch.float32, torch.float64):
+        g = g.float()
+    return torch.dot(g, g).double()
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if a.dtype not in (torch.float32, torch.float64) or a.dtype != b.dtype:
+        a, b = a.float(), b.float()
+    return torch.dot(a, b).double()
+
+
+class SmoothedRatio:
+    """Bias-corrected EMAs of a numerator and a denominator, and the denominator's standard error.
+
+    The EMA of n per-step values x_k has weights w_k = (1 - beta) beta^(n-k), normalised by W1 = sum w_k; if
+    the x_k are independent with variance s^2, its variance is s^2 W2 / W1^2 (W2 = sum w_k^2). s^2 is
+    estimated by the EMA-weighted spread of the x_k themselves (undefined, hence infinite, below two steps).
+    """
+
+    def __init__(self, beta: float) -> None:
+        self.beta = beta
+        self.num = self.den = self.den_sq = self.w1 = self.w2 = 0.0
+        self.steps = 0
+
+    def update(self, num: float, den: float) -> None:
+        b, a = self.beta, 1.0 - self.beta
+        self.num, self.den, self.den_sq = b * self.num + a * num, b * self.den + a * den, b * self.den_sq + a * den**2
+        self.w1, self.w2 = b * self.w1 + a, b * b * self.w2 + a * a
+        self.steps += 1
+
+    @property
+    def numerator(self) -> float:
+        return self.num / self.w1
+
+    @property
+    def denominator(self) -> float:
+        return self.den / self.w1
+
+    @property
+    def denominator_se(self) -> float:
+        if self.steps < 2:
+            return math.inf
+        spread = max(self.den_sq / self.w1 - self.denominator**2, 0.0)
+        # the weighted spread underestimates s^2 by the factor (1 - W2 / W1^2) (as n / (n - 1) for equal weights)
+        spread /= max(1.0 - self.w2 / self.w1**2, 1e-12)
+        return math.sqrt(spread * self.w2) / self.w1
+
+
 class GradientNoiseScaleProbe(L.Callback):
     """Logs `probe/gns/*` every `every_n_steps` optimizer steps; never changes training."""
 
-    def __init__(self, enabled: bool = False, every_n_steps: int = 1, ema_beta: float = 0.9) -> None:
+    def __init__(
+        self, enabled: bool = False, every_n_steps: int = 1, ema_beta: float = 0.9, min_snr: float = 2.0
+    ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"probe.gns.every_n_steps must be >= 1 (got {every_n_steps})")
         if not 0 <= ema_beta < 1:
             raise ValueError(f"probe.gns.ema_beta must be in [0, 1) (got {ema_beta})")
+        if not min_snr >= 0:
+            raise ValueError(f"probe.gns.min_snr must be >= 0 (got {min_snr})")
         self.enabled = enabled
         self.every_n_steps = every_n_steps
         self.ema_beta = ema_beta
+        self.min_snr = min_snr
         self.last_estimates: dict[str, float] = {}
         self._handles: list = []
         self._params: list[torch.nn.Parameter] = []
         self._active = False
         self._armed = False
-        self._ema_tr = self._ema_g2 = 0.0
-        self._ema_weight = 0.0
+        self._smoothed = SmoothedRatio(ema_beta)
         self._warned = False
         self._reset_step()
 
@@ -107,19 +186,16 @@ class GradientNoiseScaleProbe(L.Callback):
         self._handles, self._params = [], []
 
     def _reset_step(self) -> None:
-        self._sum_sq = 0.0  # sum_i |g_i|^2 (own-loss scale)
-        self._hook_total = 0.0  # |sum_i h_i|^2 (Lightning's scale), for the consistency ratio
-        self._count = 0
-        self._ess_sum = 0.0
-        self._micro_sq: Tensor | float = 0.0  # |h_i|^2 of the running backward, on the gradients' device
+        # h_i: micro-batch i's gradient as Lightning's backward sees it; B_i its sample size (module docstring)
+        self._totals = dict.fromkeys(_TOTALS, 0.0)
+        self._micro_sq: Tensor | float = 0.0  # |h_i|^2 of the running backward (Lightning's scale)
         self._micro_cross: Tensor | float = 0.0  # <h_i, .grad before h_i>
 
     def _on_grad(self, param: torch.nn.Parameter, grad: Tensor) -> None:
         if self._armed:  # only the training backward; not e.g. another probe's torch.autograd.grad
-            g = grad.detach().double()
-            self._micro_sq = self._micro_sq + g.pow(2).sum()
+            self._micro_sq = self._micro_sq + _sq_norm(grad)
             if param.grad is not None:
-                self._micro_cross = self._micro_cross + (g * param.grad.detach().double()).sum()
+                self._micro_cross = self._micro_cross + _dot(grad, param.grad)
         return None  # the gradient is never modified
 
     # ---- per micro-batch -----------------------------------------------------------------------------------
@@ -136,28 +212,43 @@ class GradientNoiseScaleProbe(L.Callback):
         self._armed = False
         if not self._active:
             return
-        scale = float(trainer.accumulate_grad_batches)  # undo Lightning's loss / accumulate_grad_batches
-        self._sum_sq += float(self._micro_sq) * scale**2
-        self._hook_total += float(self._micro_sq) + 2.0 * float(self._micro_cross)
-        self._count += 1
-        self._ess_sum += self._batch_ess
+        sq, b = float(self._micro_sq), self._batch_ess
+        t = self._totals
+        t["sum_sq"] += sq
+        if b > 0:
+            t["sum_sq_per_b2"] += sq / b**2
+            t["sum_inv_b"] += 1.0 / b
+        else:  # no sample (no trained token): the micro-batch estimates nothing, the step is not estimable
+            t["empty"] += 1.0
+        t["sum_b"] += b
+        t["count"] += 1.0
+        t["hook_total"] += sq + 2.0 * float(self._micro_cross)
 
     # ---- per optimizer step --------------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self._active:
             return
-        big_sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in self._params if p.grad is not None)
-        totals = torch.tensor([self._sum_sq, self._count, self._ess_sum, self._hook_total], dtype=torch.float64)
+        big_sq = float(sum(_sq_norm(p.grad) for p in self._params if p.grad is not None))
+        totals = torch.tensor([self._totals[k] for k in _TOTALS], dtype=torch.float64)
         totals = trainer.strategy.reduce(totals.to(pl_module.device), reduce_op="sum").cpu()
-        sum_sq, count, ess_sum, hook_total = totals.tolist()
-        metrics = {"gns_G2_big": big_sq, "gns_ess": ess_sum / max(count, 1.0)}
+        sum_sq, sum_sq_per_b2, inv_b, b_step, count, hook_total, empty = totals.tolist()
+        world = float(trainer.world_size)
+        per_sample = getattr(pl_module, "step_weighting", "micro_batch") == "sample"
+        if per_sample:  # dapo: g_i = (B_step / (W B_i)) h_i, a_i = B_i / B_step
+            mean_sq = (b_step / world) ** 2 * sum_sq_per_b2 / count
+        else:  # Lightning's mean over micro-batches: g_i = m h_i, a_i = 1 / (m W)
+            mean_sq = float(trainer.accumulate_grad_batches) ** 2 * sum_sq / count
+        b_small = count / inv_b if inv_b > 0 else 0.0
+        b_big = b_step if per_sample else count * b_small
+        metrics = {"gns_G2_big": big_sq, "gns_B_small": b_small, "gns_B_big": b_big}
         if trainer.world_size == 1 and big_sq > 0:
             metrics["gns_consistency_ratio"] = hook_total / big_sq
-        estimates = gns_estimates(sum_sq, count, ess_sum, big_sq)
+        estimates = gns_estimates(mean_sq, b_small, b_big, big_sq) if empty == 0 else {}
         if estimates:
             metrics.update(self._derived(estimates))
         elif not self._warned:
-            log.warning("probe.gns: one micro-batch per step on one process: tr(S) and |G|^2 are not estimable")
+            reason = "a micro-batch without trained tokens" if empty else "one micro-batch per step on one process"
+            log.warning("probe.gns: %s: tr(S) and |G|^2 are not estimable on such steps", reason)
             self._warned = True
         self.last_estimates = metrics
         pl_module.log_dict(
@@ -166,13 +257,22 @@ class GradientNoiseScaleProbe(L.Callback):
         self._reset_step()
 
     def _derived(self, est: dict[str, float]) -> dict[str, float]:
-        beta = self.ema_beta
-        self._ema_tr = beta * self._ema_tr + (1 - beta) * est["tr_sigma"]
-        self._ema_g2 = beta * self._ema_g2 + (1 - beta) * est["G2"]
-        out = {"gns_tr_sigma": est["tr_sigma"], "gns_G2": est["G2"]}
+        smooth = self._smoothed
+        smooth.update(est["tr_sigma"], est["G2"])
+        out = {
+            "gns_tr_sigma": est["tr_sigma"],
+            "gns_G2": est["G2"],
+            "gns_tr_sigma_smoothed": smooth.numerator,
+            "gns_G2_smoothed": smooth.denominator,
+        }
         if est["G2"] > 0:
             out["gns_mu"] = est["tr_sigma"] / est["B_small"] / est["G2"]
             out["Bsimple_from_mu"] = out["gns_mu"] * est["B_small"]
-        if self._ema_g2 > 0:
-            out["B_simple"] = self._ema_tr / self._ema_g2
+        se = smooth.denominator_se
+        if math.isfinite(se):
+            out["gns_G2_smoothed_se"] = se
+        defined = smooth.denominator > 0 and (self.min_snr == 0 or smooth.denominator >= self.min_snr * se)
+        out["B_simple_defined"] = float(defined)
+        if defined:
+            out["B_simple"] = smooth.numerator / smooth.denominator
         return out

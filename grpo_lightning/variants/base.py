@@ -1,7 +1,8 @@
 """The variant interface and its registry.
 
 A variant decides how rollouts are sampled and grouped; the loss and the training step are shared. To add
-one: subclass `GRPOVariant`, decorate it with `@register_variant("name")`, and point `variant._target_` at it.
+one: subclass `GRPOVariant`, implement `sample_rollouts` (one advantage group per prompt), decorate it with
+`@register_variant("name")`, and point `variant._target_` at it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ RewardFn = Callable[[str, str], float]
 
 
 def register_variant(name: str):
-    """Class decorator: make a variant known by name (listed by `dry_run` and the README)."""
+    """Class decorator: make a variant known by name (listed by `dry_run` and docs/extending.md)."""
 
     def decorator(cls: type[GRPOVariant]) -> type[GRPOVariant]:
         if name in VARIANTS and VARIANTS[name] is not cls:
@@ -42,6 +43,8 @@ class GRPOVariant(ABC):
     """Turns a round's prompts into rollouts with rewards and advantages."""
 
     name: str = "unregistered"
+    knows_steps: bool = False
+    """Whether the variant tells the reward its completions' reasoning steps (`step_info`, reward.step_transforms)."""
 
     metrics: dict[str, float]
     """Variant-specific metrics of the last round (logged under `rollout/`); empty by default."""
@@ -53,30 +56,56 @@ class GRPOVariant(ABC):
             raise ValueError(f"variant.scale_rewards must be one of {choices} (got {scale_rewards!r})")
         self.scale_rewards = scale_rewards
 
-    @abstractmethod
     def generate_rollouts(
         self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardFn, decode: Callable
     ) -> list[Rollout]:
-        """Sample, score and group completions; return rollouts with `advantage` filled in."""
+        """Sample and score completions of `prompts`, then fill in every rollout's `advantage`."""
+        rollouts = self.sample_rollouts(generator, prompts, reward_fn, decode)
+        self.assign_advantages(rollouts, reward_fn)
+        return rollouts
+
+    @abstractmethod
+    def sample_rollouts(
+        self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardFn, decode: Callable
+    ) -> list[Rollout]:
+        """Sample, score and group completions (group id = index of the prompt in `prompts`); no advantages yet.
+
+        Kept apart from `assign_advantages` so that dynamic sampling can drop groups and draw more before the
+        advantages of the round's final groups are computed.
+        """
 
     def rollouts_per_round(self, num_prompts: int) -> int:
         """How many rollouts a round of `num_prompts` prompts yields (for the dry-run plan)."""
         raise NotImplementedError
 
-    def score(self, reward_fn: RewardFn, text: str, answer: str) -> RewardResult:
-        """Reward of one completion; a reward_fn with `score_detailed` also reports answer extraction."""
+    def score(self, reward_fn: RewardFn, text: str, answer: str, **info) -> RewardResult:
+        """Reward of one completion; a reward_fn with `score_detailed` also reports answer extraction, a reward
+        pipeline (`score_completion`) also gets `info` (truncated, num_tokens, ...) and reports each term."""
+        pipeline = getattr(reward_fn, "score_completion", None)
+        if pipeline is not None:
+            return pipeline(text, answer, **info)
         detailed = getattr(reward_fn, "score_detailed", None)
         if detailed is not None:
             return detailed(text, answer)
         reward = float(reward_fn(text, answer))
         return RewardResult(reward=reward, extracted=None, correct=reward >= 1.0)
 
+    def step_info(self, text: str, completion: Completion, branch_point: int, decode: Callable) -> dict:
+        """What a variant that knows reasoning steps tells the reward: `steps` and `branch_step` (none here)."""
+        return {}
+
     def make_rollout(
         self, prompt: Prompt, completion: Completion, group_id: int, reward_fn: RewardFn, decode, branch_point: int = 0
     ) -> Rollout:
         """Decode and score one completion of `prompt`; `branch_point` leading tokens are not trained on."""
         text = decode(completion.token_ids)
-        result = self.score(reward_fn, text, prompt.answer)
+        info = {
+            "truncated": not completion.finished,
+            "num_tokens": len(completion.token_ids),
+            "branch_point": branch_point,
+            **self.step_info(text, completion, branch_point, decode),
+        }
+        result = self.score(reward_fn, text, prompt.answer, **info)
         return Rollout(
             prompt_ids=list(prompt.prompt_ids),
             completion_ids=completion.token_ids,
@@ -87,11 +116,18 @@ class GRPOVariant(ABC):
             text=text,
             branch_point=branch_point,
             answer_extracted=result.extracted is not None,
+            reward_terms=dict(result.terms or {}),
         )
 
-    def assign_advantages(self, rollouts: list[Rollout]) -> None:
-        """Fill `advantage` per REFERENCE §2 over the rollouts' group ids."""
+    def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardFn | None = None) -> None:
+        """Fill `advantage` as in docs/algorithm.md (Advantages) over the rollouts' group ids: the reward pipeline's group transforms
+        when `reward_fn` has them (`advantages`), else group advantages scaled by `scale_rewards`."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)
-        for r, a in zip(rollouts, group_advantages(rewards, group_ids, self.scale_rewards).tolist(), strict=True):
+        pipeline = getattr(reward_fn, "advantages", None)
+        if pipeline is not None:
+            advantages = pipeline(rewards, group_ids)
+        else:
+            advantages = group_advantages(rewards, group_ids, self.scale_rewards)
+        for r, a in zip(rollouts, advantages.tolist(), strict=True):
             r.advantage = a

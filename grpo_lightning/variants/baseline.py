@@ -19,12 +19,11 @@ class BaselineGRPO(GRPOVariant):
     def rollouts_per_round(self, num_prompts: int) -> int:
         return num_prompts * self.num_generations
 
-    def generate_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
+    def sample_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
         samples = generator.generate([p.prompt_ids for p in prompts], self.num_generations)
         rollouts = [
             self.make_rollout(prompt, c, group_id, reward_fn, decode)
             for group_id, (prompt, completions) in enumerate(zip(prompts, samples, strict=True))
             for c in completions
         ]
-        self.assign_advantages(rollouts)
         return rollouts

@@ -1,6 +1,6 @@
-"""STORPO: branch continuations from the reasoning-step boundaries of one initial completion (REFERENCE §4).
+"""STORPO: branch continuations from the reasoning-step boundaries of one initial completion (docs/algorithm.md).
 
-Per prompt: sample ONE completion; find step boundaries in its decoded text with the seed plan's regex (a
+Per prompt: sample ONE completion; find step boundaries in its decoded text with the regex of docs/algorithm.md (a
 period not after a digit, whitespace, then a capital or a digit); map each to a TOKEN boundary k of that
 completion; sample `completions_per_step` continuations from `prompt_ids + completion_ids[:k]`. The initial
 completion and all its continuations form ONE advantage group. A continuation trains only on its own tokens
@@ -90,7 +90,7 @@ class STORPO(GRPOVariant):
         """Upper bound: every prompt branches at max_steps boundaries."""
         return num_prompts * max(1 + self.completions_per_step * self.max_steps, self.fallback_generations)
 
-    def generate_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
+    def sample_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
         initial = [group[0] for group in generator.generate([p.prompt_ids for p in prompts], 1)]
         branches: dict[int, list[int]] = {}  # prompt index -> branch points (token counts)
         fallback: list[int] = []  # prompt indices sampled plainly
@@ -113,7 +113,6 @@ class STORPO(GRPOVariant):
             for i in range(len(prompts))
             for c, k in samples[i]
         ]
-        self.assign_advantages(rollouts)
         self.metrics = self._metrics(len(prompts), initial, branches, fallback, rollouts)
         return rollouts
 

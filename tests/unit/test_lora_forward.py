@@ -87,3 +87,14 @@ def test_remove_restores_peft_forward(policies):
     inputs = batch(3)
     with torch.no_grad():
         assert torch.equal(fused(**inputs).logits, peft_policy(**inputs).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cpu_autocast_without_dropout_runs_peft_forward(policies, dtype):
+    """trainer.precision=bf16-mixed / 16-mixed on CPU: plain LoRA (no dropout) under CPU autocast must not take
+    the fused path (its addmm_ would mix half-precision and fp32 operands) and computes what peft computes."""
+    peft_policy, fused = policies
+    inputs = batch(4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        expected = peft_policy(**inputs).logits
+        assert torch.equal(fused(**inputs).logits, expected)

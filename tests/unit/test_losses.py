@@ -319,7 +319,6 @@ def test_aggregate_hand_values() -> None:
         ({"epsilon_low": -0.1}, "loss.epsilon_low must be in [0, 1) (got -0.1)"),
         ({"epsilon_high": -0.5}, "loss.epsilon_high must be >= 0 (got -0.5)"),
         ({"max_completion_length": 0}, "loss.max_completion_length must be >= 1 (got 0)"),
-        ({"scale_rewards": "std"}, "loss.scale_rewards must be one of group, batch, none (got 'std')"),
     ],
 )
 def test_config_validation_messages(kwargs: dict, message: str) -> None:
@@ -332,8 +331,7 @@ def test_valid_config_and_needs_reference() -> None:
     assert GRPOLoss().needs_reference
     assert not GRPOLoss(beta=0.0).needs_reference
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-        for scale in ("group", "batch", "none"):
-            GRPOLoss(loss_type=loss_type, scale_rewards=scale, epsilon_low=0.0, epsilon_high=0.0)
+        GRPOLoss(loss_type=loss_type, epsilon_low=0.0, epsilon_high=0.0)
 
 
 def test_call_validation() -> None:

@@ -154,7 +154,7 @@ def test_custom_format_bonus() -> None:
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, math.nan, math.inf, -math.inf, True, "0.1", None])
 def test_invalid_format_bonus_raises(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"reward\.format_bonus must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"format_bonus must be in \[0, 1\)"):
         GSM8KReward(format_bonus=bad)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,211 @@
+"""The exported policy as an artifact: a model card in `<output_dir>/policy/README.md` and, on request
+(`export.merged=true`), merged full weights in `<output_dir>/policy/merged/` that load without peft.
+
+`SavePolicy` (callbacks.py) writes the adapter (or the full model) at the end of training; `Run.fit` then calls
+`export_policy`, once the final evaluation's metrics are known, on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MERGED = "merged"
+CARD_METRICS = (
+    "eval/gsm8k_accuracy",
+    "eval/format_rate",
+    "eval/completion_len_mean",
+    "train/reward_mean",
+    "train/kl",
+    "rollout/format_rate",
+    "rollout/completion_len_mean",
+)
+
+
+def export_policy(
+    directory: Path, cfg: DictConfig, policy: nn.Module, tokenizer, metrics: dict[str, float], model: str
+) -> None:
+    """Write the model card (and the merged weights when `export.merged` is set) beside the saved policy."""
+    directory = Path(directory)
+    if not directory.is_dir():  # nothing was saved (e.g. the run stopped before training ended)
+        return
+    export = cfg.get("export") or {}
+    merged_dir = None
+    if export.get("merged", False):
+        merged_dir = directory / MERGED
+        save_merged(policy, tokenizer, merged_dir)
+        log.info("merged weights saved to %s", merged_dir)
+    is_adapter = hasattr(policy, "peft_config")
+    card = model_card(cfg, metrics, model, base_model_ref(cfg), is_adapter, directory, merged_dir)
+    (directory / "README.md").write_text(card)
+
+
+def save_merged(policy: nn.Module, tokenizer, directory: Path) -> None:
+    """Full weights with the LoRA update folded in (W + scaling x B @ A), written by `save_pretrained`.
+
+    The merge runs on a copy: the trained policy (and its frozen base, the KL reference) stay as they are.
+    Full fine-tuning has nothing to merge and saves the model itself.
+    """
+    model = copy.deepcopy(policy).merge_and_unload() if hasattr(policy, "merge_and_unload") else policy
+    with torch.no_grad():
+        model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def base_model_ref(cfg: DictConfig) -> str | None:
+    """What `from_pretrained` takes for the base model: a Hub id or a folder; None for an in-memory model."""
+    from grpo_lightning.train import build
+
+    source = build(cfg.model.source)
+    if hasattr(source, "repo_id"):
+        return source.repo_id
+    if hasattr(source, "converted_dir"):
+        return str(source.converted_dir())
+    if hasattr(source, "path"):
+        return str(Path(source.path).expanduser().resolve())
+    return None
+
+
+def command_line() -> str:
+    """The command that made the run: Hydra's overrides when run from the CLI, else a note."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra app: `train(cfg)` called in-process
+        return "train(cfg) called in-process (the composed config is in the run directory's .hydra/ when run by Hydra)"
+    return shlex.join([Path(sys.executable).name, "-m", "grpo_lightning", *overrides])
+
+
+def model_card(
+    cfg: DictConfig,
+    metrics: dict[str, float],
+    model: str,
+    base: str | None,
+    is_adapter: bool,
+    directory: Path,
+    merged_dir: Path | None,
+) -> str:
+    loss = cfg.loss
+    variant = str(cfg.variant.get("_target_", "")).rsplit(".", 1)[-1]
+    lora = cfg.model.lora
+    kind = f"LoRA adapter (r={lora.r}, alpha={lora.alpha}, {lora.target_modules})" if is_adapter else "full model"
+    base_for_code = base or "<base model folder>"
+    lines = [
+        "---",
+        "library_name: " + ("peft" if is_adapter else "transformers"),
+        *([f"base_model: {base}"] if base and "/" in base and not base.startswith("/") else []),
+        "tags: [grpo, gsm8k, grpo_lightning]",
+        "---",
+        "",
+        "# GRPO policy trained with grpo_lightning",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | `{model}`" + (f" (`{base}`)" if base and base != model else "") + " |",
+        f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
+        f"| data | `{cfg.data.dataset.source}` GSM8K, split `{cfg.data.dataset.split}` (Cobbe et al. 2021) |",
+        f"| variant | `{variant}` |",
+        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high}, "
+        f"scale_rewards `{loss.scale_rewards}` |",
+        f"| rounds | {cfg.trainer.max_epochs} x {cfg.data.prompts_per_round} prompts, "
+        f"{cfg.generator.num_generations} completions each, {cfg.generator.max_new_tokens} new tokens |",
+        f"| optimizer | lr {cfg.optim.optimizer.lr}, schedule `{cfg.optim.schedule.kind}` |",
+        f"| seed | {cfg.seed} |",
+        "",
+        "## Final metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *(f"| `{k}` | {metrics[k]:.4g} |" for k in CARD_METRICS if k in metrics),
+        "",
+        f"Evaluation: greedy pass@1 on {cfg.eval.num_problems} GSM8K test problems (seed {cfg.eval.seed}). "
+        "All metrics: `final_metrics.json` in the run directory.",
+        "",
+        "## The command that made it",
+        "",
+        "```",
+        command_line(),
+        "```",
+        "",
+        "## Loading",
+        "",
+    ]
+    if is_adapter:
+        lines += [
+            "With transformers and peft:",
+            "",
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'base = AutoModelForCausalLM.from_pretrained("{base_for_code}")',
+            f'model = PeftModel.from_pretrained(base, "{directory}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{directory}")',
+            "```",
+            "",
+        ]
+    if merged_dir or not is_adapter:
+        folder = merged_dir or directory
+        lines += [
+            "With transformers alone" + (" (merged weights)" if is_adapter else "") + ":",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{folder}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{folder}")',
+            "```",
+            "",
+            "With vLLM:",
+            "",
+            "```python",
+            "from vllm import LLM",
+            "",
+            f'llm = LLM(model="{folder}")',
+            "```",
+            "",
+        ]
+    else:
+        lines += [
+            "With vLLM (the adapter through vLLM's LoRA support; or export merged weights with `export.merged=true`"
+            " and pass that folder as `model`):",
+            "",
+            "```python",
+            "from vllm import LLM",
+            "from vllm.lora.request import LoRARequest",
+            "",
+            f'llm = LLM(model="{base_for_code}", enable_lora=True, max_lora_rank={max(lora.r, 8)})',
+            f'outputs = llm.generate(prompts, lora_request=LoRARequest("policy", 1, "{directory}"))',
+            "```",
+            "",
+        ]
+    if base is None:
+        lines += [
+            f"The base model `{model}` exists only in memory; rebuild it with the same `model.source` "
+            "(grpo_lightning.models) to load the adapter.",
+            "",
+        ]
+    lines += [
+        "## Training configuration",
+        "",
+        "```yaml",
+        OmegaConf.to_yaml(_card_config(cfg)).rstrip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _card_config(cfg: DictConfig) -> DictConfig:
+    keys = ("seed", "variant", "loss", "model", "generator", "data", "optim", "trainer")
+    return OmegaConf.masked_copy(cfg, [k for k in keys if k in cfg])

@@ -1,0 +1,37 @@
+"""Keep a run's console to what its user acts on: third-party tips and notices about other libraries' calls go.
+
+Lightning prints advertising tips (litlogger, litmodels) at every `Trainer`; peft reads a transformers property
+that transformers has deprecated, and Lightning calls a torch pytree API that torch has deprecated. None of them
+is something a user of this application can change, so they are filtered by their exact text; every other
+warning and log line passes through.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+_RANK_ZERO_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning_utilities.core.rank_zero",
+)
+_DEPRECATIONS = (
+    r"`is_gradient_checkpointing` is deprecated",  # peft's getattr on a transformers model
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # lightning.pytorch.utilities._pytree on torch >= 2.10
+)
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def quiet_third_party() -> None:
+    """Install the filters (idempotent)."""
+    for name in _RANK_ZERO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+    for message in _DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
