@@ -115,8 +115,7 @@ def model_card(
         f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
         f"| data | `{cfg.data.dataset.source}` GSM8K, split `{cfg.data.dataset.split}` (Cobbe et al. 2021) |",
         f"| variant | `{variant}` |",
-        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high}, "
-        f"scale_rewards `{loss.scale_rewards}` |",
+        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high} |",
         f"| rounds | {cfg.trainer.max_epochs} x {cfg.data.prompts_per_round} prompts, "
         f"{cfg.generator.num_generations} completions each, {cfg.generator.max_new_tokens} new tokens |",
         f"| optimizer | lr {cfg.optim.optimizer.lr}, schedule `{cfg.optim.schedule.kind}` |",
