@@ -142,7 +142,7 @@ def engine(session_engine):
         for name, param in policy.named_parameters():
             if name in lora_b:
                 param.copy_(lora_b[name])
-    gen.engine.apply_model(lambda model: model.load_weights(pristine))
+    gen.load_engine_weights(pristine)
     gen.engine.reset_prefix_cache()
 
 
@@ -310,10 +310,15 @@ def test_continuations_reproduce_their_prefixes(engine, tokenizer):
         assert cont.finished == initial.finished
 
 
-def test_storpo_variant_keeps_prefix_ids(engine, tokenizer):
+def test_storpo_variant_keeps_prefix_ids(engine, tokenizer, monkeypatch):
+    """STORPO's branches through the engine keep the initial completion's first k ids exactly. A random model
+    rarely writes sentence ends, so every 6th character counts as a step boundary here (the boundary regex has
+    its own tests); what is under test is the continuation requests and their joining."""
     from grpo_lightning.data.datamodule import Prompt
+    from grpo_lightning.variants import storpo
     from grpo_lightning.variants.storpo import STORPO
 
+    monkeypatch.setattr(storpo, "step_boundaries", lambda text: list(range(6, len(text), 6)))
     policy, gen = engine
     gen.sync_weights(policy)
     prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]
@@ -325,6 +330,9 @@ def test_storpo_variant_keeps_prefix_ids(engine, tokenizer):
         assert len(r.completion_ids) <= gen.sampling.max_new_tokens
         first = next(x for x in rollouts if x.group_id == r.group_id and x.branch_point == 0)
         assert r.completion_ids[: r.branch_point] == first.completion_ids[: r.branch_point]
+        # the continuation was sampled after exactly those ids: its engine log-probs are the trainer's there
+        trainer = _trainer_logprobs(policy, r.prompt_ids, r.completion_ids)
+        assert (trainer - torch.tensor(r.gen_logprobs)).abs().max() <= 10 * LOGP_DIFF_BOUND
 
 
 def test_full_finetune_push_reaches_every_parameter(engine, shared_backend, llama_dir, tokenizer):

@@ -29,7 +29,7 @@ import logging
 import shutil
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -210,12 +210,34 @@ class VLLMGenerator:
         if self.settings.lora_sync == "adapter":
             self._save_adapter()
         else:
-            full = not self.is_peft or (self.settings.sleep_mode and self.settings.sleep_level == 2)
-            for chunk in chunked(policy_weights(self.policy, adapted_only=not full), PUSH_CHUNK_BYTES):
-                self._call(lambda chunk=chunk: self.engine.apply_model(partial(_load_weights, weights=chunk)))
+            full = (
+                not self.is_peft
+                or self.platform == "cpu"
+                or (self.settings.sleep_mode and self.settings.sleep_level == 2)
+            )
+            self.load_engine_weights(policy_weights(self.policy, adapted_only=not full))
         self._call(self.engine.reset_prefix_cache)
         self.pushes += 1
         self.weights_valid = True
+
+    def load_engine_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write (checkpoint name, tensor) pairs into the engine's model, in place.
+
+        CUDA: the model's own `load_weights` in chunks of PUSH_CHUNK_BYTES (merged LoRA tensors are new
+        allocations; chunks bound the extra GPU memory). CPU: vLLM's CPU build repacks every linear weight for
+        its GEMM kernels after loading (oneDNN / sgl handlers) and leaves an empty parameter behind, so
+        `load_weights` has nothing to write into; the worker's `reload_weights` restores each layer, loads it
+        and repacks it (vLLM's layerwise reload). A layer is repacked once all its parameters have arrived,
+        which is why CPU pushes are always full pushes; the iterator is consumed lazily, one merged tensor at a
+        time.
+        """
+        if self.platform == "cpu":
+            kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
+            self._call(lambda: self.engine.collective_rpc("reload_weights", kwargs=kwargs))
+            self._call(lambda: self.engine.apply_model(_repack_tied_weights))
+            return
+        for chunk in chunked(weights, PUSH_CHUNK_BYTES):
+            self._call(lambda chunk=chunk: self.engine.apply_model(partial(_load_weights, weights=chunk)))
 
     def _save_adapter(self) -> None:
         """lora_sync=adapter: save the adapter; the next requests name it (a new id makes vLLM load it)."""
@@ -277,6 +299,25 @@ class VLLMRoundHooks(L.Callback):
 
 def _load_weights(model: nn.Module, weights: list) -> None:
     model.load_weights(weights)
+
+
+def _repack_tied_weights(model: nn.Module) -> None:
+    """vLLM's CPU build: repack the layers that share another layer's weight (a tied LM head).
+
+    The reload repacks the layers whose checkpoint names arrived; a tied `lm_head` has none (its weight is
+    `embed_tokens.weight`), so it would keep the GEMM handle packed from the embeddings it was built with and
+    score with stale embeddings after a full fine-tuning push. Re-running its `process_weights_after_loading`
+    packs the current values.
+    """
+    seen: set[int] = set()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        method = getattr(module, "quant_method", None)
+        if weight is None or method is None:
+            continue
+        if id(weight) in seen:
+            method.process_weights_after_loading(module)
+        seen.add(id(weight))
 
 
 def _parameter_names(model: nn.Module) -> list[str]:

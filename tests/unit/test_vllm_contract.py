@@ -87,6 +87,9 @@ class FakeEngineModel:
     def named_parameters(self):
         return iter(self.params.items())
 
+    def modules(self):  # no tied layers to repack (vLLM's CPU build after a reload)
+        return iter(())
+
     def load_weights(self, weights) -> None:
         names = []
         for name, tensor in weights:
@@ -117,6 +120,12 @@ class FakeLLM:
     def apply_model(self, fn):
         self.log.append(("apply_model",))
         return [fn(self.model)]
+
+    def collective_rpc(self, method, kwargs=None):
+        """vLLM's CPU build: the worker's `reload_weights` (layerwise reload of checkpoint-format weights)."""
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"], (method, kwargs)
+        self.log.append(("reload_weights",))
+        return [self.model.load_weights(kwargs["weights_iterator"])]
 
     def generate(self, prompts, params, use_tqdm=True, lora_request=None):
         self.log.append(("generate", prompts, params, lora_request))
@@ -273,6 +282,10 @@ def test_cpu_engine_arguments_and_no_sleep(lora_policy, tokenizer, backend):
     gen.generate([[3]], num_samples=2)
     gen.sleep()
     assert backend.calls("sleep", "wake_up") == []
+    # CPU pushes go through the worker's layerwise reload (repacks the GEMM weights), and push every parameter
+    (reload,) = backend.calls("reload_weights")
+    (pushed,) = backend.calls("load_weights")
+    assert sorted(pushed[1]) == sorted(policy_checkpoint_names(lora_policy))
     make_generator(lora_policy, tokenizer, backend, device="cpu", kv_cache_gib=0.25)
     assert backend.engines[1].kwargs["kv_cache_memory_bytes"] == 2**28
 
@@ -289,9 +302,13 @@ def test_cpu_too_little_kv_cache_names_kv_cache_gib(lora_policy, tokenizer, back
 def test_kv_cache_below_one_sequence_is_refused_before_the_engine_is_built(lora_policy, tokenizer, backend):
     """Tiny model: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 B a token; 512 tokens = 256 KiB."""
     backend.platform = "cpu"
-    with pytest.raises(ValueError, match=r"^generator.kv_cache_gib=0.0001 GiB holds 209 tokens .*generator.max_model_len=512 "):
+    with pytest.raises(
+        ValueError, match=r"^generator.kv_cache_gib=0.0001 GiB holds 209 tokens .*generator.max_model_len=512 "
+    ):
         make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.0001, max_model_len=512)
-    with pytest.raises(ValueError, match=r"kv_cache_gib=null \(1.0 GiB on CPU\) holds .*generator.max_model_len=4000000 "):
+    with pytest.raises(
+        ValueError, match=r"kv_cache_gib=null \(1.0 GiB on CPU\) holds .*generator.max_model_len=4000000 "
+    ):
         make_generator(lora_policy, tokenizer, backend, max_model_len=4_000_000)
     assert backend.engines == []
     make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.00025, max_model_len=512)  # 524 tokens fit
