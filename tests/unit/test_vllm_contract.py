@@ -277,6 +277,7 @@ def test_cpu_engine_arguments_and_no_sleep(lora_policy, tokenizer, backend):
     gen = make_generator(lora_policy, tokenizer, backend)  # device null: the CPU, colocated
     kwargs = backend.engines[0].kwargs
     assert kwargs["enable_sleep_mode"] is False and kwargs["kv_cache_memory_bytes"] == 2**30  # 1 GiB by default
+    assert kwargs["enforce_eager"] is True  # no torch.compile at start on the CPU unless engine_kwargs asks
     assert gen.settings.device == "cpu" and gen.device_name == "cpu"
     gen.sync_weights(lora_policy)
     gen.generate([[3]], num_samples=2)
@@ -286,8 +287,11 @@ def test_cpu_engine_arguments_and_no_sleep(lora_policy, tokenizer, backend):
     (reload,) = backend.calls("reload_weights")
     (pushed,) = backend.calls("load_weights")
     assert sorted(pushed[1]) == sorted(policy_checkpoint_names(lora_policy))
-    make_generator(lora_policy, tokenizer, backend, device="cpu", kv_cache_gib=0.25)
+    make_generator(
+        lora_policy, tokenizer, backend, device="cpu", kv_cache_gib=0.25, engine_kwargs={"enforce_eager": False}
+    )
     assert backend.engines[1].kwargs["kv_cache_memory_bytes"] == 2**28
+    assert backend.engines[1].kwargs["enforce_eager"] is False
 
 
 def test_cpu_too_little_kv_cache_names_kv_cache_gib(lora_policy, tokenizer, backend):
