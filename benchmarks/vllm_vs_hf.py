@@ -109,6 +109,7 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="vllm_vs_hf_") as tmp:
         for name in args.engines:
             rows.append(run_engine(name, args, Path(tmp) / name))
@@ -119,7 +120,8 @@ def main() -> None:
         f"{args.prompts} prompts x {args.generations} samples x {args.max_new_tokens} new tokens, "
         f"temperature {args.temperature}"
     )
-    print(f"CPU: {cpu_name()}; {shape}; {args.rounds} rounds, medians over rounds 1..{args.rounds - 1}\n")
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other processes share the cores)"
+    print(f"CPU: {cpu_name()}; {shape}; {args.rounds} rounds, medians over rounds 1..{args.rounds - 1}; {load}\n")
     print("| engine | rollout tokens/s | rollout s | train s | round s | start-up s | logp_diff_mean |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
