@@ -2,7 +2,8 @@
 
 The model is a random 2-layer Llama (SmolLM2's architecture, head size 64 as vLLM's CPU attention needs) with the
 SmolLM2 tokenizer, saved to a folder (vLLM loads from disk), in float32 so that trainer and engine agree to
-about 1e-5 (mean |difference| measured 5e-6 to 7e-6). One engine serves the whole session (fixture `engine`, built once): the in-process training runs reuse it
+about 1e-5 (mean |difference| measured 5e-6 to 7e-6). One engine serves the whole session (fixture `engine`,
+built once): the in-process training runs reuse it
 through a backend that hands it out, and after every test the folder's weights are pushed back, so no test
 sees another's. The only other engine is the CLI run's, in its own process, which runs before the session
 engine exists (file order), so two engines never share this machine's memory.
