@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.gpu]
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.7
-LOGP_DIFF_BOUND = 1e-2  # issue #6: the synced engine scores what the trainer scores
+LOGP_DIFF_BOUND = 1e-2  # the synced engine scores what the trainer scores
 
 
 def _requirements():

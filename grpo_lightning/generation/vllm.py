@@ -2,7 +2,7 @@
 
 The engine runs in this process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode),
 so a sync hands the policy's GPU tensors straight to `model.load_weights` through `LLM.apply_model`, with no
-serialisation (REFERENCE §7, option 1); vllm_weights.py maps the names and merges LoRA. Two layouts:
+serialisation (docs/vllm.md); vllm_weights.py maps the names and merges LoRA. Two layouts:
 
 - colocated (`generator.device: null`): the engine shares the trainer's GPU. Sleep mode gives training the
   memory back: the engine sleeps when a round's training starts and wakes for the next rollouts.
