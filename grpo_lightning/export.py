@@ -98,6 +98,7 @@ def model_card(
     loss = cfg.loss
     variant = str(cfg.variant.get("_target_", "")).rsplit(".", 1)[-1]
     lora = cfg.model.lora
+    reward = ", ".join(f"`{name}`" for name in (cfg.reward.get("terms") or {})) or "custom"
     kind = f"LoRA adapter (r={lora.r}, alpha={lora.alpha}, {lora.target_modules})" if is_adapter else "full model"
     base_for_code = base or "<base model folder>"
     lines = [
@@ -115,8 +116,8 @@ def model_card(
         f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
         f"| data | `{cfg.data.dataset.source}` GSM8K, split `{cfg.data.dataset.split}` (Cobbe et al. 2021) |",
         f"| variant | `{variant}` |",
-        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high}, "
-        f"scale_rewards `{loss.scale_rewards}` |",
+        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high} |",
+        f"| reward | {reward} |",
         f"| rounds | {cfg.trainer.max_epochs} x {cfg.data.prompts_per_round} prompts, "
         f"{cfg.generator.num_generations} completions each, {cfg.generator.max_new_tokens} new tokens |",
         f"| optimizer | lr {cfg.optim.optimizer.lr}, schedule `{cfg.optim.schedule.kind}` |",
