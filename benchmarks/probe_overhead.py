@@ -38,6 +38,8 @@ SETTINGS = {  # name: (gns on, entropy on, entropy.first_order, entropy.measure_
     "entropy+first_order": (False, True, True, False),
     "entropy+first_order+actual": (False, True, True, True),
 }
+OFF = 10**9
+"""An `every_n_steps` no measured step is a multiple of: the probe sits this step out."""
 MODES = {"lora": [], "full": ["model.lora.enabled=false"]}
 
 
@@ -91,7 +93,10 @@ class Rotation(L.Callback):
             return
         name = self.names[trainer.global_step % len(self.names)]
         gns_on, entropy_on, first_order, actual = SETTINGS[name]
-        self.gns.enabled, self.entropy.enabled = gns_on, entropy_on
+        # a probe is active on the steps where global_step % every_n_steps == 0: 1 runs it now, OFF skips it
+        # (except at step 0, which is warm-up and dropped)
+        self.gns.every_n_steps = 1 if gns_on else OFF
+        self.entropy.every_n_steps = 1 if entropy_on else OFF
         self.entropy.first_order, self.entropy.measure_actual = first_order, actual
         self._name, self._start = name, time.perf_counter()
 

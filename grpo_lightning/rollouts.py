@@ -39,8 +39,6 @@ class Rollout:
     """Number of leading completion tokens NOT trained on (STORPO continuations); 0 trains on all."""
     answer_extracted: bool = False
     """Whether the reward function found an answer in the completion (format rate)."""
-    old_logprobs: list[float] | None = None
-    """Policy log-probs before the round's first update; set only when several optimizer steps use a round."""
     reward_terms: dict[str, float] = field(default_factory=dict)
     """Unweighted value of each reward term (`reward.terms.<name>`); `reward` is their weighted, transformed sum."""
 
@@ -104,8 +102,6 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutB
     attention_mask = torch.zeros((b, p_max + c_max), dtype=torch.long)
     completion_mask = torch.zeros((b, c_max), dtype=torch.float32)
     gen_logprobs = torch.zeros((b, c_max), dtype=torch.float32)
-    has_old = all(r.old_logprobs is not None for r in rollouts)
-    old_logprobs = torch.zeros((b, c_max), dtype=torch.float32) if has_old else None
     for row, r in enumerate(rollouts):
         p, c = len(r.prompt_ids), len(r.completion_ids)
         input_ids[row, p_max - p : p_max] = torch.tensor(r.prompt_ids, dtype=torch.long)
@@ -114,8 +110,6 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutB
             input_ids[row, p_max : p_max + c] = torch.tensor(r.completion_ids, dtype=torch.long)
             gen_logprobs[row, :c] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
             completion_mask[row, min(r.branch_point, c) : c] = 1.0
-            if old_logprobs is not None:
-                old_logprobs[row, :c] = torch.tensor(r.old_logprobs, dtype=torch.float32)
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -126,7 +120,6 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutB
         group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
         branch_points=torch.tensor([r.branch_point for r in rollouts], dtype=torch.long),
         prompt_len=p_max,
-        old_logprobs=old_logprobs,
     )
 
 

@@ -46,6 +46,7 @@ from grpo_lightning.reward_pipeline import build_reward
 from grpo_lightning.summary import render as render_summary
 from grpo_lightning.summary import summary_metrics
 from grpo_lightning.validation import check_fresh_or_resume, validate, world_size
+from grpo_lightning.variants import VARIANTS
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     build_probes(cfg, plan)
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     print(f"grpo_lightning plan (dry run):\n{plan.render()}")
+    print(f"variants: {', '.join(sorted(VARIANTS))} (this run: {variant.name}; choose with variant=<name>)")
     return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}
 
 

@@ -225,7 +225,7 @@ def rules() -> dict[str, Check]:
         "eval.max_prompt_tokens": integer(1),
         "eval.num_samples_logged": integer(0),
         "eval.batch_size": integer(1),
-        **dataset_rules("eval.dataset"),
+        "eval.dataset.path": optional(text),
         # optimizer and schedule
         "optim.optimizer.lr": number(low=0),  # 0: a control run that never updates (docs/learning.md)
         "optim.optimizer.weight_decay": number(low=0),
@@ -242,7 +242,6 @@ def rules() -> dict[str, Check]:
         "loss.epsilon_high": number(low=0),
         "loss.max_completion_length": integer(1),
         # variant
-        "variant.num_generations": integer(2),
         "variant.scale_rewards": choice(*SCALE_REWARDS),
         "variant.completions_per_step": integer(1),
         "variant.min_steps": integer(1),
@@ -364,9 +363,9 @@ def check_combinations(cfg: DictConfig) -> None:
     dataset = cfg.data.dataset
     if dataset.source == "path" and not dataset.path:
         raise ValueError("data.dataset.path must be set when data.dataset.source=path")
-    if cfg.eval.enabled and cfg.eval.dataset.source == "path" and not cfg.eval.dataset.path:
+    if cfg.eval.enabled and dataset.source == "path" and not cfg.eval.dataset.path:
         raise ValueError(
-            "eval.dataset.path must be set when eval.dataset.source=path (it follows data.dataset.source): give "
+            "eval.dataset.path must be set when data.dataset.source=path (evaluation reads its test split): give "
             "the test split's JSONL file, or turn evaluation off with eval.enabled=false"
         )
 
@@ -412,7 +411,7 @@ def check_data_files(cfg: DictConfig) -> None:
     files = []
     if cfg.data.dataset.source == "path":
         files.append(("data.dataset.path", cfg.data.dataset.path))
-    if cfg.eval.enabled and cfg.eval.dataset.source == "path":
+    if cfg.eval.enabled and cfg.data.dataset.source == "path":
         files.append(("eval.dataset.path", cfg.eval.dataset.path))
     for key, value in files:
         check_text_file(key, Path(str(value)).expanduser())

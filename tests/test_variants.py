@@ -54,3 +54,12 @@ def test_storpo_trains_end_to_end_on_the_tiny_model(tiny_cfg):
     fallback = run.cfg.variant.fallback_generations
     assert all(s == fallback or (s - 1) % 2 == 0 for s in sizes.values())
     assert metrics["rollout/logp_diff_mean"] < 1e-3
+
+
+def test_dry_run_lists_the_registered_variants(tmp_path, capsys):
+    from grpo_lightning.train import train
+    from tests.conftest import make_cfg
+
+    train(make_cfg(tmp_path / "run", ["dry_run=true", "variant=storpo"]))
+    listed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("variants:"))
+    assert all(name in listed for name in ("grpo", "storpo", "toy_pairs")) and "this run: storpo" in listed

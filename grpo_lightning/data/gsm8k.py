@@ -11,7 +11,7 @@ import importlib.util
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from grpo_lightning.rewards import extract_reference_answer, normalize_number
@@ -96,6 +96,20 @@ class GSM8K:
                 f"data.dataset.hub_id {self.hub_id!r}: cannot load split {self.split!r} ({first_line}); without "
                 "network use data.dataset.source=packaged"
             ) from None
+
+
+def test_split_of(train: GSM8K, path: str | None = None) -> GSM8K:
+    """`eval.dataset`: the training data (`data.dataset`: source, prompt) with its test split.
+
+    Why a function of the training data: evaluation must ask the questions the way training does, so every key
+    but the split (and, for a local file, the path) is the training data's, stated once in `data.dataset`.
+    """
+    if train.source == "path" and not path:
+        raise ValueError(
+            "eval.dataset.path must be set when data.dataset.source=path: give the test split's JSONL file, or "
+            "turn evaluation off with eval.enabled=false"
+        )
+    return replace(train, split="test", path=path if train.source == "path" else train.path)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -102,7 +102,6 @@ class EntropyProbe(L.Callback):
 
     def __init__(
         self,
-        enabled: bool = False,
         every_n_steps: int = 1,
         measure_actual: bool = False,
         first_order: bool = False,
@@ -112,7 +111,6 @@ class EntropyProbe(L.Callback):
             raise ValueError(f"probe.entropy.every_n_steps must be >= 1 (got {every_n_steps})")
         if chunk_size < 1:
             raise ValueError(f"probe.entropy.chunk_size must be >= 1 (got {chunk_size})")
-        self.enabled = enabled
         self.every_n_steps = every_n_steps
         self.measure_actual = measure_actual
         self.first_order = first_order
@@ -141,7 +139,7 @@ class EntropyProbe(L.Callback):
         self._params = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        active = self.enabled and trainer.global_step % self.every_n_steps == 0
+        active = trainer.global_step % self.every_n_steps == 0
         pl_module.entropy_observer = self._observe if active else None
         pl_module.entropy_grad = active and self.first_order
         if active and self.measure_actual:

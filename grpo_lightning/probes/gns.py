@@ -143,7 +143,7 @@ class GradientNoiseScaleProbe(L.Callback):
     """Logs `probe/gns/*` every `every_n_steps` optimizer steps; never changes training."""
 
     def __init__(
-        self, enabled: bool = False, every_n_steps: int = 1, ema_beta: float = 0.9, min_snr: float = 2.0
+        self, every_n_steps: int = 1, ema_beta: float = 0.9, min_snr: float = 2.0
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"probe.gns.every_n_steps must be >= 1 (got {every_n_steps})")
@@ -151,7 +151,6 @@ class GradientNoiseScaleProbe(L.Callback):
             raise ValueError(f"probe.gns.ema_beta must be in [0, 1) (got {ema_beta})")
         if not min_snr >= 0:
             raise ValueError(f"probe.gns.min_snr must be >= 0 (got {min_snr})")
-        self.enabled = enabled
         self.every_n_steps = every_n_steps
         self.ema_beta = ema_beta
         self.min_snr = min_snr
@@ -166,7 +165,7 @@ class GradientNoiseScaleProbe(L.Callback):
 
     def check_setup(self, micro_batches_per_step: int, world_size: int) -> None:
         """A run configured so that no estimate can exist is a mistake: say so before training."""
-        if self.enabled and micro_batches_per_step * world_size < 2:
+        if micro_batches_per_step * world_size < 2:
             raise ValueError(
                 "probe=[gns] needs two batch sizes, but each optimizer step is one micro-batch on one process: "
                 "lower data.groups_per_micro_batch or trainer.accumulate_grad_batches, or train on several "
@@ -175,8 +174,6 @@ class GradientNoiseScaleProbe(L.Callback):
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.enabled:
-            return
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
         self._handles = [p.register_hook(functools.partial(self._on_grad, p)) for p in self._params]
 
@@ -200,7 +197,7 @@ class GradientNoiseScaleProbe(L.Callback):
 
     # ---- per micro-batch -----------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        self._active = self.enabled and trainer.global_step % self.every_n_steps == 0
+        self._active = trainer.global_step % self.every_n_steps == 0
         if self._active:
             self._micro_sq = self._micro_cross = 0.0
             self._batch_ess = effective_sample_size(pl_module.sample_weights(batch))

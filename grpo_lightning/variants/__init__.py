@@ -2,5 +2,6 @@
 
 from grpo_lightning.variants.base import VARIANTS, GRPOVariant, register_variant
 from grpo_lightning.variants.baseline import BaselineGRPO
+from grpo_lightning.variants.storpo import STORPO
 
-__all__ = ["VARIANTS", "BaselineGRPO", "GRPOVariant", "register_variant"]
+__all__ = ["STORPO", "VARIANTS", "BaselineGRPO", "GRPOVariant", "register_variant"]

@@ -76,7 +76,7 @@ def _run(weights, accumulate, steps, micro=4, seed=1):
         generator=torch.Generator().manual_seed(seed),
     )
     loader = DataLoader(TensorDataset(x, y), batch_size=micro, sampler=sampler)
-    probe = GradientNoiseScaleProbe(enabled=True)
+    probe = GradientNoiseScaleProbe()
     recorder = Recorder(probe)
     trainer = L.Trainer(
         max_steps=steps,
@@ -108,7 +108,7 @@ def test_averaged_estimates_match_brute_force(weights):
 
 
 def _smoothed(g2_per_step, tr=100.0):
-    probe = GradientNoiseScaleProbe(enabled=True)
+    probe = GradientNoiseScaleProbe()
     return [probe._derived({"tr_sigma": tr, "G2": g2, "B_small": 4.0, "B_big": 16.0}) for g2 in g2_per_step]
 
 
@@ -207,7 +207,7 @@ def _split_run(devices: int, tmp_path):
         strategy="ddp_spawn" if devices > 1 else "auto",
         accumulate_grad_batches=4 // devices,
         use_distributed_sampler=False,
-        callbacks=[GradientNoiseScaleProbe(enabled=True), DestroyProcessGroup()],
+        callbacks=[GradientNoiseScaleProbe(), DestroyProcessGroup()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
