@@ -106,7 +106,6 @@ def model_card(
     loss = cfg.loss
     variant = str(cfg.variant.get("_target_", "")).rsplit(".", 1)[-1]
     lora = cfg.model.lora
-    reward = ", ".join(f"`{name}`" for name in (cfg.reward.get("terms") or {})) or "custom"
     kind = f"LoRA adapter (r={lora.r}, alpha={lora.alpha}, {lora.target_modules})" if is_adapter else "full model"
     base_for_code = base or "<base model folder>"
     lines = [

@@ -142,9 +142,7 @@ class SmoothedRatio:
 class GradientNoiseScaleProbe(L.Callback):
     """Logs `probe/gns/*` every `every_n_steps` optimizer steps; never changes training."""
 
-    def __init__(
-        self, every_n_steps: int = 1, ema_beta: float = 0.9, min_snr: float = 2.0
-    ) -> None:
+    def __init__(self, every_n_steps: int = 1, ema_beta: float = 0.9, min_snr: float = 2.0) -> None:
         if every_n_steps < 1:
             raise ValueError(f"probe.gns.every_n_steps must be >= 1 (got {every_n_steps})")
         if not 0 <= ema_beta < 1:
