@@ -33,13 +33,13 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="Hydra override (repeatable)")
     args = parser.parse_args()
 
-    from grpo_lightning.generation.callback import RolloutCallback
+    from grpo_lightning.rollout_loop import RolloutLoop
     from grpo_lightning.train import build_run
 
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(compose(tmp, 1, args.override))
         module, dm = run.module, run.datamodule
-        rollout = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
+        rollout = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
         module.policy.train()
         precisions = {"fp32": contextlib.nullcontext, "bf16 autocast": partial(torch.autocast, "cpu", torch.bfloat16)}
         bf16_vs_fp32, gen_vs_fp32, times = [], [], {name: [] for name in precisions}
@@ -48,7 +48,7 @@ def main() -> None:
             rollouts = rollout.variant.generate_rollouts(
                 rollout.generator, dm.prompts_for_round(r), rollout.reward_fn, rollout.decode
             )
-            dm.set_rollouts(rollouts, r, dm.micro_batches_per_round)
+            dm.serve(rollout.layout(rollouts, r, dm.micro_batches_per_round))
             with torch.no_grad():
                 for batch in dm.schedule:
                     mask = batch.sequence_mask.bool()  # [B, C]

@@ -117,9 +117,9 @@ class StepEnd(L.Callback):
 
 def measure(mode: str, rounds: int, extra: list[str]) -> tuple[dict[str, float], float]:
     """Median step seconds per setting and the rollout seconds of one round."""
-    from grpo_lightning.generation.callback import RolloutCallback
     from grpo_lightning.probes.entropy import EntropyProbe
     from grpo_lightning.probes.gns import GradientNoiseScaleProbe
+    from grpo_lightning.rollout_loop import RolloutLoop
     from grpo_lightning.train import build_run
 
     steps = len(SETTINGS) * (rounds + 1)
@@ -127,7 +127,7 @@ def measure(mode: str, rounds: int, extra: list[str]) -> tuple[dict[str, float],
         overrides = [*MODES[mode], "probe=[gns,entropy]", *extra]
         run = build_run(compose(tmp, steps, overrides))
         callbacks = run.trainer.callbacks
-        rollout_cb = next(c for c in callbacks if isinstance(c, RolloutCallback))
+        rollout_cb = next(c for c in callbacks if isinstance(c, RolloutLoop))
         rollout_cb.variant = frozen = FrozenRollouts(rollout_cb.variant)
         gns = next(c for c in callbacks if isinstance(c, GradientNoiseScaleProbe))
         entropy = next(c for c in callbacks if isinstance(c, EntropyProbe))

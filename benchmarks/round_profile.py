@@ -48,7 +48,7 @@ def train_round(module, schedule) -> None:
 def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
     import torch
 
-    from grpo_lightning.generation.callback import RolloutCallback
+    from grpo_lightning.rollout_loop import RolloutLoop
     from grpo_lightning.train import build_run
 
     result: dict = {"overrides": overrides, "phases": []}
@@ -62,7 +62,7 @@ def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
         cfg = compose(tmp, 1, overrides)
         run = build_run(cfg)
         module, dm = run.module, run.datamodule
-        rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
+        rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
         mark("build", start)
         prof = (
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False)
@@ -77,7 +77,7 @@ def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
                     rollout_cb.generator, dm.prompts_for_round(it), rollout_cb.reward_fn, rollout_cb.decode
                 )
                 mark(f"rollout{it}", start)
-                dm.set_rollouts(rollouts, it, dm.micro_batches_per_round)
+                dm.serve(rollout_cb.layout(rollouts, it, dm.micro_batches_per_round))
                 start = time.perf_counter()
                 train_round(module, dm.schedule)
                 mark(f"train{it}", start)

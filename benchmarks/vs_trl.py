@@ -107,7 +107,7 @@ def model_dir(cfg) -> str:
 def run_ours(steps: int, extra: list[str]) -> dict:
     import lightning as L
 
-    from grpo_lightning.generation.callback import RolloutCallback
+    from grpo_lightning.rollout_loop import RolloutLoop
     from grpo_lightning.train import build_run
 
     class Timer(L.Callback):
@@ -115,7 +115,7 @@ def run_ours(steps: int, extra: list[str]) -> dict:
             self.starts, self.ends, self.rollout, self.lengths = [], [], [], []
 
         def on_train_epoch_start(self, trainer, pl_module) -> None:
-            rc = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback))
+            rc = next(c for c in trainer.callbacks if isinstance(c, RolloutLoop))
             self.rollout.append(rc.round_metrics["time/rollout_s"])
             self.lengths.append(rc.round_metrics["rollout/completion_len_mean"])
             self.starts.append(time.perf_counter())

@@ -5,7 +5,7 @@
 - `AtomicCheckpointIO` writes `x.ckpt` as a hidden temporary file in the same folder, fsyncs it and renames it
   over the old one (`os.replace` is atomic on POSIX), so SIGKILL mid-write leaves the previous `last.ckpt`.
 - `capture_rng` / `restore_rng`: torch (CPU and CUDA), Python and NumPy generator states. Lightning does not
-  save them; the rollout callback stores them with the round in progress (see generation/callback.py).
+  save them; the rollout loop stores them with the round in progress (see rollout_loop.py).
 - `resolve_ckpt_path` / `check_resumable`: the `ckpt_path` config key, turned into a file that exists and was
   written for the same model and LoRA settings, or a ValueError that says what to do.
 - `fixed_settings` / `check_resume_settings`: the keys a resume may not change (`FIXED_ON_RESUME`) are saved in
@@ -39,7 +39,7 @@ class LastCheckpoint(Checkpoint):
     """`<dirpath>/last.ckpt` after every round.
 
     A `Checkpoint` subclass, so Lightning runs it after every other callback's round-end hook: the file then
-    holds the next round's rollouts and the RNG states after generating them (see generation/callback.py).
+    holds the next round's rollouts and the RNG states after generating them (see rollout_loop.py).
     """
 
     def __init__(self, dirpath: str | Path) -> None:

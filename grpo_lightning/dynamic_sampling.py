@@ -5,7 +5,7 @@ to the policy gradient (only the KL term, when beta > 0) while it costs a full g
 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", section 3.2) over-samples and drops
 such groups until the batch holds only informative ones; verl calls the same switch `filter_groups`.
 
-Here a round still trains on `data.prompts_per_round` groups. The rollout callback samples a batch of that
+Here a round still trains on `data.prompts_per_round` groups. The rollout loop samples a batch of that
 many prompts, keeps the informative groups, and samples further batches of fresh prompts (the next positions
 of the prompt stream, see `RolloutDataModule.problem_indices`) until the round is full or
 `max_extra_batches` extra batches were drawn. A round that is still short is filled with dropped groups (zero

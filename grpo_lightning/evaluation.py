@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 from grpo_lightning.data.datamodule import encode_prompt
 from grpo_lightning.data.gsm8k import GSM8K
 from grpo_lightning.distributed import gather_objects, rank_and_world
-from grpo_lightning.generation.callback import markdown_cell
+from grpo_lightning.round_metrics import markdown_cell
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ class GSM8KEvaluator(L.Callback):
         self.generator, self.tokenizer = generator, tokenizer
         return self
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def at_fit_start(self, trainer: L.Trainer) -> None:
+        """Called by the rollout loop once round 0 is sampled: load the subset, evaluate the starting policy."""
         if not self.enabled:
             return
         problems = self.dataset.load()
@@ -123,7 +124,8 @@ class GSM8KEvaluator(L.Callback):
         if self.at_start and trainer.ckpt_path is None:  # a resumed run was evaluated before its interruption
             self.evaluate(trainer)
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def after_round(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Called by the rollout loop at the end of every round, once the next round is sampled."""
         rounds_done = trainer.current_epoch + 1
         last = trainer.max_epochs is not None and rounds_done >= trainer.max_epochs
         if getattr(pl_module, "diverged", False):  # blown-up weights: nothing worth scoring (or logging)

@@ -51,8 +51,8 @@ class GracefulStop(L.Callback):
             flush=True,
         )
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Runs before the rollout callback (listed first) so no next round is generated."""
+    def after_round(self, trainer: L.Trainer) -> None:
+        """Called by the rollout loop at the end of every round, before it samples the next one."""
         if trainer.strategy.reduce_boolean_decision(self.signum is not None, all=False):
             self.signum = self.signum or signal.SIGTERM
             self.stopped_after_round = trainer.current_epoch

@@ -161,6 +161,35 @@ class GRPOLoss:
         """Whether reference-model log-probs are needed (beta > 0)."""
         return self.beta > 0
 
+    @property
+    def step_weighting(self) -> str:
+        """How the optimizer step's gradient weighs micro-batches: "micro_batch" (Lightning's mean over them) or
+        "sample" (`dapo`: the step is the mean over all its completions' tokens, see `step_loss`)."""
+        return "sample" if self.loss_type == "dapo" else "micro_batch"
+
+    def step_loss(self, loss: Tensor, accumulate_grad_batches: int, world_size: int) -> Tensor:  # []
+        """The micro-batch loss to backpropagate under Lightning's accumulation and DDP's gradient mean.
+
+        Lightning divides each loss by `accumulate_grad_batches` and DDP averages gradients over ranks: right for
+        a mean of per-micro-batch losses (`grpo`, `bnpo`, `dr_grpo`, as TRL does), but `dapo` is already
+        normalised by the token count of the whole step (all micro-batches, all ranks), so both are undone.
+        """
+        if self.loss_type == "dapo":
+            return loss * accumulate_grad_batches * world_size
+        return loss
+
+    def sample_weights(self, mask: Tensor) -> Tensor:  # mask [B, C] -> [B]
+        """Weight of each completion in a micro-batch's loss, in the loss type's sample unit (GNS probe, ESS).
+
+        `grpo` (token means), `dr_grpo` (token sums / max length) and `dapo` (token sums / the step's mean
+        length) average one value per completion with equal weights, every row counted (a row without trained
+        tokens contributes 0, and the loss still divides by it); `bnpo`'s token mean weighs each completion's
+        token mean by its trained tokens. See `grpo_lightning.probes.gns`.
+        """
+        if self.loss_type == "bnpo":
+            return mask.sum(-1).float()
+        return torch.ones(mask.shape[0], device=mask.device)
+
     def __call__(
         self,
         logp: Tensor,  # [B, T] policy log-probs (differentiable)

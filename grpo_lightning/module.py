@@ -1,17 +1,16 @@
 """GRPOModule: the policy, its reference, and the GRPO loss (docs/algorithm.md; Shao et al. 2024) as a LightningModule.
 
 One training step is one micro-batch of whole advantage groups; Lightning accumulates `accumulate_grad_batches`
-of them per optimizer step and divides each loss by that count. That division is right for `grpo`, `bnpo` and
-`dr_grpo` (a mean of per-micro-batch losses, as TRL does) but not for `dapo`, whose loss is already normalised
-by the token count of the whole optimizer step (all micro-batches, all ranks): it is multiplied back by the
-accumulation count and by the world size, since DDP averages gradients over ranks (TRL issue #3021).
+of them per optimizer step and divides each loss by that count; what that means per loss type is the loss's
+business (`GRPOLoss.step_loss`: `dapo` undoes it, TRL issue #3021).
 
 Old log-probs: when one optimizer step consumes a round, old_logp = logp.detach() (ratio 1, gradient intact);
-otherwise the rollout callback stores policy log-probs computed once before the round's first update
+otherwise the rollout loop stores policy log-probs computed once before the round's first update
 (`score_old_logprobs`), because "detached current" is wrong after the first update.
 
 Positions are derived from the attention mask so left-padded rows score exactly as HF `generate` sampled them;
-`rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens) checks it every round.
+`rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens, grpo_lightning/rollout_loop.py) checks
+it every round.
 
 Non-finite guard: a NaN/inf loss or gradient skips the optimizer step by dropping every `.grad` before the
 step (torch optimizers leave parameters without a gradient untouched: no Adam moment update, no weight decay),
@@ -112,6 +111,8 @@ class GRPOModule(L.LightningModule):
         self.diverged = False
         """Set when a step blew the parameters up; nothing is saved from then on (checkpointing.py)."""
         self._norm_before_step: float | None = None
+        self.last_old_logprobs: Tensor | None = None
+        """[B, C] the old log-probs the last training step's loss used (the rollout loop's logp agreement)."""
         self.run_info: dict = {}
         """What a checkpoint must match to be resumed (model, LoRA); set by train.build_run, saved in checkpoints."""
         self.fixed_settings: dict = {}
@@ -163,22 +164,13 @@ class GRPOModule(L.LightningModule):
         return self.completion_logprobs(self.policy, batch)
 
     def sample_weights(self, batch: RolloutBatch) -> Tensor:  # [B]
-        """Weight of each completion in this micro-batch's loss, in the loss type's sample unit (GNS probe, ESS).
-
-        `grpo` (token means), `dr_grpo` (token sums / max length) and `dapo` (token sums / the step's mean
-        length) average one value per completion with equal weights, every row counted (a row without trained
-        tokens contributes 0, and the loss still divides by it); `bnpo`'s token mean weighs each completion's
-        token mean by its trained tokens. See `grpo_lightning.probes.gns`.
-        """
-        if self.loss_fn.loss_type == "bnpo":
-            return batch.completion_mask.sum(-1).float()
-        return torch.ones(len(batch), device=batch.completion_mask.device)
+        """Weight of each completion in this micro-batch's loss (the loss type's, `GRPOLoss.sample_weights`)."""
+        return self.loss_fn.sample_weights(batch.completion_mask)
 
     @property
     def step_weighting(self) -> str:
-        """How the optimizer step's gradient weighs micro-batches: "micro_batch" (Lightning's mean over them) or
-        "sample" (`dapo`: the loss is scaled so that the step is the mean over all its completions)."""
-        return "sample" if self.loss_fn.loss_type == "dapo" else "micro_batch"
+        """How the optimizer step weighs micro-batches (the loss type's, `GRPOLoss.step_weighting`)."""
+        return self.loss_fn.step_weighting
 
     # ---- training ------------------------------------------------------------------------------------------
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
@@ -197,11 +189,10 @@ class GRPOModule(L.LightningModule):
             )
             self.entropy_observer(logp, terms, batch)
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
+        self.last_old_logprobs = old_logp  # [B, C] the rollout loop compares the unscored ones with the generator's
         ref_logp = self.reference_logprobs(batch)
         out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step)
-        loss = out.loss
-        if self.loss_fn.loss_type == "dapo":  # undo Lightning's / accumulate and DDP's mean over ranks
-            loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
+        loss = self.loss_fn.step_loss(out.loss, self.trainer.accumulate_grad_batches, self.trainer.world_size)
         b = len(batch)
         metrics = {
             "train/loss": loss.detach(),
@@ -211,31 +202,7 @@ class GRPOModule(L.LightningModule):
             "train/clip_ratio_high": out.clip_ratio_high,
         }
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b, sync_dist=True)  # mean over ranks
-        if batch.old_logprobs is None:  # no update yet this round: generator and trainer score the same policy
-            self.log_logp_diff(logp.detach(), batch)
         return loss
-
-    def log_logp_diff(self, logp: Tensor, batch: RolloutBatch) -> None:  # logp [B, C]
-        mask = batch.sequence_mask  # [B, C]
-        diff = (logp - batch.gen_logprobs).abs() * mask
-        n = mask.sum().clamp(min=1)
-        self.log(
-            "rollout/logp_diff_mean",
-            diff.sum() / n,
-            on_step=False,
-            on_epoch=True,
-            batch_size=len(batch),
-            sync_dist=True,
-        )
-        self.log(
-            "rollout/logp_diff_max",
-            diff.max(),
-            on_step=False,
-            on_epoch=True,
-            reduce_fx="max",
-            batch_size=len(batch),
-            sync_dist=True,
-        )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.max_norm_growth is not None:

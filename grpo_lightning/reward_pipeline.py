@@ -230,7 +230,7 @@ class RewardPipeline:
 
     # ---- errors and state ----------------------------------------------------------------------------------
     def pop_errors(self) -> int:
-        """Failing term calls since the previous call (the rollout callback logs them once per round)."""
+        """Failing term calls since the previous call (the rollout loop logs them once per round)."""
         errors, self.errors = self.errors, 0
         return errors
 

@@ -10,7 +10,7 @@ Three places, after the peer design of Unstable Baselines (final, step and sampl
 * group transforms, over a round's rewards before the advantage:
   `__call__(rewards [N], group_ids [N]) -> [N]`; the last one's output is the advantage (`GroupNormalize`, which
   is today's advantage, and `EMABaseline`). A stateful one offers `state_dict()` / `load_state_dict()`, which
-  the rollout callback saves in every checkpoint.
+  the rollout loop saves in every checkpoint.
 
 Each is a small class whose constructor arguments are its config keys; a constructor's ValueError names the key
 without its config prefix (the pipeline builder adds `reward.<place>.<name>: `).

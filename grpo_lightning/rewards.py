@@ -215,7 +215,7 @@ class SafeReward:
             return RewardResult(reward=0.0, extracted=None, correct=False)
 
     def pop_errors(self) -> int:
-        """Failures since the previous call (the rollout callback logs them once per round)."""
+        """Failures since the previous call (the rollout loop logs them once per round)."""
         errors, self.errors = self.errors, 0
         return errors
 

@@ -36,13 +36,13 @@ from grpo_lightning.checkpointing import (
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.evaluation import GSM8KEvaluator
 from grpo_lightning.export import export_policy
-from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
 from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.quiet import quiet_third_party
 from grpo_lightning.reward_pipeline import build_reward
+from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.summary import render as render_summary
 from grpo_lightning.summary import summary_metrics
 from grpo_lightning.validation import check_fresh_or_resume, validate, world_size
@@ -139,7 +139,7 @@ class Run:
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
         for callback in self.trainer.callbacks:  # e.g. the evaluator logs outside Lightning's metric store
             metrics.update(getattr(callback, "final_metrics", {}))
-        rounds = next(c for c in self.trainer.callbacks if isinstance(c, RolloutCallback)).history
+        rounds = next(c for c in self.trainer.callbacks if isinstance(c, RolloutLoop)).history
         evaluator = next((c for c in self.trainer.callbacks if isinstance(c, GSM8KEvaluator)), None)
         evals = evaluator.history if evaluator is not None else []
         summary = summary_metrics(rounds, evals)
@@ -351,17 +351,21 @@ def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
 
 def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes=()) -> L.Trainer:
     output_dir = Path(cfg.paths.output_dir)
+    stop = GracefulStop()
+    evaluator = build(cfg.eval).bind(generator, tokenizer) if cfg.eval.enabled else None
     callbacks = [
-        GracefulStop(),  # first: its round-end hook must run before the rollout callback's
-        RolloutCallback(
+        stop,
+        RolloutLoop(  # the round's phases, in order (grpo_lightning/rollout_loop.py)
             generator,
             variant,
             reward_fn,
             datamodule,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            tokenizer,
             samples_every_n_rounds=cfg.logging.samples_every_n_rounds,
             num_samples_logged=cfg.logging.num_samples_logged,
             seed=cfg.seed,
+            stop=stop,
+            evaluator=evaluator,
         ),
         RoundCheckpoint(
             dirpath=output_dir / "checkpoints",
@@ -375,8 +379,8 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
         SavePolicy(output_dir / "policy", tokenizer),
     ]
     callbacks.extend(getattr(generator, "callbacks", []))  # stale-weight guard; vLLM sleep and final push
-    if cfg.eval.enabled:
-        callbacks.append(build(cfg.eval).bind(generator, tokenizer))
+    if evaluator is not None:
+        callbacks.append(evaluator)  # for its checkpoint state and final metrics; the rollout loop runs it
     callbacks.extend(probes)
     callbacks.extend(build(node) for node in (cfg.get("callbacks") or {}).values())  # the user's own
     if cfg.trainer.get("enable_progress_bar", True):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.models import RandomSource
+from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.train import build_run
 
 pytestmark = pytest.mark.slow  # minutes, not seconds: outside `make check`
@@ -90,7 +90,7 @@ BASE = [
 def rewards_per_round(tiny_cfg, *overrides: str) -> list[float]:
     run = build_run(tiny_cfg(*BASE, *overrides))
     run.fit()
-    history = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback)).history
+    history = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop)).history
     return [reward for _, reward, _ in history]
 
 
@@ -107,7 +107,7 @@ def control_gain(tmp_path_factory):
     cfg = make_cfg(root / "run", TINY + BASE + ["optim.optimizer.lr=0"])
     run = build_run(cfg)
     run.fit()
-    history = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback)).history
+    history = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop)).history
     return gain([reward for _, reward, _ in history])
 
 

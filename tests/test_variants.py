@@ -1,6 +1,6 @@
 """Variants end to end through config alone: STORPO, and a variant defined outside the package."""
 
-from grpo_lightning.generation.callback import RolloutCallback
+from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.rollouts import Rollout
 from grpo_lightning.train import build_run
 from grpo_lightning.variants import VARIANTS, GRPOVariant, register_variant
@@ -29,7 +29,7 @@ class PairsPerPrompt(GRPOVariant):
 def test_a_registered_toy_variant_trains_through_config_alone(tiny_cfg):
     assert VARIANTS["toy_pairs"] is PairsPerPrompt
     run = build_run(tiny_cfg("variant._target_=tests.test_variants.PairsPerPrompt", "~variant.num_generations"))
-    rollout_callback = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
+    rollout_callback = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
     assert isinstance(rollout_callback.variant, PairsPerPrompt)
     before = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
     metrics = run.fit()

@@ -1,32 +1,34 @@
-"""The data module: prompts for each round in, micro-batches of that round's rollouts out.
+"""The data module: the prompt stream in, the micro-batches of the round it is given out.
 
-An epoch is one rollout round. The rollout callback asks `prompts_for_round(r)` for the round's prompts, has
-the variant turn them into rollouts, and hands them back with `set_rollouts`; `train_dataloader()` (reloaded
-every epoch) then serves micro-batches of WHOLE advantage groups, `num_iterations` passes over the round.
+An epoch is one rollout round. The rollout loop (grpo_lightning/rollout_loop.py) asks `prompts_for_round(r)`
+for the round's prompts, has the variant turn them into rollouts, lays them out and hands the finished `Round`
+over with `serve`; `train_dataloader()` (reloaded every epoch) serves its schedule: micro-batches of WHOLE
+advantage groups, `num_iterations` passes over the round. It only serves: it calls nothing back and runs no
+collective.
 
 Prompt order is a pure function of (seed, round): a seeded permutation of the problems per pass over the data
 set, so a resumed run sees the same prompts.
 
 Several processes (DDP): `prompts_per_round` counts the whole round; each rank trains on its contiguous block of
-`prompts_per_round / world_size` prompts (the rollout callback shards them), and a `dapo` step's token count is
-summed over ranks.
+`prompts_per_round / world_size` prompts (the rollout loop shards them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
 from grpo_lightning.data.gsm8k import GSM8K, Problem
-from grpo_lightning.distributed import sum_across_ranks
 from grpo_lightning.dynamic_sampling import DynamicSampling
-from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
+from grpo_lightning.rollouts import RolloutBatch
+
+if TYPE_CHECKING:
+    from grpo_lightning.rollout_loop import Round
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +99,8 @@ class RolloutDataModule(L.LightningDataModule):
         """Whether rounds drop zero-variance groups and draw fresh prompts (grpo_lightning/dynamic_sampling.py)."""
         self.world_size = 1
         self.problems: list[Problem] = []
-        self.micro_batches: list[RolloutBatch] = []
-        self.schedule: list[RolloutBatch] = []
+        self.round: Round | None = None
+        """The round being served (grpo_lightning/rollout_loop.py builds it)."""
 
     @property
     def micro_batches_per_round(self) -> int:
@@ -166,61 +168,20 @@ class RolloutDataModule(L.LightningDataModule):
             self.tokenizer, self.dataset, self.problems[problem_index], problem_index, self.max_prompt_tokens
         )
 
-    # ---- rollouts ------------------------------------------------------------------------------------------
-    def set_rollouts(
-        self,
-        rollouts: list[Rollout],
-        round_index: int,
-        accumulate_grad_batches: int,
-        old_logprob_fn: Callable[[RolloutBatch], torch.Tensor] | None = None,
-    ) -> None:
-        """Group the round's rollouts into micro-batches and lay out the passes of this round.
+    # ---- the round it serves -------------------------------------------------------------------------------
+    def serve(self, round_: Round) -> None:
+        """Serve this round from the next data loader on (the rollout loop built it; nothing here changes it)."""
+        self.round = round_
 
-        `old_logprob_fn` (given when several optimizer steps consume the round) scores each micro-batch once,
-        before any update, and the scores travel with the micro-batch through every pass.
-        """
-        groups: dict[int, list[Rollout]] = {}
-        for r in rollouts:
-            groups.setdefault(r.group_id, []).append(r)
-        group_list = list(groups.values())
-        if len(group_list) % self.groups_per_micro_batch:
-            raise ValueError(
-                f"the round has {len(group_list)} groups, not a multiple of data.groups_per_micro_batch "
-                f"({self.groups_per_micro_batch})"
-            )
-        pad_id = self.tokenizer.pad_token_id
-        k = self.groups_per_micro_batch
-        self.micro_batches = [
-            collate_rollouts([r for g in group_list[i : i + k] for r in g], pad_id)
-            for i in range(0, len(group_list), k)
-        ]
-        if old_logprob_fn is not None:
-            for mb in self.micro_batches:
-                mb.old_logprobs = old_logprob_fn(mb).float().cpu()  # [B, C]
-        self.schedule = self._schedule(round_index, accumulate_grad_batches)
+    @property
+    def micro_batches(self) -> tuple[RolloutBatch, ...]:
+        return self.round.micro_batches if self.round is not None else ()
 
-    def _schedule(self, round_index: int, accumulate: int) -> list[RolloutBatch]:
-        """Pass 0 in order, later passes shuffled (seeded); each entry knows its optimizer step's token count."""
-        order: list[int] = []
-        for it in range(self.num_iterations):
-            ids = list(range(len(self.micro_batches)))
-            if it > 0:
-                gen = torch.Generator().manual_seed(self.seed * 7919 + round_index * 31 + it)
-                ids = torch.randperm(len(ids), generator=gen).tolist()
-            order.extend(ids)
-        steps = [order[start : start + accumulate] for start in range(0, len(order), accumulate)]
-        local = torch.tensor(  # [num_steps] trained tokens of each optimizer step on this rank
-            [sum(float(self.micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
-            dtype=torch.float64,
-        )
-        tokens = sum_across_ranks(local).tolist()  # dapo: the whole step, all ranks (docs/algorithm.md)
-        return [
-            dataclasses.replace(self.micro_batches[i], num_tokens_in_step=n)
-            for step, n in zip(steps, tokens, strict=True)
-            for i in step
-        ]
+    @property
+    def schedule(self) -> tuple[RolloutBatch, ...]:
+        return self.round.schedule if self.round is not None else ()
 
     def train_dataloader(self) -> DataLoader:
         if not self.schedule:
-            raise RuntimeError("no rollouts for this round: the RolloutCallback must run before the data loader")
-        return DataLoader(self.schedule, batch_size=None, shuffle=False, collate_fn=_identity)
+            raise RuntimeError("no rollouts for this round: the rollout loop must serve one before the data loader")
+        return DataLoader(list(self.schedule), batch_size=None, shuffle=False, collate_fn=_identity)

@@ -75,7 +75,7 @@ class HFGenerator:
         self.round_seed = 0
 
     def reseed(self, round_seed: int) -> None:
-        """Base of the per-prefix seeds (the rollout callback passes one derived from (seed, round))."""
+        """Base of the per-prefix seeds (the rollout loop passes one derived from (seed, round))."""
         self.round_seed = round_seed
 
     def _sampling_rng(self, prefix: list[int]):

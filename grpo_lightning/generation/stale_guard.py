@@ -4,7 +4,7 @@ Stale weights are the classic failure of RL with a separate inference engine (TR
 does nothing and the run trains on rollouts from an old policy, which looks like slow learning rather than a
 bug. The trainer already measures the symptom every round: `rollout/logp_diff_mean`, the mean |generator
 log-prob - trainer log-prob| over the round's completion tokens before any update (module.py,
-generation/callback.py). This callback compares it with `generator.logp_diff_threshold` at the end of each
+rollout_loop.py). This callback compares it with `generator.logp_diff_threshold` at the end of each
 round and warns (`generator.on_stale=warn`) or stops the run with a RuntimeError (`abort`).
 
 Only the mean is guarded: `rollout/logp_diff_max` is one token, and a single low-probability token can differ

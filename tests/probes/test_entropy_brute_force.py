@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.probes.entropy import EntropyProbe, RunningAgreement
+from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.train import build_run
 from tests.probes.brute_force import PINNED_SHAPE, StepBatches, UnequalLengths, plain_logits
 
@@ -90,7 +90,7 @@ def test_entropy_probe_matches_a_plain_forward(tiny_cfg, lora):
         *PINNED_SHAPE,
     )
     run = build_run(cfg)
-    rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
+    rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
     rollout_cb.variant = UnequalLengths(rollout_cb.variant)
     probe = next(c for c in run.trainer.callbacks if isinstance(c, EntropyProbe))
     truth = EntropyTruth(probe)

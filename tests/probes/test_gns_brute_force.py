@@ -10,8 +10,8 @@ trained token, so every weighting matters.
 import pytest
 import torch
 
-from grpo_lightning.generation.callback import RolloutCallback
 from grpo_lightning.probes.gns import GradientNoiseScaleProbe
+from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.train import build_run
 from tests.probes.brute_force import (
     PINNED_SHAPE,
@@ -68,7 +68,7 @@ def test_gns_matches_per_completion_gradients(tiny_cfg, loss_type):
         *PINNED_SHAPE,
     )
     run = build_run(cfg)
-    rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
+    rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
     rollout_cb.variant = UnequalLengths(rollout_cb.variant)
     probe = next(c for c in run.trainer.callbacks if isinstance(c, GradientNoiseScaleProbe))
     truth = GNSTruth(probe, loss_type)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_lightning.dynamic_sampling import DynamicSampling, groups_in_order, is_informative, renumbered
-from grpo_lightning.generation.callback import RolloutCallback
+from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.rollouts import Rollout
 from grpo_lightning.train import build_run
 from tests.helpers import is_even_integer
@@ -59,17 +59,17 @@ def test_rounds_train_only_informative_groups_and_draw_the_next_prompts_of_the_s
     rewards: the trained groups must be the first even-answer problems of the prompt stream, in stream order,
     and the stream position must advance by whole batches of prompts_per_round."""
     run = even_answer_run(tiny_cfg, max_extra_batches=6, rounds=2)
-    callback = next(c for c in run.trainer.callbacks if isinstance(c, RolloutCallback))
+    callback = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
     dm = run.datamodule
     per_round = dm.prompts_per_round
     trained: list[list[int]] = []
-    original_set = dm.set_rollouts
+    original_serve = dm.serve
 
-    def record(rollouts, *args, **kwargs):
-        trained.append([r.prompt_ids for r in rollouts])
-        return original_set(rollouts, *args, **kwargs)
+    def record(round_):
+        trained.append([r.prompt_ids for r in round_.rollouts])
+        return original_serve(round_)
 
-    dm.set_rollouts = record
+    dm.serve = record
     metrics = run.fit()
 
     # Independent truth: walk the stream, batch by batch, as the rule says.

@@ -1,0 +1,114 @@
+"""A round's metrics: reward and length statistics over every rank's rollouts, and generator / trainer agreement.
+
+Pure: imports torch and the package's data types, neither Lightning nor Hydra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo_lightning.advantages import zero_std_group_fraction
+from grpo_lightning.rollouts import Rollout, RolloutBatch
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """What round metrics need of one rollout (small enough to gather from every rank)."""
+
+    reward: float
+    group: int
+    """Group id, unique across ranks."""
+    length: int
+    generated: int
+    """Sampled tokens (a STORPO continuation's branched prefix was sampled once, by the initial completion)."""
+    truncated: bool
+    extracted: bool
+    terms: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Unweighted reward terms (`reward.terms.<name>`)."""
+
+    @staticmethod
+    def of(r: Rollout, rank: int = 0) -> RolloutStats:
+        return RolloutStats(
+            reward=r.reward,
+            group=rank * 1_000_000 + r.group_id,
+            length=len(r.completion_ids),
+            generated=len(r.completion_ids) - r.branch_point,
+            truncated=r.truncated,
+            extracted=r.answer_extracted,
+            terms=dict(r.reward_terms),
+        )
+
+
+def round_metrics(per_rank: list[dict]) -> dict[str, float]:
+    """Metrics of a whole round from every rank's part (stats over all rollouts; variant metrics: rank mean)."""
+    stats = [s for part in per_rank for s in part["stats"]]
+    metrics = rollout_metrics(stats, max(part["rollout_s"] for part in per_rank))  # ranks generate in parallel
+    for key in per_rank[0]["variant"]:
+        metrics[key] = sum(part["variant"][key] for part in per_rank) / len(per_rank)
+    for key in per_rank[0]["sampling"]:  # dynamic sampling: counts over all ranks (extra batches: equal on all)
+        values = [part["sampling"][key] for part in per_rank]
+        metrics[key] = values[0] if key == "rollout/ds_extra_batches" else sum(values)
+    if per_rank[0]["reward_errors"] is not None:
+        metrics["rollout/reward_errors"] = float(sum(part["reward_errors"] for part in per_rank))
+    return metrics
+
+
+def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, float]:
+    """Round-level metrics (TRL meanings): reward stats, zero-std groups, completion lengths, throughput."""
+    rewards = torch.tensor([s.reward for s in stats], dtype=torch.float32)  # [N]
+    groups = torch.tensor([s.group for s in stats], dtype=torch.long)  # [N]
+    lengths = torch.tensor([s.length for s in stats], dtype=torch.float32)  # [N]
+    generated = sum(s.generated for s in stats)
+    num_groups = len(set(groups.tolist()))
+    metrics = {
+        "train/reward_mean": float(rewards.mean()),
+        "train/reward_std": float(rewards.std()) if len(stats) > 1 else 0.0,
+        "train/frac_zero_std_groups": zero_std_group_fraction(rewards, groups),
+        "rollout/completion_len_mean": float(lengths.mean()),
+        "rollout/truncated_frac": sum(s.truncated for s in stats) / len(stats),
+        "rollout/format_rate": sum(s.extracted for s in stats) / len(stats),
+        "rollout/group_size_mean": len(stats) / num_groups,
+        "rollout/tokens_generated_per_prompt": generated / num_groups,
+        "rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
+        "time/rollout_s": rollout_s,
+    }
+    names = dict.fromkeys(name for s in stats for name in s.terms)  # in config order
+    if names:  # each reward term beside the total, so a user sees which term moves
+        metrics["reward/total_mean"] = metrics["train/reward_mean"]
+        for name in names:
+            values = [s.terms[name] for s in stats if name in s.terms]
+            metrics[f"reward/{name}_mean"] = sum(values) / len(values)
+    return metrics
+
+
+class LogpAgreement:
+    """|generator - trainer| log-prob over a round's real completion tokens, before the round's first update.
+
+    One measure, fed from whichever pass has the pre-update log-probs: the scoring pass when several optimizer
+    steps consume the round, else each micro-batch's own forward (the round is one step, so every micro-batch is
+    scored before the update). The stale-weight guard (generation/stale_guard.py) reads the mean.
+    """
+
+    def __init__(self) -> None:
+        self.total, self.count, self.worst = 0.0, 0.0, 0.0
+
+    def add(self, old_logprobs: Tensor, batch: RolloutBatch) -> None:  # old_logprobs [B, C]
+        mask = batch.sequence_mask  # [B, C]
+        diff = (old_logprobs.float() - batch.gen_logprobs).abs() * mask  # [B, C]
+        self.total += float(diff.sum())
+        self.count += float(mask.sum())
+        self.worst = max(self.worst, float(diff.max()))
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's share (the loop logs it averaged over ranks, the max as a max)."""
+        return {"rollout/logp_diff_mean": self.total / max(self.count, 1.0), "rollout/logp_diff_max": self.worst}
+
+
+def markdown_cell(text: str, limit: int) -> str:
+    """A Markdown table cell: no pipes or newlines, truncated."""
+    text = text.replace("|", "\\|").replace("\n", "<br>")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
