@@ -46,7 +46,7 @@ def main() -> None:
         for r in range(args.rounds):
             torch.manual_seed(r)
             rollouts = rollout.variant.generate_rollouts(
-                rollout.generator, dm.prompts_for_round(r), rollout.reward_fn, rollout.decode
+                rollout.generator, dm.prompts_for_round(r, rollout.tokenizer), rollout.reward_fn, rollout.decode
             )
             dm.serve(rollout.layout(rollouts, r, dm.micro_batches_per_round))
             with torch.no_grad():

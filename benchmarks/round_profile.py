@@ -73,8 +73,9 @@ def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
             for it in range(repeat):
                 torch.manual_seed(it)
                 start = time.perf_counter()
+                prompts = dm.prompts_for_round(it, rollout_cb.tokenizer)
                 rollouts = rollout_cb.variant.generate_rollouts(
-                    rollout_cb.generator, dm.prompts_for_round(it), rollout_cb.reward_fn, rollout_cb.decode
+                    rollout_cb.generator, prompts, rollout_cb.reward_fn, rollout_cb.decode
                 )
                 mark(f"rollout{it}", start)
                 dm.serve(rollout_cb.layout(rollouts, it, dm.micro_batches_per_round))

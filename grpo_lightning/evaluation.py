@@ -82,7 +82,11 @@ class GSM8KEvaluator(L.Callback):
         at_start: bool = True,
         seed: int = 1234,
         batch_size: int = 64,
+        generator=None,
+        tokenizer=None,
     ) -> None:
+        """`generator` and `tokenizer` are the run's (train.py passes them with the config's keys); a dry run
+        builds the evaluator without them, to check its keys."""
         for key, value, low in [("every_n_rounds", every_n_rounds, 1), ("num_problems", num_problems, 1),
                                 ("pass_k", pass_k, 0), ("max_new_tokens", max_new_tokens, 1),
                                 ("batch_size", batch_size, 1)]:  # fmt: skip
@@ -93,8 +97,7 @@ class GSM8KEvaluator(L.Callback):
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
         self.num_samples_logged, self.at_start, self.seed = num_samples_logged, at_start, seed
         self.batch_size = batch_size
-        self.generator = None
-        self.tokenizer = None
+        self.generator, self.tokenizer = generator, tokenizer
         self.prompts: list = []
         self.final_metrics: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
@@ -105,11 +108,6 @@ class GSM8KEvaluator(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = [(step, dict(m)) for step, m in state_dict.get("history", [])]
-
-    def bind(self, generator, tokenizer) -> GSM8KEvaluator:
-        """Attach the run's generator and tokenizer (built after the config's objects)."""
-        self.generator, self.tokenizer = generator, tokenizer
-        return self
 
     def at_fit_start(self, trainer: L.Trainer) -> None:
         """Called by the rollout loop once round 0 is sampled: load the subset, evaluate the starting policy."""

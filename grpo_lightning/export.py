@@ -32,9 +32,12 @@ CARD_METRICS = (
 
 
 def export_policy(
-    directory: Path, cfg: DictConfig, policy: nn.Module, tokenizer, metrics: dict[str, float], model: str
+    directory: Path, cfg: DictConfig, policy: nn.Module, tokenizer, metrics: dict[str, float], source
 ) -> None:
-    """Write the model card (and the merged weights when `export.merged` is set) beside the saved policy."""
+    """Write the model card (and the merged weights when `export.merged` is set) beside the saved policy.
+
+    `source` is the run's `model.source` object: the card names it and tells how to load the base model.
+    """
     directory = Path(directory)
     if not directory.is_dir():  # nothing was saved (e.g. the run stopped before training ended)
         return
@@ -45,7 +48,7 @@ def export_policy(
         save_merged(policy, tokenizer, merged_dir)
         log.info("merged weights saved to %s", merged_dir)
     is_adapter = hasattr(policy, "peft_config")
-    card = model_card(cfg, metrics, model, base_model_ref(cfg), is_adapter, directory, merged_dir)
+    card = model_card(cfg, metrics, source.describe(), base_model_ref(source), is_adapter, directory, merged_dir)
     (directory / "README.md").write_text(card)
 
 
@@ -61,11 +64,8 @@ def save_merged(policy: nn.Module, tokenizer, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def base_model_ref(cfg: DictConfig) -> str | None:
+def base_model_ref(source) -> str | None:
     """What `from_pretrained` takes for the base model: a Hub id or a folder; None for an in-memory model."""
-    from grpo_lightning.train import build
-
-    source = build(cfg.model.source)
     if hasattr(source, "repo_id"):
         return source.repo_id
     if hasattr(source, "converted_dir"):

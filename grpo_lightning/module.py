@@ -88,7 +88,11 @@ class GRPOModule(L.LightningModule):
         temperature: float = 1.0,
         max_consecutive_skips: int = 3,
         max_norm_growth: float | None = 2.0,
+        run_info: dict | None = None,
+        fixed_settings: dict | None = None,
     ) -> None:
+        """`run_info` (model, LoRA) is what a checkpoint must match to be resumed; `fixed_settings` are the config
+        keys a resume may not change (checkpointing.FIXED_ON_RESUME). Both are saved in every checkpoint."""
         super().__init__()
         if max_consecutive_skips < 1:
             raise ValueError(f"guard.max_consecutive_skipped_steps must be >= 1 (got {max_consecutive_skips})")
@@ -113,10 +117,8 @@ class GRPOModule(L.LightningModule):
         self._norm_before_step: float | None = None
         self.last_old_logprobs: Tensor | None = None
         """[B, C] the old log-probs the last training step's loss used (the rollout loop's logp agreement)."""
-        self.run_info: dict = {}
-        """What a checkpoint must match to be resumed (model, LoRA); set by train.build_run, saved in checkpoints."""
-        self.fixed_settings: dict = {}
-        """The config keys a resume may not change (checkpointing.FIXED_ON_RESUME); saved in checkpoints."""
+        self.run_info = dict(run_info or {})
+        self.fixed_settings = dict(fixed_settings or {})
 
     # ---- log-probs -----------------------------------------------------------------------------------------
     share_prefix: bool = True

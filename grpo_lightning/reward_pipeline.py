@@ -52,6 +52,7 @@ MOVED_KEYS = {
         "a reward term: ~reward.terms.gsm8k +reward.terms.<name>._target_=<your function or class> (docs/rewards.md)"
     ),
     "loss.scale_rewards": "reward.group_transforms.normalize.scale (group | batch | none | auto; docs/rewards.md)",
+    "variant.scale_rewards": "reward.group_transforms.normalize.scale (group | batch | none | auto; docs/rewards.md)",
 }
 
 

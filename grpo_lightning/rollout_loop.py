@@ -266,7 +266,7 @@ class RolloutLoop(L.Callback):
             if self.datamodule.dynamic_sampling.enabled:
                 prompts, rollouts, sampled, sampling_metrics = self.sample_informative(rank, world_size)
             else:
-                prompts = shard(self.datamodule.prompts_for_round(round_index), rank, world_size)
+                prompts = shard(self.datamodule.prompts_for_round(round_index, self.tokenizer), rank, world_size)
                 rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
                 sampled, sampling_metrics = rollouts, {}
         release_freed_memory()  # generation's merged / packed weights and KV cache, before training
@@ -309,7 +309,7 @@ class RolloutLoop(L.Callback):
         sampled: list[Rollout] = []
         batches = 0
         while True:
-            prompts = shard(self.datamodule.prompts_at(self.prompt_cursor, per_round), rank, world_size)
+            prompts = shard(self.datamodule.prompts_at(self.prompt_cursor, per_round, self.tokenizer), rank, world_size)
             self.prompt_cursor += per_round
             batches += 1
             rollouts = self.variant.sample_rollouts(self.generator, prompts, self.reward_fn, self.decode)

@@ -115,6 +115,8 @@ class Run:
     module: GRPOModule
     datamodule: RolloutDataModule
     trainer: L.Trainer
+    source: object
+    """The `model.source` the policy was loaded from (the exported model card names it)."""
     ckpt_path: Path | None = None
     """The checkpoint this run resumes from (`ckpt_path` config key), None for a fresh run."""
     lock: RunLock | None = None
@@ -149,7 +151,7 @@ class Run:
             write_final_metrics(output_dir, metrics)
             saver = next((c for c in self.trainer.callbacks if isinstance(c, SavePolicy)), None)
             if saver is not None:
-                export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.plan.model)
+                export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.source)
         last = output_dir / "checkpoints" / "last.ckpt"
         if self.module.diverged:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
@@ -194,7 +196,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     quiet_third_party()
     validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
-    build(cfg.model.source)  # its own checks (a local folder's config.json and weights)
+    source = build(cfg.model.source)  # its own checks (a local folder's config.json and weights)
     build(cfg.loss)
     reward_fn = build_pipeline(cfg)
     datamodule, variant, accumulate = _data_and_variant(cfg)
@@ -202,7 +204,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     build(cfg.optim.schedule)
     LoraSettings(**cfg.model.lora)
     build(cfg.eval)
-    plan = make_plan(cfg, datamodule, variant, accumulate, reward_fn)
+    plan = make_plan(cfg, source, datamodule, variant, accumulate, reward_fn)
     build_probes(cfg, plan)
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     print(f"grpo_lightning plan (dry run):\n{plan.render()}")
@@ -237,7 +239,7 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     reward_fn = build_pipeline(cfg)  # a term that raises scores 0, counted in rollout/reward_errors
     datamodule, variant, accumulate = _data_and_variant(cfg)
     check_reward_fits_variant(reward_fn, variant)
-    plan = make_plan(cfg, datamodule, variant, accumulate, reward_fn)
+    plan = make_plan(cfg, source, datamodule, variant, accumulate, reward_fn)
     probes = build_probes(cfg, plan)
     rank_zero_print(f"grpo_lightning plan:\n{plan.render()}")
 
@@ -251,7 +253,6 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     run_info = {"model": plan.model, "lora": repr(lora) if lora.enabled else "full fine-tuning"}
     if ckpt_path is not None:
         check_resumable(ckpt_path, policy, run_info)
-    datamodule.tokenizer = tokenizer
     generator = build(cfg.generator, model=policy, tokenizer=tokenizer)
     module = GRPOModule(
         policy=policy,
@@ -263,16 +264,23 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
         temperature=cfg.generator.temperature,
         max_consecutive_skips=cfg.guard.max_consecutive_skipped_steps,
         max_norm_growth=cfg.guard.get("max_norm_growth", 2.0),
+        run_info=run_info,
+        fixed_settings=settings,
     )
-    module.run_info = run_info
-    module.fixed_settings = settings
     forward = cfg.get("forward") or {}  # training-forward levers (docs/configuration.md, forward)
     module.share_prefix = bool(forward.get("share_prefix", True))
     module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 128)
     module.runs_by_length = bool(forward.get("runs_by_length", True))
     trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
     return Run(
-        cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, ckpt_path=ckpt_path, lock=lock
+        cfg=cfg,
+        plan=plan,
+        module=module,
+        datamodule=datamodule,
+        trainer=trainer,
+        source=source,
+        ckpt_path=ckpt_path,
+        lock=lock,
     )
 
 
@@ -332,9 +340,8 @@ def check_reward_fits_variant(reward_fn, variant) -> None:
 
 def _data_and_variant(cfg: DictConfig):
     variant = build(cfg.variant)
-    datamodule: RolloutDataModule = build(cfg.data)
-    datamodule.set_world_size(world_size(cfg))
-    datamodule.setup("fit")
+    datamodule: RolloutDataModule = build(cfg.data, world_size=world_size(cfg))
+    datamodule.setup("fit")  # the problems, for the plan's checks (Lightning's own call finds them loaded)
     return datamodule, variant, accumulate_grad_batches(cfg, datamodule)
 
 
@@ -352,7 +359,7 @@ def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
 def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes=()) -> L.Trainer:
     output_dir = Path(cfg.paths.output_dir)
     stop = GracefulStop()
-    evaluator = build(cfg.eval).bind(generator, tokenizer) if cfg.eval.enabled else None
+    evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
     callbacks = [
         stop,
         RolloutLoop(  # the round's phases, in order (grpo_lightning/rollout_loop.py)
@@ -415,7 +422,7 @@ def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:
     return int(value)
 
 
-def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int, reward_fn=None) -> Plan:
+def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulate: int, reward_fn=None) -> Plan:
     rounds = cfg.trainer.max_epochs
     if rounds is None or rounds < 1:
         raise ValueError(f"trainer.max_epochs (number of rollout rounds) must be >= 1 (got {rounds})")
@@ -425,7 +432,7 @@ def make_plan(cfg: DictConfig, dm: RolloutDataModule, variant, accumulate: int, 
         )
     per_round = dm.micro_batches_per_round * dm.num_iterations
     return Plan(
-        model=build(cfg.model.source).describe(),
+        model=source.describe(),
         data=dm.dataset.describe(),
         num_problems=len(dm.problems),
         rounds=rounds,

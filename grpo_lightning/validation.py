@@ -162,7 +162,6 @@ def dataset_rules(prefix: str) -> dict[str, Check]:
 def rules() -> dict[str, Check]:
     """Every user-settable key and its rule; a key absent from the composed config is skipped (e.g. the keys of
     another generator or variant)."""
-    from grpo_lightning.advantages import SCALE_REWARDS
     from grpo_lightning.losses import LOSS_TYPES
     from grpo_lightning.models import DTYPES
     from grpo_lightning.module import SCHEDULE_KINDS
@@ -242,7 +241,6 @@ def rules() -> dict[str, Check]:
         "loss.epsilon_high": number(low=0),
         "loss.max_completion_length": integer(1),
         # variant
-        "variant.scale_rewards": choice(*SCALE_REWARDS),
         "variant.completions_per_step": integer(1),
         "variant.min_steps": integer(1),
         "variant.max_steps": integer(1),

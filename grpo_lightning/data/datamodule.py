@@ -71,9 +71,11 @@ class RolloutDataModule(L.LightningDataModule):
         num_iterations: int = 1,
         max_prompt_tokens: int = 512,
         seed: int = 0,
-        tokenizer=None,
         dynamic_sampling: DynamicSampling | None = None,
+        world_size: int = 1,
     ) -> None:
+        """`world_size`: the processes a round is split over (trainer.devices x trainer.num_nodes, known from the
+        config before any process starts)."""
         super().__init__()
         for key, value in [
             ("prompts_per_round", prompts_per_round),
@@ -88,16 +90,21 @@ class RolloutDataModule(L.LightningDataModule):
                 f"data.prompts_per_round ({prompts_per_round}) must be a multiple of "
                 f"data.groups_per_micro_batch ({groups_per_micro_batch})"
             )
+        if prompts_per_round % (groups_per_micro_batch * world_size):
+            raise ValueError(
+                f"data.prompts_per_round ({prompts_per_round}) must be a multiple of data.groups_per_micro_batch "
+                f"({groups_per_micro_batch}) x the number of processes ({world_size}, trainer.devices x "
+                "trainer.num_nodes)"
+            )
         self.dataset = dataset
         self.prompts_per_round = prompts_per_round
         self.groups_per_micro_batch = groups_per_micro_batch
         self.num_iterations = num_iterations
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
-        self.tokenizer = tokenizer
         self.dynamic_sampling = dynamic_sampling or DynamicSampling()
         """Whether rounds drop zero-variance groups and draw fresh prompts (grpo_lightning/dynamic_sampling.py)."""
-        self.world_size = 1
+        self.world_size = world_size
         self.problems: list[Problem] = []
         self.round: Round | None = None
         """The round being served (grpo_lightning/rollout_loop.py builds it)."""
@@ -106,16 +113,6 @@ class RolloutDataModule(L.LightningDataModule):
     def micro_batches_per_round(self) -> int:
         """Micro-batches of one round on one process."""
         return self.prompts_per_round // (self.groups_per_micro_batch * self.world_size)
-
-    def set_world_size(self, world_size: int) -> None:
-        """Processes the round is split over (from the trainer config, before the processes start)."""
-        if self.prompts_per_round % (self.groups_per_micro_batch * world_size):
-            raise ValueError(
-                f"data.prompts_per_round ({self.prompts_per_round}) must be a multiple of data.groups_per_micro_batch "
-                f"({self.groups_per_micro_batch}) x the number of processes ({world_size}, trainer.devices x "
-                "trainer.num_nodes)"
-            )
-        self.world_size = world_size
 
     def setup(self, stage: str | None = None) -> None:
         if not self.problems:
@@ -143,14 +140,13 @@ class RolloutDataModule(L.LightningDataModule):
         """Indices of round `round_index`'s problems when every round takes `prompts_per_round` of the stream."""
         return self.problem_indices(round_index * self.prompts_per_round, self.prompts_per_round)
 
-    def prompts_for_round(self, round_index: int) -> list[Prompt]:
-        return self.prompts_at(round_index * self.prompts_per_round, self.prompts_per_round)
+    def prompts_for_round(self, round_index: int, tokenizer) -> list[Prompt]:
+        return self.prompts_at(round_index * self.prompts_per_round, self.prompts_per_round, tokenizer)
 
-    def prompts_at(self, start: int, count: int) -> list[Prompt]:
-        """The prompts at stream positions [start, start + count) (dynamic sampling draws past a round's own)."""
-        if self.tokenizer is None:
-            raise RuntimeError("RolloutDataModule needs a tokenizer to build prompts")
-        prompts = [self.encode(i) for i in self.problem_indices(start, count)]
+    def prompts_at(self, start: int, count: int, tokenizer) -> list[Prompt]:
+        """The prompts at stream positions [start, start + count) (dynamic sampling draws past a round's own),
+        chat-formatted and tokenised with the policy's `tokenizer`."""
+        prompts = [self.encode(i, tokenizer) for i in self.problem_indices(start, count)]
         cut = [p for p in prompts if p.full_length > len(p.prompt_ids)]
         if cut:  # the start of the prompt (system prompt, question) is gone: the model sees a fragment
             log.warning(
@@ -163,10 +159,9 @@ class RolloutDataModule(L.LightningDataModule):
             )
         return prompts
 
-    def encode(self, problem_index: int) -> Prompt:
-        return encode_prompt(
-            self.tokenizer, self.dataset, self.problems[problem_index], problem_index, self.max_prompt_tokens
-        )
+    def encode(self, problem_index: int, tokenizer) -> Prompt:
+        problem = self.problems[problem_index]
+        return encode_prompt(tokenizer, self.dataset, problem, problem_index, self.max_prompt_tokens)
 
     # ---- the round it serves -------------------------------------------------------------------------------
     def serve(self, round_: Round) -> None:

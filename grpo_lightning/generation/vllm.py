@@ -278,11 +278,10 @@ class VLLMGenerator:
 
 
 class VLLMRoundHooks(L.Callback):
-    """Sleeps the engine while a round trains; pushes the final weights after the last round.
+    """Sleeps the engine while a round trains (`enable_sleep_mode`), freeing its memory for the training step.
 
-    Rollouts sync at the start of each round (RolloutCallback); nothing syncs after the last round, so without
-    the final push an evaluation after training would score the previous round's weights. Runs after the
-    rollout callback and before the evaluator (train.py appends the generator's callbacks in between).
+    Weights are pushed by the rollout loop (grpo_lightning/rollout_loop.py): at the start of every round it
+    samples, and after the last round when an evaluation follows.
     """
 
     def __init__(self, generator: VLLMGenerator) -> None:
@@ -290,11 +289,6 @@ class VLLMRoundHooks(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.generator.sleep()
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        last = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
-        if last or trainer.should_stop:  # the rollout callback produces (and syncs) no further round
-            self.generator.push_weights()
 
 
 def _load_weights(model: nn.Module, weights: list) -> None:

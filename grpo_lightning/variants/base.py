@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo_lightning.advantages import SCALE_REWARDS, group_advantages
+from grpo_lightning.advantages import group_advantages
 from grpo_lightning.rewards import RewardResult
 from grpo_lightning.rollouts import Rollout
 
@@ -49,12 +49,8 @@ class GRPOVariant(ABC):
     metrics: dict[str, float]
     """Variant-specific metrics of the last round (logged under `rollout/`); empty by default."""
 
-    def __init__(self, scale_rewards: str = "group") -> None:
+    def __init__(self) -> None:
         self.metrics = {}
-        if scale_rewards not in SCALE_REWARDS:
-            choices = ", ".join(SCALE_REWARDS)
-            raise ValueError(f"variant.scale_rewards must be one of {choices} (got {scale_rewards!r})")
-        self.scale_rewards = scale_rewards
 
     def generate_rollouts(
         self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardFn, decode: Callable
@@ -121,14 +117,14 @@ class GRPOVariant(ABC):
 
     def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardFn | None = None) -> None:
         """Fill `advantage` as in docs/algorithm.md (Advantages) over the rollouts' group ids: the reward
-        pipeline's group transforms when `reward_fn` has them (`advantages`), else group advantages scaled by
-        `scale_rewards`."""
+        pipeline's group transforms (`reward.group_transforms`, docs/rewards.md) when `reward_fn` has them
+        (`advantages`), else GRPO's group-normalised advantages (a plain reward function used from Python)."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)
         pipeline = getattr(reward_fn, "advantages", None)
         if pipeline is not None:
             advantages = pipeline(rewards, group_ids)
         else:
-            advantages = group_advantages(rewards, group_ids, self.scale_rewards)
+            advantages = group_advantages(rewards, group_ids, "group")
         for r, a in zip(rollouts, advantages.tolist(), strict=True):
             r.advantage = a

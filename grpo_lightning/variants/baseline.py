@@ -10,10 +10,9 @@ from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
 
 @register_variant("grpo")
 class BaselineGRPO(GRPOVariant):
-    def __init__(self, num_generations: int = 4, scale_rewards: str = "group") -> None:
-        super().__init__(scale_rewards=scale_rewards)
-        if num_generations < 2:
-            raise ValueError(f"generator.num_generations must be >= 2 (got {num_generations})")
+    def __init__(self, num_generations: int = 4) -> None:
+        """`num_generations` is `generator.num_generations` (the group size; the generator's config checks it)."""
+        super().__init__()
         self.num_generations = num_generations
 
     def rollouts_per_round(self, num_prompts: int) -> int:

@@ -76,9 +76,8 @@ class STORPO(GRPOVariant):
         min_steps: int = 2,
         max_steps: int = 4,
         fallback_generations: int = 4,
-        scale_rewards: str = "group",
     ) -> None:
-        super().__init__(scale_rewards=scale_rewards)
+        super().__init__()
         for key, value, low in [
             ("completions_per_step", completions_per_step, 1),
             ("min_steps", min_steps, 1),

@@ -124,10 +124,9 @@ def test_cut_prompts_are_reported_not_silent(tmp_path, tokenizer, caplog):
         path, [{"question": "A long question. " * 40, "answer": "#### 1"}, {"question": "Hi?", "answer": "#### 2"}]
     )
     dm = RolloutDataModule(GSM8K(source="path", path=str(path)), prompts_per_round=2, max_prompt_tokens=120)
-    dm.tokenizer = tokenizer
     dm.setup("fit")
     with caplog.at_level(logging.WARNING):
-        prompts = dm.prompts_for_round(0)
+        prompts = dm.prompts_for_round(0, tokenizer)
     assert sorted(len(p.prompt_ids) < p.full_length for p in prompts) == [False, True]
     assert max(len(p.prompt_ids) for p in prompts) == 120
     assert "1 of 2 prompts were longer than data.max_prompt_tokens=120" in caplog.text

@@ -85,7 +85,7 @@ def test_rounds_train_only_informative_groups_and_draw_the_next_prompts_of_the_s
         expected_rounds.append((kept[:per_round], batches))
     assert callback.prompt_cursor == position
     for (expected, _), prompt_ids in zip(expected_rounds, trained, strict=True):
-        expected_ids = [dm.encode(i).prompt_ids for i in expected]
+        expected_ids = [dm.encode(i, callback.tokenizer).prompt_ids for i in expected]
         groups = []
         for ids in prompt_ids:  # rollouts arrive group by group
             if not groups or groups[-1] != ids:

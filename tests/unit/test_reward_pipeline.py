@@ -120,10 +120,13 @@ def test_default_pipeline_is_bitwise_todays_rewards_advantages_and_loss(tmp_path
     texts[1] = ["#### 9"] * 4  # a group of equal rewards: advantage exactly 0
     generator, prompts = FakeGenerator(texts), _prompts(6)
 
-    # Today's path: SafeReward(GSM8KReward(0.1)) and group_advantages with loss.scale_rewards.
-    old = BaselineGRPO(num_generations=4, scale_rewards=scale).generate_rollouts(
+    # The plain path: SafeReward(GSM8KReward(0.1)), then group_advantages with the loss type's scaling.
+    old = BaselineGRPO(num_generations=4).sample_rollouts(
         generator, prompts, SafeReward(GSM8KReward(format_bonus=0.1)), _decode
     )
+    plain = group_advantages(torch.tensor([r.reward for r in old]), torch.tensor([r.group_id for r in old]), scale)
+    for r, a in zip(old, plain.tolist(), strict=True):
+        r.advantage = a
     pipeline, _ = pipeline_of(f"loss={loss}", tmp_path=tmp_path)
     new = BaselineGRPO(num_generations=4).generate_rollouts(generator, prompts, pipeline, _decode)
 

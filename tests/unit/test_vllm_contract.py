@@ -580,10 +580,10 @@ def test_sleep_wake_order_over_two_rounds(lora_policy, tokenizer, backend):
     backend.log.clear()
     for epoch in range(2):
         trainer.current_epoch = epoch
-        gen.sync_weights(lora_policy)  # RolloutCallback.produce: sync, then sample
+        gen.sync_weights(lora_policy)  # RolloutLoop.produce: sync, then sample
         gen.generate([[3, 4]], num_samples=2)
         hooks.on_train_epoch_start(trainer, None)  # the round trains: memory back to the trainer
-        hooks.on_train_epoch_end(trainer, None)
+    gen.push_weights()  # RolloutLoop, after the last round: the evaluation scores the weights just trained
     expected_round = ["load_weights", "reset_prefix_cache", "generate", ("sleep", 1)]
     wake_weights, wake_kv = ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])
     assert _events(backend) == [
