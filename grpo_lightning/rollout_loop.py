@@ -191,6 +191,8 @@ class RolloutLoop(L.Callback):
             self.evaluator.at_fit_start(trainer)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The round's metrics, logged at the round's own steps (it was sampled at the end of the previous
+        epoch, because Lightning builds an epoch's data loader before this hook runs)."""
         # Round metrics are already over all ranks (identical everywhere); sync_dist only averages equal values.
         pl_module.log_dict(self.round_metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
         reward = self.round_metrics["train/reward_mean"]
