@@ -139,6 +139,9 @@ class RolloutLoop(L.Callback):
         self.stop = stop
         """The graceful stop (interrupt.py), asked at every round end whether a signal arrived."""
         self.evaluator = evaluator
+        self.guard = getattr(generator, "guard", None)
+        """The generator's stale-weight guard (generation/stale_guard.py), told of every round; a user's own
+        generator may have none."""
         """The GSM8K evaluator (evaluation.py), run at the start and after the rounds it is due."""
         self.prompt_cursor = 0
         """Dynamic sampling: the prompt stream position of the next unused prompt."""
@@ -212,6 +215,8 @@ class RolloutLoop(L.Callback):
         agreement = self.agreement.metrics()
         for key, reduce in (("rollout/logp_diff_mean", "mean"), ("rollout/logp_diff_max", "max")):
             pl_module.log(key, agreement[key], on_epoch=True, batch_size=1, sync_dist=True, reduce_fx=reduce)
+        if self.guard is not None:  # the value just logged, averaged over ranks: every rank judges the same
+            self.guard.check(trainer.current_epoch, trainer.callback_metrics.get("rollout/logp_diff_mean"))
         if self.stop is not None:
             self.stop.after_round(trainer)  # a signal: no next round; the checkpoint is written as usual
         next_round = trainer.current_epoch + 1
@@ -272,6 +277,8 @@ class RolloutLoop(L.Callback):
                 rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
                 sampled, sampling_metrics = rollouts, {}
         release_freed_memory()  # generation's merged / packed weights and KV cache, before training
+        if self.guard is not None:
+            self.guard.round_sampled()
         rollout_s = time.perf_counter() - start
         pop_errors = getattr(self.reward_fn, "pop_errors", None)  # SafeReward counts failing reward calls
         local = {

@@ -385,7 +385,7 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
         LastCheckpoint(output_dir / "checkpoints"),
         SavePolicy(output_dir / "policy", tokenizer),
     ]
-    callbacks.extend(getattr(generator, "callbacks", []))  # stale-weight guard; vLLM sleep and final push
+    callbacks.extend(getattr(generator, "callbacks", []))  # e.g. vLLM's sleep while a round trains
     if evaluator is not None:
         callbacks.append(evaluator)  # for its checkpoint state and final metrics; the rollout loop runs it
     callbacks.extend(probes)

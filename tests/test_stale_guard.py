@@ -5,6 +5,7 @@ import pytest
 from grpo_lightning.generation.base import Completion
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
+from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.train import build_run
 
 OFFSET = 0.5
@@ -20,8 +21,9 @@ class OffsetLogprobGenerator(HFGenerator):
 
 
 def guard_of(run) -> StaleWeightGuard:
-    (guard,) = [c for c in run.trainer.callbacks if isinstance(c, StaleWeightGuard)]
-    return guard
+    (loop,) = [c for c in run.trainer.callbacks if isinstance(c, RolloutLoop)]
+    assert isinstance(loop.guard, StaleWeightGuard)
+    return loop.guard
 
 
 def test_hf_generator_runs_clean(tiny_cfg):

@@ -49,9 +49,10 @@ class HFGenerator:
         packed_weights: bool | str = "auto",
     ) -> None:
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
-        # Lightning callbacks the trainer adds (train.py): this engine has no sync, so the guard only flags
-        # trainer / generator disagreement from precision or dropout.
-        self.callbacks = [StaleWeightGuard(logp_diff_threshold, on_stale)]
+        # This engine samples from the policy itself (no sync), so the guard only flags trainer / generator
+        # disagreement from precision or dropout.
+        self.guard = StaleWeightGuard(logp_diff_threshold, on_stale)
+        self.callbacks: list = []  # Lightning callbacks the trainer adds (train.py): none for this engine
         if batch_size < 1:
             raise ValueError(f"generator.batch_size must be >= 1 (got {batch_size})")
         if tokenizer.pad_token_id is None:

@@ -3,9 +3,10 @@
 Stale weights are the classic failure of RL with a separate inference engine (TRL #5312): the sync silently
 does nothing and the run trains on rollouts from an old policy, which looks like slow learning rather than a
 bug. The trainer already measures the symptom every round: `rollout/logp_diff_mean`, the mean |generator
-log-prob - trainer log-prob| over the round's completion tokens before any update (module.py,
-rollout_loop.py). This callback compares it with `generator.logp_diff_threshold` at the end of each
-round and warns (`generator.on_stale=warn`) or stops the run with a RuntimeError (`abort`).
+log-prob - trainer log-prob| over the round's completion tokens before any update (rollout_loop.py). The
+rollout loop hands it to this guard at the end of each round (`check`), which compares it with
+`generator.logp_diff_threshold` and warns (`generator.on_stale=warn`) or stops the run with a RuntimeError
+(`abort`). Each generator owns one (`generator.guard`).
 
 Only the mean is guarded: `rollout/logp_diff_max` is one token, and a single low-probability token can differ
 by more than a nat between bf16 kernels while the policy is right. Rounds whose rollouts came from
@@ -19,22 +20,20 @@ import logging
 import math
 from collections.abc import Callable
 
-import lightning as L
-
 log = logging.getLogger(__name__)
 
 METRIC = "rollout/logp_diff_mean"
 ACTIONS = ("warn", "abort")
 
 
-class StaleWeightGuard(L.Callback):
+class StaleWeightGuard:
     def __init__(
         self,
         threshold: float | None = 0.05,
         on_stale: str = "warn",
         is_fresh: Callable[[], bool] | None = None,
     ) -> None:
-        """`threshold` None disables the guard; `is_fresh()` is asked when a round's training starts."""
+        """`threshold` None disables the guard; `is_fresh()` is asked once a round is sampled."""
         if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"generator.logp_diff_threshold must be > 0 or null (got {threshold!r})")
         if on_stale not in ACTIONS:
@@ -46,20 +45,20 @@ class StaleWeightGuard(L.Callback):
         """(round, logp_diff_mean) of every round over the threshold."""
         self._fresh = True
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # The round's rollouts exist by now; remember whether they came from freshly pushed weights.
+    def round_sampled(self) -> None:
+        """The rollout loop, right after sampling a round: remember whether it came from freshly pushed weights."""
         self._fresh = self.is_fresh() if self.is_fresh is not None else True
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        value = trainer.callback_metrics.get(METRIC)
+    def check(self, round_index: int, value: float | None) -> None:
+        """The rollout loop, at the end of round `round_index`: judge its `rollout/logp_diff_mean` (over all ranks)."""
         if self.threshold is None or not self._fresh or value is None:
             return
         value = float(value)
         if value <= self.threshold:  # NaN is never <= anything: it counts as stale
             return
-        self.flagged.append((trainer.current_epoch, value))
+        self.flagged.append((round_index, value))
         message = (
-            f"round {trainer.current_epoch}: {METRIC} = {value:.4g} exceeds generator.logp_diff_threshold = "
+            f"round {round_index}: {METRIC} = {value:.4g} exceeds generator.logp_diff_threshold = "
             f"{self.threshold:g}: the generator is not sampling from the weights being trained (stale weight "
             "sync, a dtype / precision mismatch, or LoRA dropout > 0)"
         )

@@ -126,7 +126,7 @@ class VLLMGenerator:
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_vllm_adapter_")) if lora_rank else None
         if self.adapter_dir is not None:
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)  # saved adapters die with the generator
-        self.callbacks: list[L.Callback] = [self.guard, VLLMRoundHooks(self)]
+        self.callbacks: list[L.Callback] = [VLLMRoundHooks(self)]  # the trainer adds them (train.py)
         mode = "colocated" if self.settings.device in (None, "cpu") else "separate"
         log.info("vLLM engine for %s on %s (%s, sleep mode %s)", path, self.device_name, mode, self.settings.sleep_mode)
 

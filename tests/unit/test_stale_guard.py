@@ -1,8 +1,7 @@
-"""StaleWeightGuard on its own: thresholds, warn / abort, rounds it must not judge (a fake trainer)."""
+"""StaleWeightGuard on its own: thresholds, warn / abort, rounds it must not judge."""
 
 import logging
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,10 +10,9 @@ from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
 
 def run_round(guard, value, epoch=3):
-    metrics = {} if value is None else {"rollout/logp_diff_mean": torch.tensor(value)}
-    trainer = SimpleNamespace(callback_metrics=metrics, current_epoch=epoch)
-    guard.on_train_epoch_start(trainer, None)
-    guard.on_train_epoch_end(trainer, None)
+    """What the rollout loop does: tell the guard a round was sampled, then hand it the round's logged value."""
+    guard.round_sampled()
+    guard.check(epoch, None if value is None else torch.tensor(value))
 
 
 def test_below_threshold_is_quiet(caplog):

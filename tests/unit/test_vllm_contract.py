@@ -639,4 +639,5 @@ def test_config_group_instantiates_with_a_fake_engine(tmp_path, lora_policy, tok
     gen = build(cfg.generator, model=lora_policy, tokenizer=tokenizer, backend=backend)
     assert isinstance(gen, VLLMGenerator) and gen.settings.sync_every == 1
     assert backend.engines[0].kwargs["dtype"] == "float32"  # generator.dtype follows model.dtype
-    assert [type(c).__name__ for c in gen.callbacks] == ["StaleWeightGuard", "VLLMRoundHooks"]
+    assert type(gen.guard).__name__ == "StaleWeightGuard" and gen.guard.threshold == 0.05
+    assert [type(c).__name__ for c in gen.callbacks] == ["VLLMRoundHooks"]
