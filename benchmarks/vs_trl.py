@@ -37,17 +37,7 @@ CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
 PROMPTS_PER_STEP, GROUP, MAX_NEW, MICRO = 4, 4, 128, 4
 BETA, LR = 0.04, 5e-5
 # grpo_lightning with every speed lever off: plain `generate` (output_logits), full forward, full logits.
-PLAIN = [
-    "generator.custom_decode=false",
-    "generator.packed_weights=false",
-    "generator.merge_lora=false",
-    "generator.share_prefill=false",
-    "generator.stream_logprobs=false",
-    "forward.share_prefix=false",
-    "forward.logits_chunk_tokens=null",
-    "forward.runs_by_length=false",
-    "forward.fused_lora=false",
-]
+PLAIN = ["perf=plain"]
 
 
 def peak_rss_gb() -> float:

@@ -41,7 +41,9 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.forward import EntropyTerms, completion_logits_and_logprobs, completion_logprobs_with_entropy
+from grpo_lightning.accel import ForwardSettings
+from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, completion_logprobs_with_entropy
+from grpo_lightning.accel.entropy_terms import EntropyTerms
 from grpo_lightning.losses import GRPOLoss
 from grpo_lightning.rollouts import RolloutBatch
 
@@ -90,6 +92,7 @@ class GRPOModule(L.LightningModule):
         max_norm_growth: float | None = 2.0,
         run_info: dict | None = None,
         fixed_settings: dict | None = None,
+        forward_settings: ForwardSettings | None = None,
     ) -> None:
         """`run_info` (model, LoRA) is what a checkpoint must match to be resumed; `fixed_settings` are the config
         keys a resume may not change (checkpointing.FIXED_ON_RESUME). Both are saved in every checkpoint."""
@@ -103,6 +106,8 @@ class GRPOModule(L.LightningModule):
         self.schedule = schedule
         self.total_steps = total_steps
         self.temperature = temperature
+        self.forward_settings = forward_settings if forward_settings is not None else ForwardSettings()
+        """How the training forward computes log-probs (`perf.forward`; accel/completion_forward.py)."""
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
         self.entropy_observer: Callable[[Tensor, EntropyTerms, RolloutBatch], None] | None = None  # set by probes
         self.entropy_grad = False
@@ -121,14 +126,6 @@ class GRPOModule(L.LightningModule):
         self.fixed_settings = dict(fixed_settings or {})
 
     # ---- log-probs -----------------------------------------------------------------------------------------
-    share_prefix: bool = True
-    """Run each distinct prompt of a micro-batch once and reuse its KV cache for its completions (forward.py)."""
-    logits_chunk_tokens: int | None = 128
-    """Completion positions per chunk of the LM head + log-softmax (forward.py; None: materialise the [B, C, V]
-    logits and take the log-probs from them)."""
-    runs_by_length: bool = True
-    """Run rows in runs of similar completion length, each only as far as its longest row (forward.py)."""
-
     def policy_forward(
         self, model: nn.Module, batch: RolloutBatch, with_logits: bool = False
     ) -> tuple[Tensor | None, Tensor]:
@@ -136,16 +133,17 @@ class GRPOModule(L.LightningModule):
 
         Logits are materialised only when asked (`with_logits`), else None; the log-probs come from the chunked
         LM head either way. Prompts shared by several rows run once (`share_prefix`). See
-        `grpo_lightning.forward`.
+        `grpo_lightning.accel.completion_forward`.
         """
+        levers = self.forward_settings
         return completion_logits_and_logprobs(
             model,
             batch,
             self.temperature,
             with_logits,
-            self.share_prefix,
-            self.logits_chunk_tokens,
-            self.runs_by_length,
+            levers.share_prefix,
+            levers.logits_chunk_tokens,
+            levers.runs_by_length,
         )
 
     def completion_logprobs(self, model: nn.Module, batch: RolloutBatch) -> Tensor:  # [B, C]
@@ -184,9 +182,9 @@ class GRPOModule(L.LightningModule):
                 batch,
                 self.temperature,
                 batch.completion_mask,
-                self.share_prefix,
-                self.logits_chunk_tokens,
-                self.runs_by_length,
+                self.forward_settings.share_prefix,
+                self.forward_settings.logits_chunk_tokens,
+                self.forward_settings.runs_by_length,
                 with_grad=self.entropy_grad,
             )
             self.entropy_observer(logp, terms, batch)

@@ -53,6 +53,19 @@ MOVED_KEYS = {
     ),
     "loss.scale_rewards": "reward.group_transforms.normalize.scale (group | batch | none | auto; docs/rewards.md)",
     "variant.scale_rewards": "reward.group_transforms.normalize.scale (group | batch | none | auto; docs/rewards.md)",
+    # the speed levers: one perf group (perf=cpu_fast | plain; docs/performance.md)
+    **{
+        f"{old}.{name}": f"perf.{new}.{name} (perf=cpu_fast | plain; docs/performance.md)"
+        for old, new, names in (
+            ("forward", "forward", ("share_prefix", "logits_chunk_tokens", "runs_by_length", "fused_lora")),
+            (
+                "generator",
+                "generate",
+                ("custom_decode", "sampler", "merge_lora", "share_prefill", "stream_logprobs", "packed_weights"),
+            ),
+        )
+        for name in names
+    },
 }
 
 

@@ -37,6 +37,7 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from grpo_lightning.accel.heap_trim import release_freed_memory
 from grpo_lightning.checkpointing import capture_rng, restore_rng
 from grpo_lightning.data.datamodule import Prompt, RolloutDataModule
 from grpo_lightning.distributed import (
@@ -48,7 +49,6 @@ from grpo_lightning.distributed import (
     sum_across_ranks,
 )
 from grpo_lightning.dynamic_sampling import groups_in_order, is_informative, renumbered
-from grpo_lightning.memory import release_freed_memory
 from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
 from grpo_lightning.round_metrics import LogpAgreement, RolloutStats, markdown_cell, round_metrics
 

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from grpo_lightning.accel.fused_lora import install_fused_lora_forward
 from grpo_lightning.callbacks import SavePolicy
 from grpo_lightning.checkpointing import (
     AtomicCheckpointIO,
@@ -37,7 +38,6 @@ from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.evaluation import GSM8KEvaluator
 from grpo_lightning.export import export_policy
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
-from grpo_lightning.lora_forward import install_fused_lora_forward
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.quiet import quiet_third_party
@@ -204,6 +204,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     build(cfg.optim.schedule)
     LoraSettings(**cfg.model.lora)
     build(cfg.eval)
+    build(cfg.perf.forward), build(cfg.perf.generate)
     plan = make_plan(cfg, source, datamodule, variant, accumulate, reward_fn)
     build_probes(cfg, plan)
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
@@ -248,12 +249,13 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     check_model_fits(cfg, model, tokenizer, datamodule)
     lora = LoraSettings(**cfg.model.lora)
     policy, reference = wrap_policy(model, lora, loss.needs_reference)
-    if (cfg.get("forward") or {}).get("fused_lora", True):
+    forward_settings = build(cfg.perf.forward)  # training-forward levers (docs/performance.md)
+    if forward_settings.fused_lora:
         install_fused_lora_forward(policy)  # no-op without LoRA layers
     run_info = {"model": plan.model, "lora": repr(lora) if lora.enabled else "full fine-tuning"}
     if ckpt_path is not None:
         check_resumable(ckpt_path, policy, run_info)
-    generator = build(cfg.generator, model=policy, tokenizer=tokenizer)
+    generator = build(cfg.generator, model=policy, tokenizer=tokenizer, generation_settings=build(cfg.perf.generate))
     module = GRPOModule(
         policy=policy,
         reference=reference,
@@ -266,11 +268,8 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
         max_norm_growth=cfg.guard.get("max_norm_growth", 2.0),
         run_info=run_info,
         fixed_settings=settings,
+        forward_settings=forward_settings,
     )
-    forward = cfg.get("forward") or {}  # training-forward levers (docs/configuration.md, forward)
-    module.share_prefix = bool(forward.get("share_prefix", True))
-    module.logits_chunk_tokens = forward.get("logits_chunk_tokens", 128)
-    module.runs_by_length = bool(forward.get("runs_by_length", True))
     trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
     return Run(
         cfg=cfg,

@@ -162,6 +162,7 @@ def dataset_rules(prefix: str) -> dict[str, Check]:
 def rules() -> dict[str, Check]:
     """Every user-settable key and its rule; a key absent from the composed config is skipped (e.g. the keys of
     another generator or variant)."""
+    from grpo_lightning.accel.settings import SAMPLERS
     from grpo_lightning.losses import LOSS_TYPES
     from grpo_lightning.models import DTYPES
     from grpo_lightning.module import SCHEDULE_KINDS
@@ -182,12 +183,6 @@ def rules() -> dict[str, Check]:
         "generator.seed_per_prefix": boolean,
         "generator.logp_diff_threshold": optional(number(above=0)),
         "generator.on_stale": choice("warn", "abort"),
-        "generator.custom_decode": boolean,
-        "generator.sampler": choice("inverse_cdf", "multinomial"),
-        "generator.merge_lora": boolean,
-        "generator.share_prefill": boolean,
-        "generator.stream_logprobs": boolean,
-        "generator.packed_weights": choice("auto", True, False),
         # generator=vllm (docs/vllm.md); the platform-dependent checks are in check_vllm
         "generator.model_path": optional(text),
         "generator.revision": optional(text),
@@ -275,14 +270,21 @@ def rules() -> dict[str, Check]:
         "trainer.accelerator": choice(*ACCELERATORS),
         "trainer.devices": devices,
         "trainer.num_nodes": integer(1),
-        # checkpoints, guard, training forward, logging
+        # checkpoints, guard, logging
         "checkpoint.every_n_rounds": integer(1),
         "guard.max_consecutive_skipped_steps": integer(1),
         "guard.max_norm_growth": optional(number(above=1)),
-        "forward.share_prefix": boolean,
-        "forward.logits_chunk_tokens": optional(integer(1)),
-        "forward.runs_by_length": boolean,
-        "forward.fused_lora": boolean,
+        # speed levers (docs/performance.md); perf.generate applies to generator=hf only
+        "perf.forward.share_prefix": boolean,
+        "perf.forward.logits_chunk_tokens": optional(integer(1)),
+        "perf.forward.runs_by_length": boolean,
+        "perf.forward.fused_lora": boolean,
+        "perf.generate.custom_decode": boolean,
+        "perf.generate.sampler": choice(*SAMPLERS),
+        "perf.generate.merge_lora": boolean,
+        "perf.generate.share_prefill": boolean,
+        "perf.generate.stream_logprobs": boolean,
+        "perf.generate.packed_weights": choice("auto", True, False),
         "logging.samples_every_n_rounds": integer(1),
         "logging.num_samples_logged": integer(0),
     }

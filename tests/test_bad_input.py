@@ -134,6 +134,12 @@ CONFIG_MISTAKES = [
         ["generator=vllm", "trainer=ddp", "trainer.devices=2"],
         ["generator=vllm", "several training processes", "trainer.devices"],
     ),
+    ("moved lever", ["forward.share_prefix=false"], ["forward.share_prefix has moved: use perf.forward.share_prefix"]),
+    (
+        "moved generator lever",
+        ["generator.custom_decode=false"],
+        ["generator.custom_decode has moved: use perf.generate.custom_decode"],
+    ),
 ]
 
 
@@ -336,7 +342,13 @@ VALIDATION_MISTAKES = [
     ("temperature 1e-40", ["generator.temperature=1e-40"], ["generator.temperature=1e-40", "greedy"]),
     ("top_p 0", ["generator.top_p=0"], ["generator.top_p must be > 0"]),
     ("top_k not a number", ["generator.top_k=abc"], ["generator.top_k must be an integer"]),
-    ("sampler unknown", ["generator.sampler=gumbel"], ["generator.sampler must be one of inverse_cdf, multinomial"]),
+    (
+        "sampler unknown",
+        ["perf.generate.sampler=gumbel"],
+        ["perf.generate.sampler must be one of inverse_cdf, multinomial"],
+    ),
+    ("lever not a bool", ["perf.forward.share_prefix=maybe"], ["perf.forward.share_prefix must be true or false"]),
+    ("packed weights unknown", ["perf.generate.packed_weights=yes"], ["perf.generate.packed_weights must be one of"]),
     ("generate batch 0", ["generator.batch_size=0"], ["generator.batch_size must be >= 1"]),
     ("epsilon_low 1.5", ["loss.epsilon_low=1.5"], ["loss.epsilon_low must be < 1"]),
     ("loss type unknown", ["loss.loss_type=ppo"], ["loss.loss_type must be one of grpo"]),
@@ -360,7 +372,7 @@ VALIDATION_MISTAKES = [
     ("accumulation 0", ["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches must be >= 1"]),
     ("checkpoint cadence not a number", ["checkpoint.every_n_rounds=often"], ["checkpoint.every_n_rounds must be an"]),
     ("norm growth below 1", ["guard.max_norm_growth=0.5"], ["guard.max_norm_growth must be > 1"]),
-    ("chunk 0", ["forward.logits_chunk_tokens=0"], ["forward.logits_chunk_tokens must be >= 1"]),
+    ("chunk 0", ["perf.forward.logits_chunk_tokens=0"], ["perf.forward.logits_chunk_tokens must be >= 1"]),
     ("model dtype unknown", ["model.dtype=float8"], ["model.dtype must be one of float32"]),
     (
         "storpo max below min",

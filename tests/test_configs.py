@@ -5,10 +5,12 @@ from pathlib import Path
 import pytest
 from hydra.utils import get_class, instantiate
 
+from grpo_lightning.accel import ForwardSettings, GenerationSettings
 from grpo_lightning.reward_pipeline import build_reward
 from tests.conftest import CONF_DIR, make_cfg
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in Path(CONF_DIR).iterdir() if g.is_dir()}
+PLAIN_PERF = (ForwardSettings.plain(), GenerationSettings.plain())
 OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for option in options]
 
 
@@ -17,6 +19,7 @@ def test_expected_groups_exist():
     assert GROUPS["model"] == ["local", "qwen0.5b", "qwen1.5b", "smollm2_135m", "tiny"]
     assert GROUPS["trainer"] == ["cpu", "ddp", "default", "fsdp", "gpu"]  # default: what the others share
     assert GROUPS["reward"] == ["gsm8k", "gsm8k_shaped"]
+    assert GROUPS["perf"] == ["cpu_fast", "plain"]
     assert {"variant", "generator", "data", "trainer", "logger"} <= set(GROUPS)
 
 
@@ -45,6 +48,10 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         assert build_reward(node, loss_type="grpo", max_new_tokens=16)("#### 3", "3") >= 1.0
     elif group == "generator":
         assert get_class(node._target_) is not None  # needs a model; built in test_train
+    elif group == "perf":  # the speed levers: frozen settings objects, every lever on or every lever off
+        forward, generate = instantiate(node.forward), instantiate(node.generate)
+        expected = {"cpu_fast": (ForwardSettings(), GenerationSettings()), "plain": PLAIN_PERF}[option]
+        assert (forward, generate) == expected
     else:
         assert instantiate(node) is not None
 

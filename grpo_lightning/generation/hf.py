@@ -1,8 +1,9 @@
 """Rollouts from a Hugging Face model: the CPU engine, and the reference for every other engine.
 
 The generator samples from the policy object itself (LoRA adapters active), so there are no weights to sync:
-`sync_weights` only checks that it is still bound to the policy being trained. By default it runs our own
-decode loop (generation/decode.py: pre-allocated KV cache, O(V) sampler); `custom_decode=false` calls HF
+`sync_weights` only checks that it is still bound to the policy being trained. How it samples is set by one
+`GenerationSettings` (`perf.generate`, grpo_lightning/accel/): by default our own decode loop
+(accel/decode_loop.py: pre-allocated KV cache, O(V) sampler); `perf.generate.custom_decode=false` calls HF
 `generate`. Log-probs are taken from the raw logits as log_softmax(logits / temperature), the same
 distribution the trainer scores (TRL divides logits by the temperature too). With top_p < 1 or top_k > 0
 the sampling distribution is truncated while the log-probs are not; TRL makes the same approximation.
@@ -17,11 +18,12 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from grpo_lightning.accel import GenerationSettings
+from grpo_lightning.accel.decode_loop import new_cache, sample_loop
+from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
+from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets, truncate
-from grpo_lightning.generation.decode import check_sampler, new_cache, sample_loop
-from grpo_lightning.generation.fast import StepLogprobRecorder, merged_lora, shared_prefill
-from grpo_lightning.generation.packed import check_packed_weights, packed_linears
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 
 
@@ -40,13 +42,8 @@ class HFGenerator:
         batch_size: int = 16,
         logp_diff_threshold: float | None = 0.1,
         on_stale: str = "warn",
-        merge_lora: bool = True,
-        share_prefill: bool = True,
-        stream_logprobs: bool = True,
         seed_per_prefix: bool = False,
-        custom_decode: bool = True,
-        sampler: str = "inverse_cdf",
-        packed_weights: bool | str = "auto",
+        generation_settings: GenerationSettings | None = None,
     ) -> None:
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
         # This engine samples from the policy itself (no sync), so the guard only flags trainer / generator
@@ -61,16 +58,8 @@ class HFGenerator:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        # Speed / memory levers (generation/fast.py), each equal to the plain path up to float rounding.
-        self.merge_lora = merge_lora
-        self.share_prefill = share_prefill
-        self.stream_logprobs = stream_logprobs
-        # Our own loop (generation/decode.py) instead of `generate`: pre-allocated KV cache, O(V) sampler.
-        self.custom_decode = custom_decode
-        self.sampler = check_sampler(sampler)
-        # Linear layers through MKL's packed GEMM while generating (generation/packed.py); CPU float32 only;
-        # "auto" packs only the shapes a one-off trial finds exact, small and faster on this CPU.
-        self.packed_weights = check_packed_weights(packed_weights)
+        # Speed / memory levers (grpo_lightning/accel/), each equal to the plain path up to float rounding.
+        self.generation_settings = generation_settings if generation_settings is not None else GenerationSettings()
         # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
         self.seed_per_prefix = seed_per_prefix
         self.round_seed = 0
@@ -126,12 +115,13 @@ class HFGenerator:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = left_pad(prefixes, self.tokenizer.pad_token_id)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        share = self.share_prefill and num_samples > 1 and input_ids.shape[1] > 1
-        sample = self._sample_with_loop if self.custom_decode else self._sample_with_generate
+        levers = self.generation_settings
+        share = levers.share_prefill and num_samples > 1 and input_ids.shape[1] > 1
+        sample = self._sample_with_loop if levers.custom_decode else self._sample_with_generate
         rows = input_ids.shape[0] * num_samples
         with (
-            merged_lora(self.model) if self.merge_lora else contextlib.nullcontext(),
-            packed_linears(self.model, rows, self.packed_weights),
+            merged_lora(self.model) if levers.merge_lora else contextlib.nullcontext(),
+            packed_linears(self.model, rows, levers.packed_weights),
         ):
             tokens, logprobs = sample(input_ids, attention_mask, num_samples, max_new_tokens, greedy, share)
         completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]
@@ -146,7 +136,7 @@ class HFGenerator:
         greedy: bool,
         share_prefill: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, L] x 2 -> tokens, log-probs [n * K, T_new]
-        """Our own loop (generation/decode.py)."""
+        """Our own loop (accel/decode_loop.py)."""
         cache = new_cache(self.model, input_ids.shape[1] + max_new_tokens)
         if share_prefill:
             ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples, cache)
@@ -165,7 +155,7 @@ class HFGenerator:
             self.sampling.top_k,
             self.sampling.top_p,
             greedy=greedy,
-            sampler=self.sampler,
+            sampler=self.generation_settings.sampler,
         )
 
     def _sample_with_generate(
@@ -177,7 +167,8 @@ class HFGenerator:
         greedy: bool,
         share_prefill: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, L] x 2 -> tokens, log-probs [n * K, T_new]
-        """HF `generate` (`custom_decode=false`)."""
+        """HF `generate` (`perf.generate.custom_decode=false`)."""
+        stream_logprobs = self.generation_settings.stream_logprobs
         sampling = {
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
@@ -190,7 +181,7 @@ class HFGenerator:
             num_return_sequences=num_samples,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.eos_token_ids,
-            output_logits=not self.stream_logprobs,
+            output_logits=not stream_logprobs,
             return_dict_in_generate=True,
         )
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -199,10 +190,10 @@ class HFGenerator:
             inputs = {"input_ids": ids, "attention_mask": mask, "past_key_values": cache}
             config.num_return_sequences = 1
         recorder = StepLogprobRecorder(self.model, self.sampling.temperature)
-        with recorder if self.stream_logprobs else contextlib.nullcontext():
+        with recorder if stream_logprobs else contextlib.nullcontext():
             out = self.model.generate(**inputs, generation_config=config)
         new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [n * K, T_new]
-        if not self.stream_logprobs:
+        if not stream_logprobs:
             return new_tokens, sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)
         if not new_tokens.shape[1]:
             return new_tokens, torch.zeros(len(new_tokens), 0)

@@ -95,8 +95,10 @@ class VLLMGenerator:
         logp_diff_threshold: float | None = 0.05,
         on_stale: str = "warn",
         backend=None,
+        generation_settings=None,
         **settings,
     ) -> None:
+        # `generation_settings` (perf.generate) are levers of the Hugging Face engine; vLLM has its own: ignored.
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
         self.settings = VLLMSettings(**settings)
         self.guard = StaleWeightGuard(logp_diff_threshold, on_stale, is_fresh=lambda: self.fresh)

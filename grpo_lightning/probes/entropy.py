@@ -41,7 +41,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from grpo_lightning.forward import completion_logprobs_with_entropy, entropy_and_logit_grad, token_entropy
+from grpo_lightning.accel.completion_forward import completion_logprobs_with_entropy
+from grpo_lightning.accel.entropy_terms import entropy_and_logit_grad, token_entropy
 
 __all__ = ["EntropyProbe", "RunningAgreement", "entropy_and_logit_grad", "pearson", "token_entropy"]
 
@@ -237,9 +238,9 @@ class EntropyProbe(L.Callback):
                     b,
                     pl_module.temperature,
                     b.completion_mask,
-                    pl_module.share_prefix,
-                    pl_module.logits_chunk_tokens,
-                    pl_module.runs_by_length,
+                    pl_module.forward_settings.share_prefix,
+                    pl_module.forward_settings.logits_chunk_tokens,
+                    pl_module.forward_settings.runs_by_length,
                     with_grad=False,
                 )
                 total += float((terms.entropy * b.completion_mask).sum())

@@ -1,11 +1,12 @@
-"""Our decode loop (generation/decode.py): the sampler against brute force and frequencies, the cache against HF's."""
+"""Our decode loop (accel/decode_loop.py): the sampler against brute force and frequencies, the cache against HF's."""
 
 import copy
 
 import pytest
 import torch
 
-from grpo_lightning.generation.decode import PreallocatedLayer, new_cache, sample_inverse_cdf
+from grpo_lightning.accel import GenerationSettings
+from grpo_lightning.accel.decode_loop import PreallocatedLayer, new_cache, sample_inverse_cdf
 from grpo_lightning.generation.hf import HFGenerator
 from tests.helpers import lora_policy_with_random_adapters
 
@@ -84,10 +85,10 @@ def test_loop_with_warpers_samples_what_generate_samples(policy, tokenizer, top_
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 2 + 2?", "A longer prompt with more words")]
     results = []
     for custom_decode in (False, True):
+        levers = GenerationSettings(custom_decode=custom_decode, sampler="multinomial")
         gen = HFGenerator(
-            policy, tokenizer, 3, 10, temperature=0.8, top_k=top_k, top_p=top_p, custom_decode=custom_decode
+            policy, tokenizer, 3, 10, temperature=0.8, top_k=top_k, top_p=top_p, generation_settings=levers
         )
-        gen.sampler = "multinomial"
         torch.manual_seed(3)
         results.append(gen.generate(prompts, 3))
     for plain_group, loop_group in zip(*results, strict=True):
@@ -96,6 +97,6 @@ def test_loop_with_warpers_samples_what_generate_samples(policy, tokenizer, top_
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
-def test_unknown_sampler_names_the_key(tiny_model, tokenizer):
-    with pytest.raises(ValueError, match="generator.sampler"):
-        HFGenerator(tiny_model, tokenizer, sampler="gumbel")
+def test_unknown_sampler_names_the_key():
+    with pytest.raises(ValueError, match=r"^perf\.generate\.sampler must be one of"):
+        GenerationSettings(sampler="gumbel")

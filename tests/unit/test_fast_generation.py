@@ -1,9 +1,10 @@
-"""Generation levers (grpo_lightning/generation/fast.py) equal plain `generate`: same tokens, same log-probs."""
+"""Generation levers (grpo_lightning/accel/generation_levers.py) equal plain `generate`: same tokens, same log-probs."""
 
 import pytest
 import torch
 
-from grpo_lightning.generation.fast import merged_lora
+from grpo_lightning.accel import GenerationSettings
+from grpo_lightning.accel.generation_levers import merged_lora
 from grpo_lightning.generation.hf import HFGenerator
 from tests.helpers import lora_policy_with_random_adapters
 
@@ -13,7 +14,7 @@ PLAIN = {
     "stream_logprobs": False,
     "custom_decode": False,
     "packed_weights": False,
-}
+}  # GenerationSettings.plain() (its sampler is unused without custom_decode)
 HF_LOOP = {"custom_decode": False}  # levers inside `generate`
 
 
@@ -24,7 +25,8 @@ def policy(tiny_model):
 
 def sample(policy, tokenizer, greedy=False, **levers):
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 2 + 2?", "Hi", "A longer prompt with more words")]
-    gen = HFGenerator(policy, tokenizer, num_generations=3, max_new_tokens=12, temperature=0.7, batch_size=9, **levers)
+    settings = GenerationSettings(**levers)
+    gen = HFGenerator(policy, tokenizer, 3, 12, temperature=0.7, batch_size=9, generation_settings=settings)
     torch.manual_seed(0)
     return gen.generate(prompts, 1 if greedy else 3, greedy=greedy)
 

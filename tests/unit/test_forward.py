@@ -1,10 +1,10 @@
-"""Training-forward levers (grpo_lightning/forward.py) equal the plain path: log-probs, logits and gradients."""
+"""Training-forward levers (accel/completion_forward.py) equal the plain path: log-probs, logits and gradients."""
 
 import pytest
 import torch
 
-from grpo_lightning import forward
-from grpo_lightning.forward import completion_logits_and_logprobs, length_runs, shared_prompts
+from grpo_lightning.accel import completion_forward as forward
+from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, length_runs, shared_prompts
 from grpo_lightning.rollouts import Rollout, collate_rollouts
 from tests.helpers import lora_policy_with_random_adapters
 
@@ -98,7 +98,7 @@ def test_shared_prompts_groups_rows_by_prompt_block(tokenizer):
 
 
 def test_module_uses_the_levers_and_gives_observers_the_same_logprobs(policy, tokenizer):
-    from grpo_lightning.forward import completion_logprobs_with_entropy
+    from grpo_lightning.accel.completion_forward import completion_logprobs_with_entropy
     from grpo_lightning.losses import GRPOLoss
     from grpo_lightning.module import GRPOModule, LRSchedule
 

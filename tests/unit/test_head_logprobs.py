@@ -1,9 +1,9 @@
-"""`HeadLogprobs` (grpo_lightning/forward.py): value and gradient against log_softmax + gather under autograd."""
+"""`HeadLogprobs` (accel/chunked_head.py): value and gradient against log_softmax + gather under autograd."""
 
 import pytest
 import torch
 
-from grpo_lightning.forward import HeadLogprobs, chunked_logprobs
+from grpo_lightning.accel.chunked_head import HeadLogprobs, chunked_logprobs
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

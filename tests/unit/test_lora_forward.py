@@ -1,13 +1,13 @@
-"""The fused in-place LoRA forward (grpo_lightning/lora_forward.py) against peft's own forward."""
+"""The fused in-place LoRA forward (grpo_lightning/accel/fused_lora.py) against peft's own forward."""
 
 import copy
 
 import pytest
 import torch
 
-from grpo_lightning import lora_forward
-from grpo_lightning.generation.fast import merged_lora
-from grpo_lightning.lora_forward import install_fused_lora_forward, remove_fused_lora_forward
+from grpo_lightning.accel import fused_lora as lora_forward
+from grpo_lightning.accel.fused_lora import install_fused_lora_forward, remove_fused_lora_forward
+from grpo_lightning.accel.generation_levers import merged_lora
 from grpo_lightning.models import LoraSettings, wrap_policy
 from tests.helpers import lora_policy_with_random_adapters
 

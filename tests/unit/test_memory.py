@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_lightning.memory import _malloc_trim, release_freed_memory
+from grpo_lightning.accel.heap_trim import _malloc_trim, release_freed_memory
 
 
 def rss_mb() -> float:

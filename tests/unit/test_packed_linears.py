@@ -1,12 +1,13 @@
-"""MKL-packed linear layers for generation (grpo_lightning/generation/packed.py) against F.linear."""
+"""MKL-packed linear layers for generation (grpo_lightning/accel/packed_weights.py) against F.linear."""
 
 import pytest
 import torch
 from torch import nn
 
-from grpo_lightning.generation import packed as packed_module
+from grpo_lightning.accel import GenerationSettings
+from grpo_lightning.accel import packed_weights as packed_module
+from grpo_lightning.accel.packed_weights import PackingTrial, packed_linears, packing_available, packing_trial
 from grpo_lightning.generation.hf import HFGenerator
-from grpo_lightning.generation.packed import PackingTrial, packed_linears, packing_available, packing_trial
 from tests.helpers import lora_policy_with_random_adapters
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no MKL packed GEMM")
@@ -92,9 +93,8 @@ def test_generation_with_auto_packed_weights_is_identical(tiny_model, tokenizer,
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     results = []
     for mode in (False, "auto"):
-        gen = HFGenerator(
-            policy, tokenizer, num_generations=4, max_new_tokens=12, custom_decode=custom_decode, packed_weights=mode
-        )
+        levers = GenerationSettings(custom_decode=custom_decode, packed_weights=mode)
+        gen = HFGenerator(policy, tokenizer, num_generations=4, max_new_tokens=12, generation_settings=levers)
         torch.manual_seed(0)
         results.append(gen.generate(prompts, 4))
     for plain_group, packed_group in zip(*results, strict=True):
@@ -102,6 +102,6 @@ def test_generation_with_auto_packed_weights_is_identical(tiny_model, tokenizer,
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bit for bit
 
 
-def test_an_unknown_mode_names_the_config_key(tiny_model, tokenizer):
-    with pytest.raises(ValueError, match="generator.packed_weights"):
-        HFGenerator(tiny_model, tokenizer, packed_weights="yes")
+def test_an_unknown_mode_names_the_config_key():
+    with pytest.raises(ValueError, match=r"^perf\.generate\.packed_weights must be true, false or auto"):
+        GenerationSettings(packed_weights="yes")

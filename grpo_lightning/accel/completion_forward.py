@@ -13,12 +13,9 @@ gradient in the backward). Three levers, each exact up to float rounding (tests/
   longest. Rows are split into runs of similar length (`length_runs`: the padded tokens plus a fixed cost per
   extra backbone call, minimised), each run computed only as far as its longest row; the LM head runs on real
   positions only. Padding positions get log-prob 0.
-* Completion logits chunk by chunk: the LM head, the temperature, the logsumexp and the gather run on
-  `chunk_tokens` hidden states at a time, so no more than one chunk's `[chunk, V]` logits ever exist. When the
-  head is frozen (LoRA), `HeadLogprobs` also takes the gradient with respect to the hidden states in the
-  forward, `d logp / d h = (W[token] - softmax @ W) / T`, a `[chunk, H]` tensor, so the backward is a
-  multiplication (no recomputed logits, no `[chunk, V]` gradient). A trainable head recomputes each chunk
-  under activation checkpointing instead.
+* Completion logits chunk by chunk (`chunked_head.py`): the LM head, the temperature, the logsumexp and the
+  gather run on `chunk_tokens` hidden states at a time, so no more than one chunk's `[chunk, V]` logits ever
+  exist; a frozen head's gradient is taken in the forward.
 
 Models whose logits are not `lm_head(hidden)` (final-logit soft-capping, logit scales) take the plain path.
 """
@@ -26,13 +23,13 @@ Models whose logits are not `lm_head(hidden)` (final-logit soft-capping, logit s
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
-from transformers.cache_utils import Cache, DynamicLayer
 
+from grpo_lightning.accel.chunked_head import chunked_logprobs
+from grpo_lightning.accel.entropy_terms import EntropySink, EntropyTerms, entropy_and_logit_grad, token_entropy
+from grpo_lightning.accel.hf_internals import Cache, DynamicLayer
 from grpo_lightning.losses import selective_log_softmax
 from grpo_lightning.rollouts import RolloutBatch, position_ids_from_mask
 
@@ -185,168 +182,6 @@ def _rows_in_order(parts: list[Tensor], runs: list[tuple[list[int], int]], width
     stacked = torch.cat([nn.functional.pad(h, (0, 0, 0, width - h.shape[1])) for h in parts])  # [B, C, H]
     order = torch.tensor([row for rows, _ in runs for row in rows], device=stacked.device)
     return stacked.index_select(0, torch.argsort(order))
-
-
-class HeadLogprobs(torch.autograd.Function):
-    """log_softmax(hidden @ W^T + b) / T)[index] for one chunk, with its gradient in `hidden` found in the forward.
-
-    Only for a frozen head (W and b get no gradient). The `[n, V]` logits are overwritten in place by the
-    unnormalised softmax; the saved state is `[n, H]`.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float, sink=None
-    ) -> Tensor:
-        logits = nn.functional.linear(hidden, weight, bias).float()  # [n, V]
-        if temperature != 1.0:
-            logits.div_(temperature)
-        if sink is not None:  # an observer reads this chunk's logits (entropy probe) before they are overwritten
-            sink(logits)
-        chosen = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)  # [n]
-        peak = logits.amax(dim=-1, keepdim=True)  # [n, 1]
-        unnormalised = logits.sub_(peak).exp_()  # [n, V], in place: exp(z - max)
-        total = unnormalised.sum(dim=-1, keepdim=True)  # [n, 1]
-        logp = chosen - (peak + total.log()).squeeze(-1)  # [n]
-        ctx.hidden_dtype = hidden.dtype
-        if ctx.needs_input_grad[0]:
-            expected = (unnormalised.to(weight.dtype) @ weight).float() / total  # [n, H]: softmax @ W
-            ctx.save_for_backward((weight[index].float() - expected) / temperature)  # d logp / d hidden
-        return logp
-
-    @staticmethod
-    def backward(ctx, grad_logp: Tensor):  # [n]
-        (grad_hidden,) = ctx.saved_tensors
-        return (grad_logp.unsqueeze(-1) * grad_hidden).to(ctx.hidden_dtype), None, None, None, None, None
-
-
-def _chunk_logprobs(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, temperature: float, sink=None
-) -> Tensor:
-    logits = nn.functional.linear(hidden, weight, bias).float() / temperature  # [n, V]
-    if sink is not None:
-        sink(logits)
-    return logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def chunked_logprobs(
-    hidden: Tensor,  # [..., H]
-    head: nn.Linear,
-    index: Tensor,  # [...] long
-    temperature: float,
-    chunk_tokens: int = 128,
-    sink: EntropySink | None = None,
-) -> Tensor:  # [...] float32
-    """log_softmax(head(hidden) / T)[index], `chunk_tokens` positions at a time (module docstring).
-
-    `sink` (entropy probe) sees each chunk's float32 logits / T once, in the forward, before they are freed.
-    """
-    flat, flat_index = hidden.reshape(-1, hidden.shape[-1]), index.reshape(-1)
-    head_trains = any(p is not None and p.requires_grad for p in (head.weight, head.bias))
-    recompute = torch.is_grad_enabled() and head_trains
-    out = []
-    for start in range(0, flat.shape[0], chunk_tokens):
-        args = (flat[start : start + chunk_tokens], head.weight, head.bias, flat_index[start : start + chunk_tokens])
-        chunk_sink = None if sink is None else sink.at(start)
-        if not head_trains:
-            out.append(HeadLogprobs.apply(*args, temperature, chunk_sink))
-        elif recompute:  # the recomputation in the backward calls the sink again: it ignores a chunk seen once
-            out.append(checkpoint(_chunk_logprobs, *args, temperature, chunk_sink, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(*args, temperature, chunk_sink))
-    return torch.cat(out).reshape(index.shape) if out else hidden.new_zeros(index.shape, dtype=torch.float32)
-
-
-def _shifted_softmax_terms(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # [..., V]
-    """(z - max z, exp(z - max z), their sums S, entropy) in float64; H = log S - sum(u z') / S."""
-    z = logits.detach().to(torch.float64, copy=True)
-    z.sub_(z.amax(dim=-1, keepdim=True))
-    u = z.exp()
-    total = u.sum(-1)
-    entropy = total.log() - torch.einsum("...v,...v->...", u, z) / total
-    return z, u, total, entropy
-
-
-@torch.no_grad()
-def token_entropy(logits: Tensor) -> Tensor:  # [..., V] -> [...] float64
-    """H = -sum_v p log p of softmax(logits), computed in float64 (see `entropy_and_logit_grad`)."""
-    return _shifted_softmax_terms(logits)[3]
-
-
-@torch.no_grad()
-def entropy_and_logit_grad(logits: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:  # [..., V]
-    """(H = -sum_v p log p of softmax(logits), float64 [...]; d(sum weights * H) / d logits = -w p (log p + H),
-    float32 [..., V]).
-
-    The entropy is computed in float64 from the given logits: one step's entropy change (~1e-7 nats per token
-    at small learning rates) is below the float32 rounding of a ~10-nat sum over the vocabulary.
-    """
-    z, u, total, entropy = _shifted_softmax_terms(logits)
-    scale = (entropy - total.log()).unsqueeze(-1)  # log p + H = z' - log S + H
-    grad = u.div_(total.unsqueeze(-1)).mul_(z.add_(scale)).neg_()  # in place: -p (log p + H)
-    if weights is not None:
-        grad.mul_(weights.to(grad.dtype).unsqueeze(-1))
-    return entropy, grad.float()
-
-
-class EntropySink:
-    """Per-position entropy of the chunked LM head's logits and the gradient of sum_t w_t H_t with respect to the
-    head's input (and, for a trainable head, its weight and bias), from the logits the training forward computes
-    anyway: no second forward, no `[B, C, V]` tensor.
-
-    For a chunk of hidden states h [n, H] with logits z = (h W^T + b) / T: dH/dh = (dH/dz) W / T,
-    dH/dW = (dH/dz)^T h / T, dH/db = sum_rows dH/dz / T.
-    """
-
-    def __init__(
-        self, hidden: Tensor, weights: Tensor, head: nn.Linear, temperature: float, with_grad: bool = True
-    ) -> None:  # [N, H], [N]
-        self.hidden, self.weights, self.head, self.temperature = hidden.detach(), weights, head, temperature
-        self.with_grad = with_grad
-        self.entropy = torch.zeros(hidden.shape[0], dtype=torch.float64, device=hidden.device)  # [N]
-        self.grad_hidden = torch.zeros(hidden.shape if with_grad else (0,), dtype=torch.float32, device=hidden.device)
-        trains = with_grad and head.weight.requires_grad
-        self.grad_weight = torch.zeros_like(head.weight, dtype=torch.float32) if trains else None
-        bias = head.bias
-        bias_trains = with_grad and bias is not None and bias.requires_grad
-        self.grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias_trains else None
-        self._seen: set[int] = set()
-
-    def at(self, start: int):
-        return lambda logits: self._chunk(start, logits)
-
-    @torch.no_grad()
-    def _chunk(self, start: int, logits: Tensor) -> None:  # [n, V] float32, already / T
-        if start in self._seen:
-            return
-        self._seen.add(start)
-        end = start + logits.shape[0]
-        if not self.with_grad:
-            self.entropy[start:end] = token_entropy(logits)
-            return
-        entropy, grad = entropy_and_logit_grad(logits.detach(), self.weights[start:end])
-        self.entropy[start:end] = entropy
-        weight = self.head.weight.detach()
-        self.grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).float() / self.temperature
-        if self.grad_weight is not None:
-            self.grad_weight.addmm_(grad.T, self.hidden[start:end].float(), alpha=1.0 / self.temperature)
-        if self.grad_bias is not None:
-            self.grad_bias.add_(grad.sum(0), alpha=1.0 / self.temperature)
-
-
-@dataclass
-class EntropyTerms:
-    """What the entropy probe needs of one training forward (`completion_logprobs_with_entropy`).
-
-    `entropy` [B, C] float64 (0 where not computed); the gradient of sum_t w_t H_t with respect to the trainable
-    parameters is `torch.autograd.grad(anchor, params, anchor_grad)` plus `head_grads` (a trainable head's
-    direct term, which does not pass through `anchor`).
-    """
-
-    entropy: Tensor
-    anchor: Tensor
-    anchor_grad: Tensor
-    head_grads: list[tuple[nn.Parameter, Tensor]]
 
 
 def completion_logits_and_logprobs(

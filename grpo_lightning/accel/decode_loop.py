@@ -20,19 +20,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from grpo_lightning.accel.hf_internals import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from grpo_lightning.accel.settings import check_sampler
 from grpo_lightning.rollouts import position_ids_from_mask
-
-SAMPLERS = ("inverse_cdf", "multinomial")
-
-
-def check_sampler(sampler: str) -> str:
-    """The sampler's name, or a ValueError naming `generator.sampler`."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"generator.sampler must be one of {SAMPLERS} (got {sampler!r})")
-    return sampler
 
 
 class PreallocatedLayer(DynamicLayer):

@@ -27,17 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from grpo_lightning.accel.settings import check_packed_weights
+
 log = logging.getLogger(__name__)
 
 MIN_SPEEDUP = 1.15  # `auto` packs a shape only if its packed product is this much faster...
 MAX_SIZE_RATIO = 1.5  # ...and its packed buffer at most this many times the weight's size
-
-
-def check_packed_weights(mode: bool | str) -> bool | str:
-    """The mode, or a ValueError naming `generator.packed_weights`."""
-    if not (mode is True or mode is False or mode == "auto"):
-        raise ValueError(f"generator.packed_weights must be true, false or auto (got {mode!r})")
-    return mode
 
 
 def packing_available() -> bool:
@@ -109,7 +104,7 @@ def _trial_pays(layer: nn.Linear, rows: int) -> bool:
 
 @functools.cache
 def _log_auto_choice(rows: int, packed: int, packable: int) -> None:
-    log.debug("generator.packed_weights=auto: %d of %d linear layers packed for %d rows", packed, packable, rows)
+    log.debug("perf.generate.packed_weights=auto: %d of %d linear layers packed for %d rows", packed, packable, rows)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,82 @@
+"""The speed levers' switches, one frozen object per phase, built from the `perf` config group.
+
+Defaults are the `cpu_fast` preset (grpo_lightning/conf/perf/cpu_fast.yaml); `plain()` is every lever off, the
+reference path each lever is tested against (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SAMPLERS = ("inverse_cdf", "multinomial")
+
+
+def check_sampler(sampler: str) -> str:
+    """The sampler's name, or a ValueError naming `perf.generate.sampler`."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"perf.generate.sampler must be one of {', '.join(SAMPLERS)} (got {sampler!r})")
+    return sampler
+
+
+def check_packed_weights(mode: bool | str) -> bool | str:
+    """The mode, or a ValueError naming `perf.generate.packed_weights`."""
+    if not (mode is True or mode is False or mode == "auto"):
+        raise ValueError(f"perf.generate.packed_weights must be true, false or auto (got {mode!r})")
+    return mode
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """Training forward (`perf.forward`): how completion log-probs are computed (completion_forward.py)."""
+
+    share_prefix: bool = True
+    """Each distinct prompt of a micro-batch runs once; its completions reuse its KV cache."""
+    logits_chunk_tokens: int | None = 128
+    """LM head + log-softmax this many positions at a time (chunked_head.py); None: the [B, C, V] logits at once."""
+    runs_by_length: bool = True
+    """Rows in runs of similar completion length, each computed only as far as its longest row."""
+    fused_lora: bool = True
+    """LoRA's update added to the base layer's output in place (fused_lora.py), not peft's three passes."""
+
+    def __post_init__(self) -> None:
+        chunk = self.logits_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"perf.forward.logits_chunk_tokens must be an integer >= 1 or null (got {chunk!r})")
+
+    @classmethod
+    def plain(cls) -> ForwardSettings:
+        return cls(share_prefix=False, logits_chunk_tokens=None, runs_by_length=False, fused_lora=False)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """HF generation (`perf.generate`): how rollouts are sampled (generator=hf; the vLLM engine ignores these)."""
+
+    custom_decode: bool = True
+    """Our sampling loop (decode_loop.py: pre-allocated KV cache) instead of HF `generate`."""
+    sampler: str = "inverse_cdf"
+    """custom_decode's draw: inverse_cdf (one uniform per row) | multinomial (as `generate` draws)."""
+    merge_lora: bool = True
+    """Generate with LoRA merged into temporary weights (generation_levers.py); the base is never modified."""
+    share_prefill: bool = True
+    """Prefill each prompt once and repeat its KV cache for its G samples."""
+    stream_logprobs: bool = True
+    """`generate` only: sampled-token log-probs through hooks, no per-step [N, V] logits kept."""
+    packed_weights: bool | str = "auto"
+    """CPU float32: MKL-packed linear weights (packed_weights.py); auto = the shapes a one-off trial finds exact
+    and faster."""
+
+    def __post_init__(self) -> None:
+        check_sampler(self.sampler)
+        check_packed_weights(self.packed_weights)
+
+    @classmethod
+    def plain(cls) -> GenerationSettings:
+        return cls(
+            custom_decode=False,
+            sampler="multinomial",
+            merge_lora=False,
+            share_prefill=False,
+            stream_logprobs=False,
+            packed_weights=False,
+        )
