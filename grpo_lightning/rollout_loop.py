@@ -161,7 +161,9 @@ class RolloutLoop(L.Callback):
 
     @property
     def state_key(self) -> str:
-        return "RolloutCallback"  # the name checkpoints have stored this state under
+        """The key of this state in a checkpoint's `callbacks`: the name it has always been saved under, so that
+        every checkpoint written so far resumes."""
+        return "RolloutCallback"
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
