@@ -269,6 +269,24 @@ def test_full_error_env_shows_the_traceback(tmp_path):
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("override", "new_key"),
+    [
+        ("reward.format_bonus=0.2", "reward.terms.gsm8k.format_bonus"),
+        ("loss.scale_rewards=none", "reward.group_transforms.normalize.scale"),
+        ("variant.scale_rewards=none", "reward.group_transforms.normalize.scale"),
+        ("forward.share_prefix=false", "perf.forward.share_prefix"),
+        ("generator.custom_decode=false", "perf.generate.custom_decode"),
+    ],
+)
+def test_cli_names_the_new_key_of_an_old_override(tmp_path, override, new_key):
+    """In-process through the CLI's own code (`test_real_cli_exit_codes` runs one moved key as a real process)."""
+    result = cli(override, "dry_run=true", f"paths.output_dir={tmp_path}", cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1
+    assert lines[0].startswith(f"error: {override.split('=')[0]} has moved: use {new_key} ")
+
+
 # ---- in-process: train(compose(...)), failing before anything loads -----------------------------------------------
 def snapshot(root: Path) -> dict[str, bytes]:
     """Every file under `root` and its bytes: what must be on disk, unchanged, after a failed start."""
@@ -486,8 +504,7 @@ def test_max_new_tokens_beyond_the_context(tmp_path):
     assert "2048" in message
 
 
-# ---- the CLI as a user runs it: exit codes, no traceback --------------------------------------------------------
-@pytest.mark.slow
+# ---- the CLI's exit codes, no traceback (in-process; test_real_cli_exit_codes runs the real process) -------------
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
@@ -497,13 +514,12 @@ def test_max_new_tokens_beyond_the_context(tmp_path):
     ids=["lora r", "two mistakes"],
 )
 def test_cli_validation_mistake_exits_2(tmp_path, overrides, words):
-    result = real_cli(f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
+    result = cli(f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
     assert_clean_failure(result, *words, code=2)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and all(word in errors[0] for word in words), result.stderr
 
 
-@pytest.mark.slow
 def test_cli_unwritable_run_dir(tmp_path):
-    result = real_cli("hydra.run.dir=/proc/grpo_lightning_run", *TINY, cwd=tmp_path)
+    result = cli("hydra.run.dir=/proc/grpo_lightning_run", *TINY, cwd=tmp_path)
     assert_clean_failure(result, "/proc/grpo_lightning_run", code=2)

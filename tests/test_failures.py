@@ -21,6 +21,7 @@ import torch
 from grpo_lightning.checkpointing import FIXED_ON_RESUME
 from grpo_lightning.train import TrainingStopped, build_run, train
 from tests.conftest import TINY, make_cfg
+from tests.test_bad_input import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["eval.enabled=false", "data.prompts_per_round=2", "generator.max_new_tokens=8"]
@@ -207,21 +208,17 @@ def test_default_run_directories_are_unique(tmp_path):
 
 # ---- checkpoint names ---------------------------------------------------------------------------------------------
 def test_periodic_checkpoints_are_named_roundNNN_and_resumable_from_the_cli(tmp_path):
+    """The CLI's own code in-process (`cli`): Hydra's override parser is what must accept the file's name."""
     run_dir = tmp_path / "run"
     overrides = ["model=tiny", "trainer.enable_progress_bar=false", *FAST, "checkpoint.every_n_rounds=1"]
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONPATH": str(ROOT)}
-
-    def cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "grpo_lightning", *args], capture_output=True, text=True, cwd=tmp_path, env=env
-        )
-
-    first = cli(f"hydra.run.dir={run_dir}", *overrides, "trainer.max_epochs=2")
+    first = cli(f"hydra.run.dir={run_dir}", *overrides, "trainer.max_epochs=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["last.ckpt", "round000.ckpt", "round001.ckpt"]
     ckpt = run_dir / "checkpoints" / "round000.ckpt"
-    resumed = cli(f"hydra.run.dir={tmp_path}/resumed", *overrides, "trainer.max_epochs=2", f"ckpt_path={ckpt}")
+    resumed = cli(
+        f"hydra.run.dir={tmp_path}/resumed", *overrides, "trainer.max_epochs=2", f"ckpt_path={ckpt}", cwd=tmp_path
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {ckpt}" in resumed.stdout + resumed.stderr
 

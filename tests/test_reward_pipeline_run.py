@@ -1,9 +1,6 @@
 """End to end on the tiny random model: a reward of several terms logs each term beside the total, and the
 pipeline's state (an EMA baseline) travels in the checkpoint."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,21 +35,3 @@ def test_each_reward_term_is_logged_beside_the_total_and_ema_state_is_checkpoint
     state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("RolloutCallback"))
     ema = state["ranks"][0]["reward"]["reward.group_transforms.ema"]
     assert ema["rounds"] == 2 and isinstance(ema["value"], float)
-
-
-@pytest.mark.parametrize(
-    ("override", "new_key"),
-    [
-        ("reward.format_bonus=0.2", "reward.terms.gsm8k.format_bonus"),
-        ("loss.scale_rewards=none", "reward.group_transforms.normalize.scale"),
-    ],
-)
-def test_cli_names_the_new_key_of_an_old_override(tmp_path, override, new_key):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    result = subprocess.run(
-        [sys.executable, "-m", "grpo_lightning", override, "dry_run=true", f"paths.output_dir={tmp_path}"],
-        capture_output=True, text=True, cwd=tmp_path, env=env,
-    )  # fmt: skip
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1
-    assert lines[0].startswith(f"error: {override.split('=')[0]} has moved: use {new_key} ")
