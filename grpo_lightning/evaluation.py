@@ -35,8 +35,14 @@ class EvalResult:
 
 
 def score_completions(texts: list[str], lengths: list[int], answers: list[str], reward_fn) -> EvalResult:
-    """Accuracy (answer correct), format rate (an answer was extracted) and mean length, via torchmetrics."""
-    accuracy, fmt, length = MeanMetric(), MeanMetric(), MeanMetric()
+    """Accuracy (answer correct), format rate (an answer was extracted) and mean length, via torchmetrics.
+
+    The metrics never synchronise across processes (`sync_on_compute=False`): `evaluate` has already gathered
+    every rank's completions, so each rank holds all of them. torchmetrics would otherwise all-gather its CPU
+    state whenever torch.distributed is initialised, even in one process, and fail where the default group is
+    NCCL: vLLM's engine on CUDA creates one (world size 1), and so does trainer=ddp on GPUs.
+    """
+    accuracy, fmt, length = (MeanMetric(sync_on_compute=False) for _ in range(3))
     for text, n, answer in zip(texts, lengths, answers, strict=True):
         result = reward_fn.score_detailed(text, answer)
         accuracy.update(float(result.correct))

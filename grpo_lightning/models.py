@@ -79,6 +79,18 @@ class HubSource:
                 f"and {reason}; download it once with network, or use model=local model.source.path=<folder>"
             )
 
+    def config(self, trust_remote_code: bool = False):
+        """The model's config.json (for the memory estimate): from the HF cache, else from the Hub when it can be
+        reached; None when neither (the estimate then says it is unknown)."""
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(self.repo_id, "config.json", revision=self.revision)
+        if isinstance(cached, str):
+            return AutoConfig.from_pretrained(Path(cached).parent, trust_remote_code=trust_remote_code)
+        if constants.HF_HUB_OFFLINE or not endpoint_reachable(constants.ENDPOINT, self.connect_timeout_s):
+            return None
+        return AutoConfig.from_pretrained(self.repo_id, revision=self.revision, trust_remote_code=trust_remote_code)
+
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
         kwargs = {"revision": self.revision, "trust_remote_code": trust_remote_code}
         if self.offline:
@@ -133,6 +145,9 @@ class LocalSource:
     def describe(self) -> str:
         return f"local:{self.path}"
 
+    def config(self, trust_remote_code: bool = False):
+        return AutoConfig.from_pretrained(Path(self.path).expanduser(), trust_remote_code=trust_remote_code)
+
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
         path = str(Path(self.path).expanduser())
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -166,6 +181,14 @@ class PackagedGGUFSource:
 
     def describe(self) -> str:
         return f"packaged-gguf:{self.package}/{self.filename}"
+
+    def config(self, trust_remote_code: bool = False):
+        """The converted folder's config, or the GGUF header's before the first conversion (no tensors read)."""
+        converted = self.converted_dir()
+        if (converted / "config.json").is_file():
+            return AutoConfig.from_pretrained(converted)
+        gguf = self.gguf_path()
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
         folder = self.ensure_converted()
@@ -263,11 +286,13 @@ class RandomSource:
     def describe(self) -> str:
         return f"random-llama(h={self.hidden_size}, layers={self.num_hidden_layers})"
 
-    def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
-        tokenizer = self.tokenizer_source.load_tokenizer()
-        config = AutoConfig.for_model(
+    def config(self, trust_remote_code: bool = False, vocab_size: int | None = None):
+        """The random model's config; its vocabulary is the tokenizer's (read from the tokenizer source)."""
+        if vocab_size is None:
+            vocab_size = self.tokenizer_source.config().vocab_size
+        return AutoConfig.for_model(
             "llama",
-            vocab_size=len(tokenizer),
+            vocab_size=vocab_size,
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
@@ -276,10 +301,13 @@ class RandomSource:
             initializer_range=self.initializer_range,
             max_position_embeddings=2048,
             tie_word_embeddings=True,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
         )
+
+    def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
+        tokenizer = self.tokenizer_source.load_tokenizer()
+        config = self.config(vocab_size=len(tokenizer))
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
         with torch.random.fork_rng():
             torch.manual_seed(self.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)

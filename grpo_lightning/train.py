@@ -38,6 +38,7 @@ from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.evaluation import GSM8KEvaluator
 from grpo_lightning.export import export_policy
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
+from grpo_lightning.memory import MemoryEstimate, check_fits, estimate, machine_memory, model_shape, run_shape
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.quiet import quiet_third_party
@@ -45,7 +46,7 @@ from grpo_lightning.reward_pipeline import build_reward
 from grpo_lightning.rollout_loop import RolloutLoop
 from grpo_lightning.summary import render as render_summary
 from grpo_lightning.summary import summary_metrics
-from grpo_lightning.validation import check_fresh_or_resume, validate, world_size
+from grpo_lightning.validation import check_fresh_or_resume, trainer_devices, validate, world_size
 from grpo_lightning.variants import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,22 @@ class Plan:
     loss: str
     reward: str
     output_dir: str
+    memory: MemoryEstimate | None = None
+    """The peak-memory estimate (grpo_lightning/memory.py); None when the model's config.json cannot be read."""
 
     def render(self) -> str:
-        return "\n".join(f"  {k:<26} {v}" for k, v in self.__dict__.items())
+        rows = {k: v for k, v in self.__dict__.items() if k != "memory"}
+        rows |= self.memory.render() if self.memory is not None else {"memory": "unknown (no model config.json)"}
+        if self.memory is not None and self.memory.engine_share is not None:
+            rows["memory_gpu_engine_share"] = f"{self.memory.engine_share:.0%} of the engine GPU's memory (vLLM)"
+        return "\n".join(f"  {k:<26} {v}" for k, v in rows.items())
+
+    def check_fits(self) -> None:
+        """Refuse a run that cannot fit this machine's RAM (and its GPU, when one is visible) before loading."""
+        if self.memory is None:
+            return
+        gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        check_fits(self.memory, machine_memory(), gpu)
 
 
 @dataclass
@@ -207,6 +221,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     build(cfg.perf.forward)  # the speed levers' settings (docs/performance.md)
     build(cfg.perf.generate)
     plan = make_plan(cfg, source, datamodule, variant, accumulate, reward_fn)
+    plan.check_fits()
     build_probes(cfg, plan)
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     print(f"grpo_lightning plan (dry run):\n{plan.render()}")
@@ -242,8 +257,9 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     datamodule, variant, accumulate = _data_and_variant(cfg)
     check_reward_fits_variant(reward_fn, variant)
     plan = make_plan(cfg, source, datamodule, variant, accumulate, reward_fn)
-    probes = build_probes(cfg, plan)
     rank_zero_print(f"grpo_lightning plan:\n{plan.render()}")
+    plan.check_fits()  # before the model loads: a run that cannot fit is refused in one line
+    probes = build_probes(cfg, plan)
 
     with torch.random.fork_rng():  # loading (and a first-run GGUF conversion) must not move the seeded RNG
         model, tokenizer = load_model(source, cfg)
@@ -256,7 +272,13 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     run_info = {"model": plan.model, "lora": repr(lora) if lora.enabled else "full fine-tuning"}
     if ckpt_path is not None:
         check_resumable(ckpt_path, policy, run_info)
-    generator = build(cfg.generator, model=policy, tokenizer=tokenizer, generation_settings=build(cfg.perf.generate))
+    generator = build(
+        cfg.generator,
+        model=policy,
+        tokenizer=tokenizer,
+        generation_settings=build(cfg.perf.generate),
+        trainer_devices=trainer_devices(cfg),
+    )
     module = GRPOModule(
         policy=policy,
         reference=reference,
@@ -431,13 +453,14 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
             f"data.prompts_per_round ({dm.prompts_per_round}) exceeds the {len(dm.problems)} problems loaded"
         )
     per_round = dm.micro_batches_per_round * dm.num_iterations
+    rollouts_per_round = variant.rollouts_per_round(dm.prompts_per_round)
     return Plan(
         model=source.describe(),
         data=dm.dataset.describe(),
         num_problems=len(dm.problems),
         rounds=rounds,
         prompts_per_round=dm.prompts_per_round,
-        rollouts_per_round=variant.rollouts_per_round(dm.prompts_per_round),
+        rollouts_per_round=rollouts_per_round,
         micro_batches_per_round=per_round,
         accumulate_grad_batches=accumulate,
         optimizer_steps_per_round=per_round // accumulate,
@@ -445,7 +468,19 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
         loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta})",
         reward=reward_fn.describe() if hasattr(reward_fn, "describe") else "",
         output_dir=str(Path(cfg.paths.output_dir).resolve()),
+        memory=memory_estimate(cfg, source, rollouts_per_round, rollouts_per_round // dm.prompts_per_round),
     )
+
+
+def memory_estimate(cfg: DictConfig, source, rollouts_per_round: int, group_size: int) -> MemoryEstimate | None:
+    """The run's peak-memory estimate from the model's config.json (no weights are read)."""
+    config = source.config(cfg.model.trust_remote_code)
+    if config is None:
+        return None
+    lora = cfg.model.lora
+    target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    shape = model_shape(config, lora.r, target)
+    return estimate(shape, run_shape(cfg, group_size, rollouts_per_round))
 
 
 def score_references(dm: RolloutDataModule, reward_fn) -> float:

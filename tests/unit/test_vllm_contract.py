@@ -617,9 +617,9 @@ def test_sleep_level_2_pushes_everything_and_refuses_discarded_weights(lora_poli
 
 
 def test_adapter_sync_hot_swaps_a_saved_adapter(lora_policy, tokenizer, backend):
-    gen = make_generator(lora_policy, tokenizer, backend, lora_sync="adapter")
+    gen = make_generator(lora_policy, tokenizer, backend, lora_sync="adapter", dtype="bfloat16")  # CUDA: half only
     kwargs = backend.engines[0].kwargs
-    assert kwargs["enable_lora"] is True and kwargs["max_lora_rank"] == 4
+    assert kwargs["enable_lora"] is True and kwargs["max_lora_rank"] == 8  # r=4 in vLLM's smallest slot above it
     requests = []
     for _ in range(2):
         gen.sync_weights(lora_policy)
@@ -641,3 +641,147 @@ def test_config_group_instantiates_with_a_fake_engine(tmp_path, lora_policy, tok
     assert backend.engines[0].kwargs["dtype"] == "float32"  # generator.dtype follows model.dtype
     assert type(gen.guard).__name__ == "StaleWeightGuard" and gen.guard.threshold == 0.05
     assert [type(c).__name__ for c in gen.callbacks] == ["VLLMRoundHooks"]
+
+
+# ---- what a read of vLLM 0.32's CUDA code says would break, checked before anything loads -----------------------
+@pytest.mark.parametrize(
+    ("r", "engine_rank"), [(1, 1), (2, 8), (4, 8), (8, 8), (9, 16), (100, 128), (300, 320), (321, 512), (512, 512)]
+)
+def test_lora_rank_takes_the_smallest_slot_vllm_allows(r, engine_rank):
+    """vLLM accepts max_lora_rank in {1, 8, 16, 32, 64, 128, 256, 320, 512} and an adapter of any smaller rank."""
+    from grpo_lightning.generation.vllm_io import LORA_RANKS, engine_lora_rank
+
+    assert engine_lora_rank(r) == engine_rank
+    assert engine_rank == min(k for k in LORA_RANKS if k >= r)  # brute force over the allowed set
+
+
+def test_adapter_sync_builds_the_engine_with_an_allowed_rank(tokenizer, tiny_model, backend):
+    policy, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=False)
+    make_generator(policy, tokenizer, backend, lora_sync="adapter", dtype="bfloat16")
+    assert backend.engines[0].kwargs["max_lora_rank"] == 8  # r=4 would be refused by vLLM's config
+
+
+@pytest.mark.parametrize(
+    ("platform", "overrides", "words"),
+    [
+        ("cpu", ["generator.lora_sync=adapter", "model.lora.r=600"], "model.lora.r=600 is above vLLM's largest"),
+        ("cuda", ["generator.lora_sync=adapter"], "generator.lora_sync=adapter needs model.dtype=bfloat16 or float16 "
+                                                  "on CUDA (got generator.dtype=float32)"),
+        ("cuda", ["generator.lora_sync=adapter", "model.dtype=bfloat16", "generator.dtype=float32"],
+         "(got generator.dtype=float32)"),
+        ("cuda", ["trainer.accelerator=gpu", "trainer.devices=[1]", "generator.device=cuda:1"],
+         "generator.device=cuda:1 is one of the trainer's GPUs (cuda:1, from trainer.devices)"),
+        ("cuda", ["trainer.accelerator=gpu", "trainer.devices=1", "generator.device=cuda:0"],
+         "generator.device=cuda:0 is one of the trainer's GPUs (cuda:0, from trainer.devices)"),
+        ("cuda", ["trainer.accelerator=gpu", "trainer.devices=[1]", "generator.device=cuda:2"],
+         "places the engine on cuda:2, but only 2 CUDA devices are visible"),
+    ],
+)  # fmt: skip
+def test_cuda_only_failures_are_refused_before_anything_loads(tmp_path, monkeypatch, platform, overrides, words):
+    """Faked platform (and GPU count): vLLM is never imported, no model loads, one line names the key."""
+    from grpo_lightning import validation
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(validation, "check_accelerator", lambda cfg: None)  # no real GPU behind the fake count
+    cfg = make_cfg(tmp_path, ["generator=vllm", *overrides])
+    with pytest.raises(ValueError) as err:
+        validation.validate(cfg)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_adapter_sync_in_half_precision_passes_the_cuda_checks(tmp_path, monkeypatch):
+    from grpo_lightning import validation
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    overrides = ["generator=vllm", "generator.lora_sync=adapter", "model.dtype=bfloat16", "model.lora.r=4"]
+    validation.check_vllm(make_cfg(tmp_path, overrides))
+    split = ["generator=vllm", "trainer.accelerator=gpu", "trainer.devices=[1]", "generator.device=cuda:0"]
+    validation.check_vllm(make_cfg(tmp_path, split))
+
+
+@pytest.mark.parametrize(
+    ("device", "trainer_devices", "expected"),
+    [(None, (), 0), (None, (1,), 1), (None, (0, 1), 0), ("cuda:0", (1,), 0), ("cuda:3", (0, 1, 2), 3)],
+)
+def test_engine_placement(device, trainer_devices, expected):
+    """null colocates with the trainer's (first) GPU; cuda:N is a GPU of the engine's own."""
+    from grpo_lightning.generation.vllm_io import engine_cuda_index
+
+    assert engine_cuda_index(device, trainer_devices) == expected
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "devices", "count", "expected"),
+    [("cpu", 1, 2, ()), ("gpu", 1, 2, (0,)), ("gpu", [1], 2, (1,)), ("cuda", 2, 4, (0, 1)), ("auto", "auto", 3,
+     (0, 1, 2)), ("auto", 1, 0, ()), ("gpu", -1, 2, (0, 1))],
+)  # fmt: skip
+def test_trainer_cuda_devices_follow_lightnings_rules(accelerator, devices, count, expected):
+    from grpo_lightning.generation.vllm_io import trainer_cuda_devices
+
+    assert trainer_cuda_devices(accelerator, devices, count) == expected
+
+
+def test_colocated_engine_goes_to_the_trainers_gpu(lora_policy, tokenizer, backend, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    gen = make_generator(lora_policy, tokenizer, backend, trainer_devices=(1,))
+    assert gen.device_index == 1 and backend.engines[0].env["LOCAL_RANK"] == "1"
+    assert backend.engines[0].kwargs["enable_sleep_mode"] is True  # colocated: sleeps while a round trains
+    with pytest.raises(ValueError, match="generator.device=cuda:1 is one of the trainer's GPUs"):
+        make_generator(lora_policy, tokenizer, backend, device="cuda:1", trainer_devices=(1,))
+
+
+def test_engine_start_leaves_the_process_settings_and_rngs_as_they_were(lora_policy, tokenizer, backend):
+    """vLLM's worker sets threads to 1, the fp32 matmul precision to 'highest' and reseeds the global RNGs."""
+    import random
+
+    import numpy as np
+
+    real_llm = backend.LLM
+
+    def intrusive_llm(**kwargs):
+        torch.set_num_threads(1)
+        torch.set_float32_matmul_precision("highest" if torch.get_float32_matmul_precision() != "highest" else "high")
+        random.seed(0), np.random.seed(0), torch.manual_seed(0)
+        return real_llm(**kwargs)
+
+    backend.LLM = intrusive_llm
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    make_generator(lora_policy, tokenizer, backend)
+    assert (torch.get_num_threads(), torch.get_float32_matmul_precision()) == (threads, precision)
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:80", "CUDA out of memory. Tried to allocate"],
+)
+def test_waking_without_memory_names_gpu_memory_utilization(lora_policy, tokenizer, backend, message):
+    """vLLM's cumem allocator raises a bare RuntimeError when the engine wakes beside resident optimizer state."""
+    gen = make_generator(lora_policy, tokenizer, backend)
+    gen.sleep()
+
+    def no_memory(tags=None):
+        raise RuntimeError(message)
+
+    backend.engines[0].wake_up = no_memory
+    with pytest.raises(ValueError) as err:
+        gen.generate([[3]], num_samples=2)
+    text = str(err.value)
+    assert "generator.gpu_memory_utilization=0.3" in text and "\n" not in text and message in text
+    backend.engines[0].wake_up = lambda tags=None: (_ for _ in ()).throw(RuntimeError("engine core died"))
+    with pytest.raises(RuntimeError, match="engine core died"):  # not a memory error: passed through as is
+        gen.generate([[3]], num_samples=2)

@@ -1,0 +1,312 @@
+"""How much memory a run will take, estimated from the config and the model's config.json before anything loads.
+
+A run that cannot fit is refused in one line naming the key to change (`check_fits`), instead of being killed by
+the kernel minutes in (exit 137, no message) or dying in a raw CUDA out-of-memory error. The plan (`dry_run=true`
+and every run's start) prints the estimate for CPU RAM and, when the trainer or the engine is on CUDA, for GPU
+memory. docs/gpu.md (Memory) explains each term.
+
+The estimate is an upper bound of the peak, not a measurement: prompts are counted at `data.max_prompt_tokens`
+and completions at `generator.max_new_tokens`, and saved activations follow a plain decoder layer without
+recomputation. Per token and layer a decoder block keeps about 10 h + 5 i + 2 kv values for its backward (norm
+inputs and outputs, q / k / v, the attention output, the MLP's gate, up, activation and product), where h is
+the hidden size, i the MLP width and kv the key / value width (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", count the same terms). The LM head adds [tokens, vocab] float32
+logits, or one chunk of them with `perf.forward.logits_chunk_tokens`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROCESS_BASELINE = int(0.75 * GIB)
+"""Python, torch, transformers and Lightning in one process (0.4 GiB after the imports, more once running)."""
+ROLLOUT_BYTES_PER_TOKEN = 48
+"""A rollout's per-token state: ids, masks, log-probs (engine, old, reference) and advantages, in tensors."""
+CPU_ENGINE_KV_GIB = 1.0  # generator.kv_cache_gib=null on vLLM's CPU build (generation/vllm_io.py)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model, read from its config on the meta device (no weights)."""
+
+    parameters: int
+    """Unique parameters (a tied LM head counted once)."""
+    lora_parameters: int
+    """Trainable parameters of the LoRA adapter at model.lora.r on model.lora.target_modules."""
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_width: int
+    """num_key_value_heads x head_dim."""
+    vocab: int
+
+
+def model_shape(config, lora_r: int, target_modules: str | list[str]) -> ModelShape:
+    """Count the parameters of `config`'s model built on the meta device (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    config = getattr(config, "text_config", None) or config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    output = model.get_output_embeddings()
+    lora = sum(
+        lora_r * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m is not output and _targeted(name, target_modules)
+    )
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return ModelShape(
+        parameters=parameters,
+        lora_parameters=lora,
+        hidden=config.hidden_size,
+        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        layers=config.num_hidden_layers,
+        kv_width=kv_heads * head_dim,
+        vocab=config.vocab_size,
+    )
+
+
+def _targeted(name: str, target_modules: str | list[str]) -> bool:
+    """peft's rule: 'all-linear' takes every linear layer but the output head, a string is a full regex match on
+    the module's name, a list matches the name's last component."""
+    if isinstance(target_modules, str):
+        return target_modules == "all-linear" or re.fullmatch(target_modules, name) is not None
+    return name.rsplit(".", 1)[-1] in target_modules
+
+
+@dataclass(frozen=True)
+class Term:
+    """One part of the estimate: what it is, its bytes, where it lives and which key makes it smaller."""
+
+    name: str
+    bytes: int
+    key: str
+    """The config key that shrinks this term ('' when no setting does: the process itself)."""
+
+
+@dataclass
+class MemoryEstimate:
+    """The peak of each memory, as the sum of the terms that are alive at once."""
+
+    cpu: list[Term] = field(default_factory=list)
+    trainer_gpu: list[Term] = field(default_factory=list)
+    """One trainer GPU (every DDP rank holds the same); empty when the trainer is on the CPU."""
+    engine_gpu: list[Term] = field(default_factory=list)
+    """A separate vLLM engine's own GPU (generator.device=cuda:N); empty otherwise."""
+    engine_share: float | None = None
+    """generator.gpu_memory_utilization where the engine's size is a share of a GPU whose size is not known here."""
+
+    def render(self) -> dict[str, str]:
+        lines = {"memory_cpu_ram": _render(self.cpu)}
+        if self.trainer_gpu:
+            lines["memory_gpu_trainer"] = _render(self.trainer_gpu)
+        if self.engine_gpu:
+            lines["memory_gpu_engine"] = _render(self.engine_gpu)
+        return lines
+
+
+def _render(terms: list[Term]) -> str:
+    total = sum(t.bytes for t in terms)
+    parts = ", ".join(f"{t.name} {t.bytes / GIB:.2f}" for t in sorted(terms, key=lambda t: -t.bytes) if t.bytes)
+    return f"~{total / GIB:.2f} GiB ({parts})"
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The config facts the estimate reads (train.py builds it from the composed config)."""
+
+    dtype: str
+    """model.dtype."""
+    lora: bool
+    reference_copy: bool
+    """Full fine-tuning with loss.beta > 0 keeps a frozen copy of the model."""
+    mixed_precision: bool
+    """trainer.precision is bf16-mixed / 16-mixed: activations in half precision."""
+    prompt_tokens: int
+    new_tokens: int
+    group_size: int
+    """Rollouts per prompt (G; STORPO: its largest group)."""
+    groups_per_micro_batch: int
+    rollouts_per_round: int
+    share_prefix: bool
+    logits_chunk_tokens: int | None
+    engine: str
+    """'hf' or 'vllm'."""
+    hf_batch_rows: int = 16
+    """generator.batch_size: sequences per HF generate call."""
+    trainer_on_gpu: bool = False
+    engine_separate: bool = False
+    """vLLM on its own GPU (generator.device=cuda:N)."""
+    engine_on_cpu: bool = False
+    """vLLM's CPU build."""
+    engine_dtype: str = "float32"
+    sleep_mode: bool = False
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gib: float | None = None
+    engine_gpu_bytes: int | None = None
+    """The engine GPU's total memory when a GPU is visible (vLLM takes gpu_memory_utilization of it)."""
+
+
+def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
+    """The peak memory of a run of `run` on a model of `shape` (see the module docstring for the terms)."""
+    weight_bytes = DTYPE_BYTES[run.dtype]
+    act_bytes = 2 if run.mixed_precision or weight_bytes == 2 else 4
+    weights = Term("weights", shape.parameters * weight_bytes, "model")
+    terms = [weights]
+    if run.reference_copy:
+        terms.append(Term("reference copy", shape.parameters * weight_bytes, "loss.beta"))
+    if run.lora:  # peft keeps the adapter in float32 (autocast_adapter_dtype) whatever the base dtype
+        trainable, state_bytes, key = shape.lora_parameters, 4, "model.lora.r"
+    else:
+        trainable, state_bytes, key = shape.parameters, weight_bytes, "model.lora.enabled"
+    gradients = Term("gradients", trainable * state_bytes, key)
+    optimizer = Term("optimizer state", 2 * trainable * state_bytes, key)  # AdamW's two moments
+    terms += [gradients, optimizer]
+
+    rows = run.groups_per_micro_batch * run.group_size
+    if run.share_prefix:  # each prompt runs once, its completions reuse its KV cache
+        tokens = run.groups_per_micro_batch * (run.prompt_tokens + run.group_size * run.new_tokens)
+    else:
+        tokens = rows * (run.prompt_tokens + run.new_tokens)
+    per_token = shape.layers * (10 * shape.hidden + 5 * shape.intermediate + 2 * shape.kv_width) * act_bytes
+    logit_positions = tokens if run.logits_chunk_tokens is None else min(tokens, run.logits_chunk_tokens)
+    logits = logit_positions * shape.vocab * 4 * 3  # float32 logits, their log-softmax and its gradient
+    micro_batch_key = "data.groups_per_micro_batch" if run.groups_per_micro_batch > 1 else "generator.num_generations"
+    activations = Term("activations", tokens * per_token + logits, micro_batch_key)
+
+    sequence = run.prompt_tokens + run.new_tokens
+    engine_terms: list[Term] = []
+    if run.engine == "hf":
+        kv = run.hf_batch_rows * sequence * 2 * shape.layers * shape.kv_width * weight_bytes
+        step_logits = run.hf_batch_rows * shape.vocab * 4 * 2
+        generation = Term("generation", kv + step_logits, "generator.batch_size")
+    else:
+        generation = Term("generation", 0, "")
+    rollouts = Term("rollouts", run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN, "data.prompts_per_round")
+    peak_work = activations if activations.bytes >= generation.bytes else generation  # never both at once
+
+    result = MemoryEstimate()
+    process = Term("process", PROCESS_BASELINE, "")
+    if run.engine == "vllm" and run.engine_on_cpu:
+        kv_gib = CPU_ENGINE_KV_GIB if run.kv_cache_gib is None else run.kv_cache_gib
+        engine_weights = shape.parameters * DTYPE_BYTES.get(run.engine_dtype, weight_bytes)
+        engine_terms.append(Term("vLLM engine", engine_weights + int(kv_gib * GIB), "generator.kv_cache_gib"))
+    if not run.trainer_on_gpu:
+        result.cpu = [process, *terms, peak_work, rollouts, *engine_terms]
+        return result
+
+    # The trainer is on a GPU: the CPU keeps the process, the rollouts, the model while it loads, and a sleeping
+    # engine's weights (sleep level 1 offloads them to CPU memory).
+    result.cpu = [process, Term("model while loading", weights.bytes, "model"), rollouts]
+    if run.engine == "vllm" and run.sleep_mode and not run.engine_separate:
+        engine_weights = shape.parameters * DTYPE_BYTES.get(run.engine_dtype, weight_bytes)
+        result.cpu.append(Term("sleeping engine's weights", engine_weights, "generator.sleep_level"))
+    training = [*terms, peak_work]
+    if run.engine == "vllm":
+        share = run.gpu_memory_utilization
+        engine_bytes = int(share * run.engine_gpu_bytes) if run.engine_gpu_bytes else 0
+        if not engine_bytes:
+            result.engine_share = share
+        engine = Term("vLLM engine", engine_bytes, "generator.gpu_memory_utilization")
+        if run.engine_separate:
+            result.engine_gpu = [engine]
+        elif run.sleep_mode:  # the engine wakes while the weights and optimizer state stay resident
+            resident = [t for t in terms if t is not gradients]
+            awake = sum(t.bytes for t in resident) + engine.bytes
+            training_peak = sum(t.bytes for t in training)
+            training = [*resident, engine] if awake > training_peak else training
+        else:
+            training.append(engine)
+    result.trainer_gpu = training
+    return result
+
+
+def machine_memory() -> int:
+    """Bytes of RAM this process may use: the cgroup's limit where one is set, else the machine's."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return min(int(text), physical)
+    return physical
+
+
+def check_fits(result: MemoryEstimate, cpu_bytes: int, gpu_bytes: int | None = None) -> None:
+    """Refuse a run whose estimate exceeds the machine: one line naming the key of the largest term that a
+    setting can shrink. `gpu_bytes`: the total memory of one GPU when a GPU is visible (None: not checked)."""
+    places = [("CPU RAM", result.cpu, cpu_bytes)]
+    if gpu_bytes is not None:
+        places += [("GPU memory", result.trainer_gpu, gpu_bytes), ("the engine GPU's memory", result.engine_gpu,
+                                                                    gpu_bytes)]  # fmt: skip
+    for place, terms, available in places:
+        total = sum(t.bytes for t in terms)
+        if not terms or total <= available:
+            continue
+        largest = max((t for t in terms if t.key and t.key != "model"), key=lambda t: t.bytes, default=None)
+        advice = f"{largest.name} alone take ~{largest.bytes / GIB:.1f} GiB: lower {largest.key}" if largest else ""
+        if largest is not None and largest.key in ("model.lora.enabled", "loss.beta"):
+            advice = f"{largest.name} alone take ~{largest.bytes / GIB:.1f} GiB: set {_fix(largest.key)}"
+        raise ValueError(
+            f"this run needs about {total / GIB:.1f} GiB of {place} and the machine has {available / GIB:.1f} GiB; "
+            f"{advice or 'choose a smaller model'} (estimate: {_render(terms)})"
+        )
+
+
+def _fix(key: str) -> str:
+    return {"model.lora.enabled": "model.lora.enabled=true (LoRA)", "loss.beta": "loss.beta=0 (no reference copy)"}[
+        key
+    ]
+
+
+def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
+    """The estimate's view of a composed config (validated: every key has its type)."""
+    from grpo_lightning.generation.vllm_io import VLLMSettings, engine_dtype, installed_platform
+    from grpo_lightning.validation import is_vllm, trainer_devices
+
+    forward = cfg.perf.forward
+    shape = dict(
+        dtype=cfg.model.dtype,
+        lora=bool(cfg.model.lora.enabled),
+        reference_copy=not cfg.model.lora.enabled and cfg.loss.beta > 0,
+        mixed_precision=str(cfg.trainer.precision) in ("bf16-mixed", "16-mixed", "16"),
+        prompt_tokens=cfg.data.max_prompt_tokens,
+        new_tokens=cfg.generator.max_new_tokens,
+        group_size=group_size,
+        groups_per_micro_batch=cfg.data.groups_per_micro_batch,
+        rollouts_per_round=rollouts_per_round,
+        share_prefix=bool(forward.get("share_prefix", False)),
+        logits_chunk_tokens=forward.get("logits_chunk_tokens"),
+        engine="vllm" if is_vllm(cfg) else "hf",
+        hf_batch_rows=cfg.generator.get("batch_size", 16),
+        trainer_on_gpu=bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda"),
+    )
+    if shape["engine"] == "vllm":
+        settings = VLLMSettings(**{k: cfg.generator[k] for k in VLLMSettings.__dataclass_fields__ if k in cfg.generator})
+        on_cpu = installed_platform() == "cpu"
+        gpu_bytes = None
+        if not on_cpu and torch.cuda.is_available():
+            gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        shape |= dict(
+            engine_separate=settings.device not in (None, "cpu") and not on_cpu,
+            engine_on_cpu=on_cpu,
+            engine_dtype=engine_dtype(settings, cfg.model.dtype),
+            sleep_mode=settings.sleep_mode and not on_cpu,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_gib=settings.kv_cache_gib,
+            engine_gpu_bytes=gpu_bytes,
+        )
+    return RunShape(**shape)

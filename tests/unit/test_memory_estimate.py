@@ -1,0 +1,128 @@
+"""The peak-memory estimate (grpo_lightning/memory.py) against independent counts, and the refusal it drives.
+
+Truths: parameter counts of the model really built on the CPU and peft's own trainable-parameter count; every
+term of a small run worked out by hand; the CLI's one-line refusal before anything loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from grpo_lightning.memory import GIB, PROCESS_BASELINE, ModelShape, RunShape, check_fits, estimate, model_shape
+from grpo_lightning.models import LoraSettings, wrap_policy
+
+
+def _config(tie: bool = True):
+    return AutoConfig.for_model(
+        "llama", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("target", ["all-linear", ["q_proj", "v_proj"]])
+def test_shape_counts_what_the_built_model_and_peft_count(tie, target):
+    config = _config(tie)
+    shape = model_shape(config, lora_r=8, target_modules=target)
+    model = AutoModelForCausalLM.from_config(config)
+    assert shape.parameters == sum(p.numel() for p in model.parameters())  # a tied head counted once
+    policy, _ = wrap_policy(model, LoraSettings(r=8, alpha=16, target_modules=target), needs_reference=False)
+    assert shape.lora_parameters == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    assert (shape.hidden, shape.intermediate, shape.layers, shape.kv_width, shape.vocab) == (64, 96, 3, 32, 1000)
+
+
+SHAPE = ModelShape(parameters=10_000, lora_parameters=500, hidden=8, intermediate=16, layers=2, kv_width=4, vocab=50)
+
+
+def _run(**changes) -> RunShape:
+    base = dict(dtype="float32", lora=True, reference_copy=False, mixed_precision=False, prompt_tokens=10,
+                new_tokens=5, group_size=4, groups_per_micro_batch=1, rollouts_per_round=8, share_prefix=False,
+                logits_chunk_tokens=None, engine="hf", hf_batch_rows=2)  # fmt: skip
+    return RunShape(**(base | changes))
+
+
+def _terms(terms) -> dict[str, int]:
+    return {t.name: t.bytes for t in terms}
+
+
+def test_cpu_run_terms_by_hand():
+    terms = _terms(estimate(SHAPE, _run()).cpu)
+    tokens = 4 * (10 + 5)  # 4 rows of prompt + completion, no prefix sharing
+    per_token = 2 * (10 * 8 + 5 * 16 + 2 * 4) * 4  # layers x (10h + 5i + 2kv) x float32
+    assert terms == {
+        "process": PROCESS_BASELINE,
+        "weights": 10_000 * 4,
+        "gradients": 500 * 4,
+        "optimizer state": 2 * 500 * 4,
+        "activations": tokens * per_token + tokens * 50 * 4 * 3,
+        "rollouts": 8 * 15 * 48,
+    }  # generation (2 rows x 15 x 2 x 2 layers x 4 x 4 B + logits) is smaller than the activations: not added
+
+
+def test_prefix_sharing_chunked_logits_full_finetuning_and_reference():
+    run = _run(share_prefix=True, logits_chunk_tokens=7, lora=False, reference_copy=True, dtype="bfloat16")
+    terms = _terms(estimate(SHAPE, run).cpu)
+    tokens = 10 + 4 * 5  # the prompt once, four completions
+    per_token = 2 * (10 * 8 + 5 * 16 + 2 * 4) * 2  # bfloat16 weights: half-precision activations
+    assert terms["activations"] == tokens * per_token + 7 * 50 * 4 * 3
+    assert terms["weights"] == terms["reference copy"] == 10_000 * 2
+    assert terms["gradients"] == 10_000 * 2 and terms["optimizer state"] == 2 * 10_000 * 2
+
+
+def test_colocated_engine_wakes_beside_the_resident_training_state():
+    gpu = 80 * GIB
+    run = _run(engine="vllm", trainer_on_gpu=True, sleep_mode=True, gpu_memory_utilization=0.5, engine_gpu_bytes=gpu)
+    result = estimate(SHAPE, run)
+    trainer = _terms(result.trainer_gpu)
+    assert trainer == {"weights": 40_000, "optimizer state": 4_000, "vLLM engine": 40 * GIB}  # no gradients then
+    assert _terms(result.cpu)["sleeping engine's weights"] == 40_000
+    separate = estimate(SHAPE, _run(engine="vllm", trainer_on_gpu=True, engine_separate=True, engine_gpu_bytes=gpu))
+    assert _terms(separate.engine_gpu) == {"vLLM engine": int(0.3 * gpu)}
+    assert "vLLM engine" not in _terms(separate.trainer_gpu)
+
+
+def test_refusal_names_the_key_of_the_largest_term():
+    result = estimate(SHAPE, _run(group_size=100_000))
+    with pytest.raises(ValueError, match=r"of CPU RAM .* activations alone take .*: lower generator.num_generations"):
+        check_fits(result, cpu_bytes=GIB)
+    grouped = estimate(SHAPE, _run(groups_per_micro_batch=100_000))
+    with pytest.raises(ValueError, match="lower data.groups_per_micro_batch"):
+        check_fits(grouped, cpu_bytes=GIB)
+    check_fits(estimate(SHAPE, _run()), cpu_bytes=GIB)  # fits: no error
+    full = ModelShape(**(SHAPE.__dict__ | {"parameters": 2 * GIB // 4}))
+    with pytest.raises(ValueError, match=r"optimizer state alone take .*set model.lora.enabled=true"):
+        check_fits(estimate(full, _run(lora=False)), cpu_bytes=8 * GIB)
+
+
+def test_gpu_refusal_only_when_a_gpu_size_is_given():
+    result = estimate(SHAPE, _run(trainer_on_gpu=True, group_size=100_000))
+    check_fits(result, cpu_bytes=64 * GIB)  # no GPU visible: the GPU estimate is printed, not checked
+    with pytest.raises(ValueError, match=r"of GPU memory .*generator.num_generations"):
+        check_fits(result, cpu_bytes=64 * GIB, gpu_bytes=GIB)
+
+
+def test_a_group_that_cannot_fit_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """The mistake that used to end in the kernel's OOM kill (exit 137, no message) after a minute."""
+    from grpo_lightning import models
+    from tests.test_bad_input import cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models.RandomSource, "load", never)
+    result = cli("model=tiny", "generator.num_generations=100000", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "GiB of CPU RAM" in line and "lower generator.num_generations" in line
+
+
+def test_the_plan_prints_the_estimate(tmp_path):
+    from tests.test_bad_input import cli
+
+    result = cli("model=tiny", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (line,) = [x for x in result.stdout.splitlines() if "memory_cpu_ram" in x]
+    assert "GiB (" in line and "activations" in line and "weights" in line
+    assert torch.cuda.is_available() or "memory_gpu" not in result.stdout  # trainer=cpu: no GPU estimate
