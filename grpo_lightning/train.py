@@ -38,7 +38,15 @@ from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.evaluation import GSM8KEvaluator
 from grpo_lightning.export import export_policy
 from grpo_lightning.interrupt import GracefulStop, RunInterrupted
-from grpo_lightning.memory import MemoryEstimate, check_fits, estimate, machine_memory, model_shape, run_shape
+from grpo_lightning.memory import (
+    MemoryEstimate,
+    check_fits,
+    estimate,
+    gpu_memory,
+    machine_memory,
+    model_shape,
+    run_shape,
+)
 from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.quiet import quiet_third_party
@@ -116,8 +124,7 @@ class Plan:
         """Refuse a run that cannot fit this machine's RAM (and its GPU, when one is visible) before loading."""
         if self.memory is None:
             return
-        gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-        check_fits(self.memory, machine_memory(), gpu)
+        check_fits(self.memory, machine_memory(), gpu_memory())
 
 
 @dataclass

@@ -11,6 +11,7 @@ from tests.conftest import CONF_DIR, make_cfg
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in Path(CONF_DIR).iterdir() if g.is_dir()}
 PLAIN_PERF = (ForwardSettings.plain(), GenerationSettings.plain())
+SAMPLING_KEYS = ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k")
 OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for option in options]
 
 
@@ -46,6 +47,8 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         assert get_class(node._target_) is not None  # a GPU trainer cannot be built on a CPU machine
     elif group == "reward":  # a pipeline of terms and transforms, built by grpo_lightning.reward_pipeline
         assert build_reward(node, loss_type="grpo", max_new_tokens=16)("#### 3", "3") >= 1.0
+    elif group == "generator" and option == "sampling":  # the sampling every engine extends, not an engine
+        assert "_target_" not in node and set(node) == set(SAMPLING_KEYS)
     elif group == "generator":
         assert get_class(node._target_) is not None  # needs a model; built in test_train
     elif group == "perf":  # the speed levers: frozen settings objects, every lever on or every lever off
@@ -61,3 +64,25 @@ def test_top_level_nodes_instantiate(tmp_path):
     assert build_reward(cfg.reward)("#### 3", "3") == 1.0
     assert instantiate(cfg.optim.schedule).factor(0, 10) > 0
     assert callable(instantiate(cfg.optim.optimizer))
+
+
+@pytest.mark.parametrize(
+    "overrides", [[], ["experiment=learn_cpu"], ["generator.temperature=0.9", "generator.top_k=5"]]
+)
+def test_both_engines_compose_the_same_sampling(tmp_path, overrides):
+    """generator=vllm changes the engine, never the algorithm: G, temperature, top-p, top-k and new tokens agree."""
+    hf, vllm = (make_cfg(tmp_path, [f"generator={engine}", *overrides]).generator for engine in ("hf", "vllm"))
+    assert {k: hf[k] for k in SAMPLING_KEYS} == {k: vllm[k] for k in SAMPLING_KEYS}
+    assert hf._target_ != vllm._target_
+
+
+def test_rounds_are_not_a_hardware_choice(tmp_path):
+    rounds = {option: make_cfg(tmp_path, [f"trainer={option}"]).trainer.max_epochs for option in GROUPS["trainer"]}
+    assert len(set(rounds.values())) == 1, rounds
+
+
+def test_choosing_the_sampling_base_as_an_engine_names_the_key(tmp_path):
+    from grpo_lightning.validation import validate
+
+    with pytest.raises(ValueError, match="generator=sampling is the sampling every engine shares"):
+        validate(make_cfg(tmp_path, ["generator=sampling"]))

@@ -1,14 +1,21 @@
-"""GPU path (marker `gpu`, deselected by default): the same end-to-end run with trainer=gpu."""
+"""GPU path (marker `gpu`, deselected by default; `make test-gpu`): end-to-end runs with trainer=gpu, HF engine.
+
+tests/test_vllm_gpu.py holds the vLLM engine's GPU tests; tests/README.md says how to run both on a CUDA machine.
+"""
+
+import time
 
 import pytest
 import torch
 
 from grpo_lightning.train import build_run
+from tests.conftest import make_cfg
 
 pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_tiny_run_on_gpu(tiny_cfg):
     run = build_run(tiny_cfg("trainer=gpu", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"))
     metrics = run.fit()
@@ -38,3 +45,36 @@ def test_two_gpu_run(tmp_path, strategy):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+@needs_cuda
+def test_embedded_model_two_rounds_in_bf16_within_the_estimate(tmp_path):
+    """The embedded SmolLM2-135M, two rounds with trainer=gpu in bfloat16 (evaluation on): prints the time and
+    the peak GPU memory, which must stay under the plan's estimate for the trainer's GPU (an upper bound)."""
+    cfg = make_cfg(tmp_path, ["trainer=gpu", "model.dtype=bfloat16", "trainer.max_epochs=2",
+                              "trainer.enable_progress_bar=false", "eval.num_problems=16"])  # fmt: skip
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    run = build_run(cfg)
+    metrics = run.fit()
+    seconds, peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()
+    estimate = sum(t.bytes for t in run.plan.memory.trainer_gpu)
+    print(f"embedded bf16, 2 rounds on {torch.cuda.get_device_name()}: {seconds:.1f} s, peak GPU memory "
+          f"{peak / 2**30:.2f} GiB (estimate {estimate / 2**30:.2f} GiB)")  # fmt: skip
+    assert peak <= estimate
+    assert 0.0 <= metrics["eval/gsm8k_accuracy"] <= 1.0
+    assert metrics["rollout/logp_diff_mean"] < 0.1  # sampled and scored by the same bf16 policy
+
+
+@needs_cuda
+def test_evaluation_in_a_one_process_nccl_group(tiny_cfg, tmp_path):
+    """A real NCCL default group of one process (what vLLM's engine creates on CUDA): evaluation must compute."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        metrics = build_run(tiny_cfg("trainer=gpu", "trainer.max_epochs=1", "eval.num_problems=4")).fit()
+    finally:
+        dist.destroy_process_group()
+    assert 0.0 <= metrics["eval/gsm8k_accuracy"] <= 1.0

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,33 +66,37 @@ def qwen_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 # ---- end to end through the CLI (each run owns its engine) ---------------------------------------------------
-def _cli_run(tmp_path: Path, qwen_dir: Path, *overrides: str) -> dict[str, float]:
-    args = [
-        "generator=vllm",
-        "trainer=gpu",
-        "trainer.precision=32-true",  # float32 both sides: the logp_diff bound is about the sync, not bf16
-        "trainer.max_epochs=2",
-        "trainer.enable_progress_bar=false",
-        "model=qwen0.5b",
-        "~model.source",
-        "+model.source._target_=grpo_lightning.models.LocalSource",
-        f"+model.source.path={qwen_dir}",
-        "model.dtype=float32",
-        "generator.max_new_tokens=16",
-        "generator.max_model_len=1024",
-        "+generator.engine_kwargs.enforce_eager=true",
-        "generator.on_stale=abort",
-        "~reward.terms.gsm8k",
-        "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
-        "eval.num_problems=4",
-        f"paths.output_dir={tmp_path}",
-        *overrides,
-    ]
+_BASE_ARGS = [
+    "generator=vllm",
+    "trainer=gpu",
+    "trainer.precision=32-true",  # float32 both sides: the logp_diff bound is about the sync, not bf16
+    "trainer.max_epochs=2",
+    "trainer.enable_progress_bar=false",
+    "model=qwen0.5b",
+    "~model.source",
+    "+model.source._target_=grpo_lightning.models.LocalSource",
+    "model.dtype=float32",
+    "generator.max_new_tokens=16",
+    "generator.max_model_len=1024",
+    "+generator.engine_kwargs.enforce_eager=true",
+    "generator.on_stale=abort",
+    "~reward.terms.gsm8k",
+    "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
+    "eval.num_problems=4",
+]
+
+
+def _run_cli(tmp_path: Path, args: list[str]) -> dict[str, float]:
     result = subprocess.run(
         [sys.executable, "-m", "grpo_lightning", *args], capture_output=True, text=True, cwd=REPO, env=os.environ
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads((tmp_path / "final_metrics.json").read_text())
+
+
+def _cli_run(tmp_path: Path, qwen_dir: Path, *overrides: str) -> dict[str, float]:
+    paths = [f"+model.source.path={qwen_dir}", f"paths.output_dir={tmp_path}"]
+    return _run_cli(tmp_path, [*_BASE_ARGS, *paths, *overrides])
 
 
 @pytest.mark.parametrize("variant", ["grpo", "storpo"])
@@ -219,3 +224,77 @@ def test_storpo_variant_on_the_engine(setup, tokenizer):
         assert len(r.completion_ids) <= gen.sampling.max_new_tokens
         first = next(x for x in rollouts if x.group_id == r.group_id and x.branch_point == 0)
         assert r.completion_ids[: r.branch_point] == first.completion_ids[: r.branch_point]
+
+
+# ---- the GPU configuration users run: bf16, CUDA graphs, sleep levels, adapters, placement, recipes ----------------
+BF16_LOGP_BOUND = 5e-2  # bf16 engine against the bf16 trainer: rounding, not staleness (stale pushes give ~0.2+)
+
+
+def _bf16_run(tmp_path: Path, qwen_dir: Path, *overrides: str) -> dict[str, float]:
+    """A two-round CLI run in bfloat16 with vLLM's defaults (CUDA graphs and torch.compile: no enforce_eager)."""
+    args = [a for a in _BASE_ARGS if "enforce_eager" not in a and "precision" not in a and "dtype" not in a]
+    args += ["trainer.precision=bf16-mixed", "model.dtype=bfloat16", f"generator.logp_diff_threshold={BF16_LOGP_BOUND}"]
+    return _run_cli(tmp_path, [*args, f"+model.source.path={qwen_dir}", f"paths.output_dir={tmp_path}", *overrides])
+
+
+def test_bf16_with_cuda_graphs_and_evaluation(tmp_path, qwen_dir):
+    """The default GPU engine (compiled, CUDA graphs) in bf16, with evaluation on (NCCL default group)."""
+    metrics = _bf16_run(tmp_path, qwen_dir)
+    assert metrics["rollout/logp_diff_mean"] < BF16_LOGP_BOUND and "eval/gsm8k_accuracy" in metrics
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_levels(tmp_path, qwen_dir, level):
+    """Level 1 offloads the weights to CPU memory, level 2 drops them: every round must push all of them."""
+    metrics = _bf16_run(tmp_path, qwen_dir, f"generator.sleep_level={level}", "generator.enable_sleep_mode=true")
+    assert metrics["rollout/logp_diff_mean"] < BF16_LOGP_BOUND
+
+
+@pytest.mark.parametrize("rank", [4, 16])
+def test_adapter_sync_in_bf16(tmp_path, qwen_dir, rank):
+    """vLLM's Triton LoRA kernels; r=4 runs in vLLM's rank-8 slot (vLLM refuses max_lora_rank=4)."""
+    metrics = _bf16_run(tmp_path, qwen_dir, "generator.lora_sync=adapter", f"model.lora.r={rank}")
+    assert metrics["rollout/logp_diff_mean"] < BF16_LOGP_BOUND
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["generator.lora_sync=adapter", "model.lora.r=600"], "model.lora.r=600 is above vLLM's largest LoRA rank"),
+        (["generator.lora_sync=adapter", "model.dtype=float32"], "generator.lora_sync=adapter needs model.dtype"),
+        (["trainer.devices=[0]", "generator.device=cuda:0"], "generator.device=cuda:0 is one of the trainer's GPUs"),
+    ],
+)
+def test_what_vllm_would_refuse_is_one_line_before_loading(tmp_path, qwen_dir, overrides, words):
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_lightning", *_BASE_ARGS, f"+model.source.path={qwen_dir}",
+         f"paths.output_dir={tmp_path}", *overrides],
+        capture_output=True, text=True, cwd=REPO, env=os.environ,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert words in line and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the two-GPU layout needs two CUDA devices")
+def test_engine_and_trainer_on_two_gpus(tmp_path, qwen_dir):
+    """The separate layout: the engine on cuda:0 (no sleep mode), the trainer on cuda:1."""
+    metrics = _bf16_run(tmp_path, qwen_dir, "generator.device=cuda:0", "trainer.devices=[1]",
+                        "generator.gpu_memory_utilization=0.5")  # fmt: skip
+    assert metrics["rollout/logp_diff_mean"] < BF16_LOGP_BOUND and "eval/gsm8k_accuracy" in metrics
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k_qwen0.5b", "gsm8k_qwen1.5b_2gpu"])
+def test_recipe_two_rounds_on_the_embedded_model(tmp_path, recipe):
+    """Each GPU recipe as published in conf/experiment/, on the embedded SmolLM2-135M for two rounds."""
+    _requirements()
+    if recipe.endswith("2gpu") and torch.cuda.device_count() < 2:
+        pytest.skip("the two-GPU recipe needs two CUDA devices")
+    overrides = [
+        f"experiment={recipe}", "model=smollm2_135m", "model.dtype=bfloat16", "trainer.max_epochs=2",
+        "eval.num_problems=16", "trainer.enable_progress_bar=false", f"paths.output_dir={tmp_path}",
+    ]  # fmt: skip
+    start = time.perf_counter()
+    metrics = _run_cli(tmp_path, overrides)
+    print(f"{recipe}, 2 rounds on the embedded model: {time.perf_counter() - start:.0f} s")
+    assert metrics["rollout/logp_diff_mean"] < BF16_LOGP_BOUND and "eval/gsm8k_accuracy" in metrics
