@@ -42,7 +42,8 @@ def cuda_machine(tmp_path, monkeypatch):
         (folder / "refs").mkdir()
         (folder / "refs" / "main").write_text("0" * 40)
         config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936,
-                  "max_position_embeddings": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16", **arch}  # fmt: skip
+                  "max_position_embeddings": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+                  **arch}  # fmt: skip
         (snapshot / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cuda")
