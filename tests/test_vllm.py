@@ -88,11 +88,14 @@ def _load(llama_dir):
 
 # ---- the CLI, end to end: STORPO with the adapter hot-swapped each round (its own engine, built with LoRA) -----
 def test_cli_storpo_run_with_adapter_sync(tmp_path, llama_dir):
+    """STORPO through the CLI with a rank-4 adapter hot-swapped each round (vLLM allows max_lora_rank 1, 8, 16, ...,
+    so the engine is built with 8), evaluation on."""
     _vllm()
     args = [
         "generator=vllm",
         "variant=storpo",
         "generator.lora_sync=adapter",
+        "model.lora.r=4",  # not a max_lora_rank vLLM allows: the engine gets the rank-8 slot
         "model=local",
         f"model.source.path={llama_dir}",
         "trainer.max_epochs=2",
