@@ -64,7 +64,7 @@ def run_engine(name: str, args: argparse.Namespace, out: Path) -> dict:
         f"data.prompts_per_round={args.prompts}",
         f"generator.num_generations={args.generations}",
         f"generator.max_new_tokens={args.max_new_tokens}",
-        f"generator.temperature={args.temperature}",  # the engines' defaults differ (hf 0.7, vllm 1.0)
+        f"generator.temperature={args.temperature}",
         "eval.enabled=false",
         "trainer.enable_progress_bar=false",
         f"hydra.run.dir={out}",
