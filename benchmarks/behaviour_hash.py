@@ -41,7 +41,7 @@ BASE = [
 def digest(tensors) -> str:
     h = hashlib.blake2b(digest_size=8)
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
