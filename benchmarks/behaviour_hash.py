@@ -23,7 +23,10 @@ CASES = {
     "grpo, 3 rounds": ["trainer.max_epochs=3"],
     "storpo, 3 rounds": ["variant=storpo", "trainer.max_epochs=3"],
     "grpo, dapo, 2 passes, 4 steps a round": [
-        "loss=dapo", "data.num_iterations=2", "trainer.accumulate_grad_batches=1", "trainer.max_epochs=2",
+        "loss=dapo",
+        "data.num_iterations=2",
+        "trainer.accumulate_grad_batches=1",
+        "trainer.max_epochs=2",
     ],  # fmt: skip
     "storpo, beta 0.04, 2 rounds": ["variant=storpo", "loss.beta=0.04", "trainer.max_epochs=2"],
 }
@@ -51,7 +54,7 @@ def fingerprint(overrides: list[str]) -> tuple[str, str]:
     try:
         from grpo_lightning.app.train import build_run
     except ImportError:
-        from grpo_lightning.train import build_run
+        from grpo_lightning.app.train import build_run
 
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(make_cfg(Path(tmp), BASE + overrides))

@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="Hydra override (repeatable)")
     args = parser.parse_args()
 
-    from grpo_lightning.rollout_loop import RolloutLoop
-    from grpo_lightning.train import build_run
+    from grpo_lightning.app.train import build_run
+    from grpo_lightning.training.rollout_loop import RolloutLoop
 
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(compose(tmp, 1, args.override))

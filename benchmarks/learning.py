@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_lightning.analysis import RunData, read_run, series, time_to_target
+from grpo_lightning.app.analysis import RunData, read_run, series, time_to_target
 
 ARMS = {
     "trained": [],

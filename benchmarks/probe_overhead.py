@@ -117,10 +117,10 @@ class StepEnd(L.Callback):
 
 def measure(mode: str, rounds: int, extra: list[str]) -> tuple[dict[str, float], float]:
     """Median step seconds per setting and the rollout seconds of one round."""
+    from grpo_lightning.app.train import build_run
     from grpo_lightning.probes.entropy import EntropyProbe
     from grpo_lightning.probes.gns import GradientNoiseScaleProbe
-    from grpo_lightning.rollout_loop import RolloutLoop
-    from grpo_lightning.train import build_run
+    from grpo_lightning.training.rollout_loop import RolloutLoop
 
     steps = len(SETTINGS) * (rounds + 1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,8 +48,8 @@ def train_round(module, schedule) -> None:
 def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
     import torch
 
-    from grpo_lightning.rollout_loop import RolloutLoop
-    from grpo_lightning.train import build_run
+    from grpo_lightning.app.train import build_run
+    from grpo_lightning.training.rollout_loop import RolloutLoop
 
     result: dict = {"overrides": overrides, "phases": []}
 

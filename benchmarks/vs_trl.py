@@ -88,7 +88,7 @@ def bench_prompts(cfg, steps: int):
 
 
 def model_dir(cfg) -> str:
-    from grpo_lightning.models import PackagedGGUFSource
+    from grpo_lightning.models.sources import PackagedGGUFSource
 
     return str(PackagedGGUFSource(cache_dir=os.path.expanduser(cfg.paths.cache_dir)).ensure_converted())
 
@@ -97,8 +97,8 @@ def model_dir(cfg) -> str:
 def run_ours(steps: int, extra: list[str]) -> dict:
     import lightning as L
 
-    from grpo_lightning.rollout_loop import RolloutLoop
-    from grpo_lightning.train import build_run
+    from grpo_lightning.app.train import build_run
+    from grpo_lightning.training.rollout_loop import RolloutLoop
 
     class Timer(L.Callback):
         def __init__(self) -> None:
@@ -165,7 +165,7 @@ def trl_args(output_dir: str, steps: int, gc: bool, bf16: bool, per_device: int 
 
 
 def gsm8k_reward_for_trl():
-    from grpo_lightning.rewards import GSM8KReward
+    from grpo_lightning.rewards.gsm8k import GSM8KReward
 
     reward = GSM8KReward(format_bonus=0.1)
 
@@ -244,9 +244,9 @@ def check(steps: int = 1) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_lightning.losses import GRPOLoss
-    from grpo_lightning.module import GRPOModule, LRSchedule
-    from grpo_lightning.rollouts import collate_rollouts
+    from grpo_lightning.algorithm.losses import GRPOLoss
+    from grpo_lightning.algorithm.rollouts import collate_rollouts
+    from grpo_lightning.training.module import GRPOModule, LRSchedule
     from grpo_lightning.variants.baseline import BaselineGRPO
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -256,8 +256,8 @@ def check(steps: int = 1) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         from trl import GRPOTrainer
 
-        from grpo_lightning.data.datamodule import Prompt
         from grpo_lightning.generation.hf import HFGenerator
+        from grpo_lightning.types import Prompt
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

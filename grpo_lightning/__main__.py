@@ -17,9 +17,9 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_lightning.interrupt import RunInterrupted
-from grpo_lightning.reward_pipeline import check_moved_overrides
-from grpo_lightning.train import TrainingStopped, train
+from grpo_lightning.app.train import train
+from grpo_lightning.errors import RunInterrupted, TrainingStopped
+from grpo_lightning.rewards.pipeline import check_moved_overrides
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

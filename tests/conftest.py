@@ -77,7 +77,7 @@ def tiny_cfg(tmp_path):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from grpo_lightning.models import PackagedGGUFSource
+    from grpo_lightning.models.sources import PackagedGGUFSource
 
     cache = os.environ.get("GRPO_LIGHTNING_CACHE", "~/.cache/grpo_lightning")
     return PackagedGGUFSource(cache_dir=cache).load_tokenizer()
@@ -85,7 +85,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model(tokenizer):
-    from grpo_lightning.models import RandomSource
+    from grpo_lightning.models.sources import RandomSource
 
     cache = os.environ.get("GRPO_LIGHTNING_CACHE", "~/.cache/grpo_lightning")
     source = RandomSource(tokenizer_source=_packaged(cache), seed=0)
@@ -94,7 +94,7 @@ def tiny_model(tokenizer):
 
 
 def _packaged(cache: str):
-    from grpo_lightning.models import PackagedGGUFSource
+    from grpo_lightning.models.sources import PackagedGGUFSource
 
     return PackagedGGUFSource(cache_dir=cache)
 
@@ -108,7 +108,7 @@ def _each_model_loaded_once(request):
     caller, so a test that trains it changes no other test's model. In the fast tier (`-m "not slow"`) any load
     of model weights is an error: that tier promises to load none.
     """
-    from grpo_lightning.models import PackagedGGUFSource
+    from grpo_lightning.models.sources import PackagedGGUFSource
 
     real_load, real_tokenizer = PackagedGGUFSource.load, PackagedGGUFSource.load_tokenizer
     fast_tier = "not slow" in (request.config.getoption("markexpr") or "")

@@ -57,7 +57,7 @@ class DumpTrainableParams(L.Callback):
 def lora_policy_with_random_adapters(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """A LoRA (r 4) copy of `model` whose B matrices are random, not zero: adapters that change samples and let
     gradients reach A as well as B."""
-    from grpo_lightning.models import LoraSettings, wrap_policy
+    from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
     policy, _ = wrap_policy(copy.deepcopy(model), LoraSettings(r=4, alpha=8), needs_reference=True)
     with torch.no_grad():

@@ -28,8 +28,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.__main__ import check_run_dir, describe
 from grpo_lightning.__main__ import run as run_cli
-from grpo_lightning.reward_pipeline import check_moved_overrides
-from grpo_lightning.train import train
+from grpo_lightning.app.train import train
+from grpo_lightning.rewards.pipeline import check_moved_overrides
 from tests.conftest import CONF_DIR, make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

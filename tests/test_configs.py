@@ -6,7 +6,7 @@ import pytest
 from hydra.utils import get_class, instantiate
 
 from grpo_lightning.accel import ForwardSettings, GenerationSettings
-from grpo_lightning.reward_pipeline import build_reward
+from grpo_lightning.rewards.pipeline import build_reward
 from tests.conftest import CONF_DIR, make_cfg
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in Path(CONF_DIR).iterdir() if g.is_dir()}
@@ -45,7 +45,7 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         assert type(instantiate(node.strategy)).__name__ == "FSDPStrategy"  # the Trainer itself needs CUDA
     elif group == "trainer" and option != "cpu":
         assert get_class(node._target_) is not None  # a GPU trainer cannot be built on a CPU machine
-    elif group == "reward":  # a pipeline of terms and transforms, built by grpo_lightning.reward_pipeline
+    elif group == "reward":  # a pipeline of terms and transforms, built by grpo_lightning.rewards.pipeline
         assert build_reward(node, loss_type="grpo", max_new_tokens=16)("#### 3", "3") >= 1.0
     elif group == "generator" and option == "sampling":  # the sampling every engine extends, not an engine
         assert "_target_" not in node and set(node) == set(SAMPLING_KEYS)
@@ -82,7 +82,7 @@ def test_rounds_are_not_a_hardware_choice(tmp_path):
 
 
 def test_choosing_the_sampling_base_as_an_engine_names_the_key(tmp_path):
-    from grpo_lightning.validation import validate
+    from grpo_lightning.app.validation import validate
 
     with pytest.raises(ValueError, match="generator=sampling is the sampling every engine shares"):
         validate(make_cfg(tmp_path, ["generator=sampling"]))

@@ -18,8 +18,9 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.checkpointing import FIXED_ON_RESUME
-from grpo_lightning.train import TrainingStopped, build_run, train
+from grpo_lightning.app.train import build_run, train
+from grpo_lightning.errors import TrainingStopped
+from grpo_lightning.training.checkpointing import FIXED_ON_RESUME
 from tests.conftest import TINY, make_cfg
 from tests.test_bad_input import cli
 
@@ -234,7 +235,7 @@ def test_mixed_precision_trains_on_cpu(tiny_cfg, precision):
 CONVERSION = """
 import os, signal, sys
 from pathlib import Path
-from grpo_lightning.models import PackagedGGUFSource
+from grpo_lightning.models.sources import PackagedGGUFSource
 
 class Fake:
     def save_pretrained(self, folder):
@@ -267,7 +268,7 @@ def test_sigterm_during_conversion_leaves_no_temporary_folder(tmp_path):
 
 
 def test_a_killed_conversions_leftovers_are_removed_by_the_next(tmp_path):
-    from grpo_lightning.models import PackagedGGUFSource
+    from grpo_lightning.models.sources import PackagedGGUFSource
 
     target = PackagedGGUFSource(cache_dir=str(tmp_path)).converted_dir()
     stale = target.with_name(f"{target.name}.tmp-999999")  # as a SIGKILL mid-save leaves it

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from grpo_lightning.train import build_run
+from grpo_lightning.app.train import build_run
 from tests.conftest import make_cfg
 
 pytestmark = pytest.mark.gpu

@@ -32,7 +32,7 @@ def cuda_machine(tmp_path, monkeypatch):
     """Two 80 GiB GPUs, vLLM's CUDA build, and a Hub cache with the Qwen configs (no weights, no network)."""
     from huggingface_hub import constants
 
-    from grpo_lightning import memory, validation
+    from grpo_lightning.app import memory, validation
 
     cache = tmp_path / "hub"
     for repo, arch in QWEN.items():
@@ -51,7 +51,7 @@ def cuda_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(memory, "gpu_memory", lambda: 80 * GIB)
-    monkeypatch.setattr("grpo_lightning.train.gpu_memory", lambda: 80 * GIB)
+    monkeypatch.setattr("grpo_lightning.app.train.gpu_memory", lambda: 80 * GIB)
     monkeypatch.setattr(validation, "check_accelerator", lambda cfg: None)
     return cache
 

@@ -8,8 +8,9 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning.rewards import GSM8KReward, SafeReward
-from grpo_lightning.train import TrainingStopped, build_run
+from grpo_lightning.app.train import build_run
+from grpo_lightning.errors import TrainingStopped
+from grpo_lightning.rewards.gsm8k import GSM8KReward, SafeReward
 from tests.helpers import FlakyReward
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from grpo_lightning.models import RandomSource
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.train import build_run
+from grpo_lightning.app.train import build_run
+from grpo_lightning.models.sources import RandomSource
+from grpo_lightning.training.rollout_loop import RolloutLoop
 
 pytestmark = pytest.mark.slow  # minutes, not seconds: outside `make check`
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_lightning.checkpointing import AtomicCheckpointIO
+from grpo_lightning.training.checkpointing import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 4

@@ -7,19 +7,19 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from grpo_lightning.train import build_run
+from grpo_lightning.app.train import build_run
 
 
 def test_each_reward_term_is_logged_beside_the_total_and_ema_state_is_checkpointed(tiny_cfg):
     cfg = tiny_cfg(
         "eval.enabled=false",
-        "+reward.terms.fmt._target_=grpo_lightning.rewards.AnswerFormat",
+        "+reward.terms.fmt._target_=grpo_lightning.rewards.gsm8k.AnswerFormat",
         "+reward.terms.fmt.weight=0.5",
-        "+reward.terms.overlong._target_=grpo_lightning.rewards.OverlongPenalty",
-        "+reward.transforms.clip._target_=grpo_lightning.reward_transforms.Clip",
+        "+reward.terms.overlong._target_=grpo_lightning.rewards.gsm8k.OverlongPenalty",
+        "+reward.transforms.clip._target_=grpo_lightning.rewards.transforms.Clip",
         "+reward.transforms.clip.low=-0.5",
         "~reward.group_transforms.normalize",
-        "+reward.group_transforms.ema._target_=grpo_lightning.reward_transforms.EMABaseline",
+        "+reward.group_transforms.ema._target_=grpo_lightning.rewards.transforms.EMABaseline",
     )
     run = build_run(cfg)
     assert run.plan.reward == "1 x vowels + 0.5 x fmt + 1 x overlong -> clip -> ema(scale=none)"

@@ -2,11 +2,11 @@
 
 import pytest
 
-from grpo_lightning.generation.base import Completion
+from grpo_lightning.app.train import build_run
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.train import build_run
+from grpo_lightning.training.rollout_loop import RolloutLoop
+from grpo_lightning.types import Completion
 
 OFFSET = 0.5
 QUICK = "eval.enabled=false"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from grpo_lightning.train import build_run, train
+from grpo_lightning.app.train import build_run, train
 from tests.conftest import make_cfg
 
 EXPECTED_SCALARS = {
@@ -174,7 +174,7 @@ def test_several_steps_per_round_use_old_logprobs_scored_before_the_update(tiny_
 
 
 def test_dry_run_loads_no_model(tmp_path, monkeypatch):
-    from grpo_lightning import models
+    from grpo_lightning.models import sources as models
 
     def fail(*args, **kwargs):
         raise AssertionError("dry_run loaded a model")

@@ -1,8 +1,8 @@
 """Variants end to end through config alone: STORPO, and a variant defined outside the package."""
 
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.rollouts import Rollout
-from grpo_lightning.train import build_run
+from grpo_lightning.app.train import build_run
+from grpo_lightning.training.rollout_loop import RolloutLoop
+from grpo_lightning.types import Rollout
 from grpo_lightning.variants import VARIANTS, GRPOVariant, register_variant
 
 
@@ -57,7 +57,7 @@ def test_storpo_trains_end_to_end_on_the_tiny_model(tiny_cfg):
 
 
 def test_dry_run_lists_the_registered_variants(tmp_path, capsys):
-    from grpo_lightning.train import train
+    from grpo_lightning.app.train import train
     from tests.conftest import make_cfg
 
     train(make_cfg(tmp_path / "run", ["dry_run=true", "variant=storpo"]))

@@ -26,10 +26,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo_lightning.app.train import build_run
 from grpo_lightning.generation import vllm as vllm_generation
 from grpo_lightning.generation.vllm_io import import_vllm
 from grpo_lightning.generation.vllm_weights import policy_weights
-from grpo_lightning.train import build_run
 from tests.conftest import make_cfg
 
 pytestmark = pytest.mark.vllm
@@ -127,7 +127,7 @@ def test_cli_storpo_run_with_adapter_sync(tmp_path, llama_dir):
 def session_engine(llama_dir, tokenizer):
     """(policy with LoRA, its VLLMGenerator on the CPU, the folder's weights by checkpoint name)."""
     from grpo_lightning.generation.vllm import VLLMGenerator
-    from grpo_lightning.models import LoraSettings, wrap_policy
+    from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
     _vllm()
     policy, _ = wrap_policy(_load(llama_dir), LoraSettings(r=8, alpha=16), needs_reference=False)
@@ -318,7 +318,7 @@ def test_storpo_variant_keeps_prefix_ids(engine, tokenizer, monkeypatch):
     """STORPO's branches through the engine keep the initial completion's first k ids exactly. A random model
     rarely writes sentence ends, so every 6th character counts as a step boundary here (the boundary regex has
     its own tests); what is under test is the continuation requests and their joining."""
-    from grpo_lightning.data.datamodule import Prompt
+    from grpo_lightning.types import Prompt
     from grpo_lightning.variants import storpo
     from grpo_lightning.variants.storpo import STORPO
 

@@ -74,7 +74,7 @@ _BASE_ARGS = [
     "trainer.enable_progress_bar=false",
     "model=qwen0.5b",
     "~model.source",
-    "+model.source._target_=grpo_lightning.models.LocalSource",
+    "+model.source._target_=grpo_lightning.models.sources.LocalSource",
     "model.dtype=float32",
     "generator.max_new_tokens=16",
     "generator.max_model_len=1024",
@@ -120,7 +120,7 @@ def setup(qwen_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from grpo_lightning.generation.vllm import VLLMGenerator
-    from grpo_lightning.models import LoraSettings, wrap_policy
+    from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
     base = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32)
     policy, _ = wrap_policy(base, LoraSettings(r=8, alpha=16), needs_reference=False)
@@ -211,7 +211,7 @@ def test_continuations_reproduce_their_prefixes(setup, tokenizer):
 
 
 def test_storpo_variant_on_the_engine(setup, tokenizer):
-    from grpo_lightning.data.datamodule import Prompt
+    from grpo_lightning.types import Prompt
     from grpo_lightning.variants.storpo import STORPO
 
     policy, gen = setup

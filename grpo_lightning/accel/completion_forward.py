@@ -30,8 +30,9 @@ from torch import Tensor, nn
 from grpo_lightning.accel.chunked_head import chunked_logprobs
 from grpo_lightning.accel.entropy_terms import EntropySink, EntropyTerms, entropy_and_logit_grad, token_entropy
 from grpo_lightning.accel.hf_internals import Cache, DynamicLayer
-from grpo_lightning.losses import selective_log_softmax
-from grpo_lightning.rollouts import RolloutBatch, position_ids_from_mask
+from grpo_lightning.algorithm.losses import selective_log_softmax
+from grpo_lightning.algorithm.rollouts import position_ids_from_mask
+from grpo_lightning.types import RolloutBatch
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 RUN_CALL_COST_TOKENS = 32

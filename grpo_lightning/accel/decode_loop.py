@@ -24,7 +24,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from grpo_lightning.accel.hf_internals import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 from grpo_lightning.accel.settings import check_sampler
-from grpo_lightning.rollouts import position_ids_from_mask
+from grpo_lightning.algorithm.rollouts import position_ids_from_mask
 
 
 class PreallocatedLayer(DynamicLayer):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.rollouts import position_ids_from_mask
+from grpo_lightning.algorithm.rollouts import position_ids_from_mask
 
 
 def _lora_layers(model: nn.Module) -> list[nn.Module] | None:

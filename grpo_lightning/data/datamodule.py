@@ -1,6 +1,6 @@
 """The data module: the prompt stream in, the micro-batches of the round it is given out.
 
-An epoch is one rollout round. The rollout loop (grpo_lightning/rollout_loop.py) asks `prompts_for_round(r)`
+An epoch is one rollout round. The rollout loop (grpo_lightning/training/rollout_loop.py) asks `prompts_for_round(r)`
 for the round's prompts, has the variant turn them into rollouts, lays them out and hands the finished `Round`
 over with `serve`; `train_dataloader()` (reloaded every epoch) serves its schedule: micro-batches of WHOLE
 advantage groups, `num_iterations` passes over the round. It only serves: it calls nothing back and runs no
@@ -16,33 +16,16 @@ Several processes (DDP): `prompts_per_round` counts the whole round; each rank t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from grpo_lightning.algorithm.dynamic_sampling import DynamicSampling
 from grpo_lightning.data.gsm8k import GSM8K, Problem
-from grpo_lightning.dynamic_sampling import DynamicSampling
-from grpo_lightning.rollouts import RolloutBatch
-
-if TYPE_CHECKING:
-    from grpo_lightning.rollout_loop import Round
+from grpo_lightning.types import Prompt, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One problem, chat-formatted and tokenised."""
-
-    prompt_ids: list[int]
-    answer: str
-    question: str
-    problem_index: int
-    full_length: int = 0
-    """Tokens before cutting to `max_prompt_tokens` (more than len(prompt_ids) when the prompt was cut)."""
 
 
 def encode_prompt(tokenizer, dataset: GSM8K, problem: Problem, index: int, max_prompt_tokens: int) -> Prompt:
@@ -103,11 +86,11 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.dynamic_sampling = dynamic_sampling or DynamicSampling()
-        """Whether rounds drop zero-variance groups and draw fresh prompts (grpo_lightning/dynamic_sampling.py)."""
+        """Whether rounds drop zero-variance groups and draw fresh prompts (algorithm/dynamic_sampling.py)."""
         self.world_size = world_size
         self.problems: list[Problem] = []
         self.round: Round | None = None
-        """The round being served (grpo_lightning/rollout_loop.py builds it)."""
+        """The round being served (grpo_lightning/training/rollout_loop.py builds it)."""
 
     @property
     def micro_batches_per_round(self) -> int:

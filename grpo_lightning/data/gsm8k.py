@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from grpo_lightning.rewards import extract_reference_answer, normalize_number
+from grpo_lightning.rewards.gsm8k import extract_reference_answer, normalize_number
 
 log = logging.getLogger(__name__)
 

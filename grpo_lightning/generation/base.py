@@ -15,6 +15,14 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
+from grpo_lightning.types import Completion
+
+MIN_TEMPERATURE = 1e-3
+"""Below this, logits / temperature overflow float16 (max 65504) for logits above 65, and the sampled-token
+log-probs lose all precision; sampling is greedy decoding anyway (which evaluation already does)."""
+LOW_TEMPERATURE = 0.1
+"""Below this a group's G samples are nearly identical: most advantages are 0 and the round trains little."""
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -52,18 +60,6 @@ class SamplingConfig:
         for ok, key, rule, value in checks:
             if not ok:
                 raise ValueError(f"generator.{key} {rule} (got {value!r})")
-
-
-@dataclass
-class Completion:
-    """One sampled continuation of one prefix."""
-
-    token_ids: list[int]
-    """Sampled ids, up to and including EOS when the engine produced one."""
-    logprobs: list[float]
-    """Log-prob of each sampled id under the engine's (temperature-scaled) distribution."""
-    finished: bool
-    """False when max_new_tokens was reached without EOS (truncated)."""
 
 
 @runtime_checkable

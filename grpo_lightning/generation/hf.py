@@ -23,8 +23,9 @@ from grpo_lightning.accel.decode_loop import new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
-from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets, truncate
+from grpo_lightning.generation.base import SamplingConfig, request_budgets, truncate
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
+from grpo_lightning.types import Completion
 
 
 class HFGenerator:

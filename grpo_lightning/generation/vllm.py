@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.generation.base import Completion, SamplingConfig, request_budgets
+from grpo_lightning.generation.base import SamplingConfig, request_budgets
 from grpo_lightning.generation.hf import _eos_token_ids
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.generation.vllm_io import (
@@ -64,6 +64,7 @@ from grpo_lightning.generation.vllm_weights import (
     policy_checkpoint_names,
     policy_weights,
 )
+from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ class VLLMGenerator:
 class VLLMRoundHooks(L.Callback):
     """Sleeps the engine while a round trains (`enable_sleep_mode`), freeing its memory for the training step.
 
-    Weights are pushed by the rollout loop (grpo_lightning/rollout_loop.py): at the start of every round it
+    Weights are pushed by the rollout loop (grpo_lightning/training/rollout_loop.py): at the start of every round it
     samples, and after the last round when an evaluation follows.
     """
 

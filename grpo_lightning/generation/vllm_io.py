@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo_lightning.generation.base import Completion, SamplingConfig, truncate
+from grpo_lightning.generation.base import SamplingConfig, truncate
 from grpo_lightning.generation.vllm_weights import is_peft_model
+from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo_lightning.advantages import group_advantages
-from grpo_lightning.rewards import RewardResult
-from grpo_lightning.rollouts import Rollout
+from grpo_lightning.algorithm.advantages import group_advantages
+from grpo_lightning.rewards.gsm8k import RewardResult
+from grpo_lightning.types import Rollout
 
 if TYPE_CHECKING:
-    from grpo_lightning.data.datamodule import Prompt
-    from grpo_lightning.generation.base import Completion, Generator
+    from grpo_lightning.generation.base import Generator
+    from grpo_lightning.types import Completion, Prompt
 
 VARIANTS: dict[str, type[GRPOVariant]] = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from grpo_lightning.rollouts import Rollout
+from grpo_lightning.types import Rollout
 from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
 
 

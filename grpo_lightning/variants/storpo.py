@@ -22,8 +22,7 @@ import bisect
 import re
 from collections.abc import Callable, Sequence
 
-from grpo_lightning.generation.base import Completion
-from grpo_lightning.rollouts import Rollout
+from grpo_lightning.types import Completion, Rollout
 from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
 
 STEP_BOUNDARY = re.compile(r"(?<![0-9])\.(?:\s+|\n+)(?=[A-Z0-9])")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from grpo_lightning.rollouts import position_ids_from_mask
+from grpo_lightning.algorithm.rollouts import position_ids_from_mask
 
 
 class UnequalLengths:

@@ -6,8 +6,8 @@ import lightning as L
 import pytest
 import torch
 
+from grpo_lightning.app.train import build_run
 from grpo_lightning.probes.entropy import EntropyProbe, entropy_and_logit_grad, pearson, token_entropy
-from grpo_lightning.train import build_run
 
 
 def test_token_entropy_equals_brute_force_on_the_tiny_model(tiny_model):

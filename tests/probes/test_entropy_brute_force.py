@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
+from grpo_lightning.app.train import build_run
 from grpo_lightning.probes.entropy import EntropyProbe, RunningAgreement
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.train import build_run
+from grpo_lightning.training.rollout_loop import RolloutLoop
 from tests.probes.brute_force import PINNED_SHAPE, StepBatches, UnequalLengths, plain_logits
 
 

@@ -10,9 +10,9 @@ trained token, so every weighting matters.
 import pytest
 import torch
 
+from grpo_lightning.app.train import build_run
 from grpo_lightning.probes.gns import GradientNoiseScaleProbe
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.train import build_run
+from grpo_lightning.training.rollout_loop import RolloutLoop
 from tests.probes.brute_force import (
     PINNED_SHAPE,
     StepBatches,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from grpo_lightning.train import build_run
+from grpo_lightning.app.train import build_run
 
 
 def _trained(cfg):

@@ -9,14 +9,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from grpo_lightning.models import PackagedGGUFSource
-from grpo_lightning.train import build_run
+from grpo_lightning.app.train import build_run
+from grpo_lightning.models.sources import PackagedGGUFSource
 from tests.conftest import make_cfg
 
 pytestmark = pytest.mark.slow
 
 CONVERT = (
-    "import sys; from grpo_lightning.models import PackagedGGUFSource; "
+    "import sys; from grpo_lightning.models.sources import PackagedGGUFSource; "
     "print(PackagedGGUFSource(cache_dir=sys.argv[1]).ensure_converted())"
 )
 

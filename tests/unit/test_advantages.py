@@ -1,4 +1,4 @@
-"""Tests of grpo_lightning.advantages against hand-worked numbers and a naive per-group Python loop."""
+"""Tests of grpo_lightning.algorithm.advantages against hand-worked numbers and a naive per-group Python loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from grpo_lightning.advantages import group_advantages, zero_std_group_fraction
+from grpo_lightning.algorithm.advantages import group_advantages, zero_std_group_fraction
 
 EPS = 1e-4
 

@@ -7,8 +7,8 @@ import pytest
 
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.data.gsm8k import GSM8K, parse_rows
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.rollouts import Rollout
+from grpo_lightning.training.rollout_loop import RolloutLoop
+from grpo_lightning.types import Rollout
 
 
 def _write_jsonl(path, rows):

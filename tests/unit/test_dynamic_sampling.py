@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_lightning.dynamic_sampling import DynamicSampling, groups_in_order, is_informative, renumbered
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.rollouts import Rollout
-from grpo_lightning.train import build_run
+from grpo_lightning.algorithm.dynamic_sampling import DynamicSampling, groups_in_order, is_informative, renumbered
+from grpo_lightning.app.train import build_run
+from grpo_lightning.training.rollout_loop import RolloutLoop
+from grpo_lightning.types import Rollout
 from tests.helpers import is_even_integer
 
 

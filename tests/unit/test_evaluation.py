@@ -2,8 +2,8 @@
 
 import pytest
 
-from grpo_lightning.evaluation import GSM8KEvaluator, pass_at_k, score_completions
-from grpo_lightning.rewards import GSM8KReward
+from grpo_lightning.rewards.gsm8k import GSM8KReward
+from grpo_lightning.training.evaluation import GSM8KEvaluator, pass_at_k, score_completions
 
 
 def test_accuracy_format_rate_and_length_on_hand_written_completions():
@@ -89,8 +89,7 @@ def test_an_evaluation_runs_in_a_one_process_nccl_group(nccl_like_group):
     """The evaluator end to end (generate, gather, score, log) with a scripted engine: 2 of 3 answers right."""
     from types import SimpleNamespace
 
-    from grpo_lightning.data.datamodule import Prompt
-    from grpo_lightning.generation.base import Completion
+    from grpo_lightning.types import Completion, Prompt
 
     replies = {1: "#### 4", 2: "#### 5", 3: "#### 6"}
 
@@ -113,7 +112,7 @@ def test_an_evaluation_runs_in_a_one_process_nccl_group(nccl_like_group):
 
 def test_a_tiny_run_with_evaluation_in_a_one_process_nccl_group(nccl_like_group, tiny_cfg):
     """Evaluation at the start and after the last round of a real (tiny) run, as under vLLM on CUDA."""
-    from grpo_lightning.train import build_run
+    from grpo_lightning.app.train import build_run
 
     metrics = build_run(tiny_cfg("trainer.max_epochs=1", "eval.num_problems=2")).fit()
     assert 0.0 <= metrics["eval/gsm8k_accuracy"] <= 1.0 and metrics["eval/completion_len_mean"] > 0

@@ -5,7 +5,8 @@ import torch
 
 from grpo_lightning.accel import completion_forward as forward
 from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, length_runs, shared_prompts
-from grpo_lightning.rollouts import Rollout, collate_rollouts
+from grpo_lightning.algorithm.rollouts import collate_rollouts
+from grpo_lightning.types import Rollout
 from tests.helpers import lora_policy_with_random_adapters
 
 
@@ -99,8 +100,8 @@ def test_shared_prompts_groups_rows_by_prompt_block(tokenizer):
 
 def test_module_uses_the_levers_and_gives_observers_the_same_logprobs(policy, tokenizer):
     from grpo_lightning.accel.completion_forward import completion_logprobs_with_entropy
-    from grpo_lightning.losses import GRPOLoss
-    from grpo_lightning.module import GRPOModule, LRSchedule
+    from grpo_lightning.algorithm.losses import GRPOLoss
+    from grpo_lightning.training.module import GRPOModule, LRSchedule
 
     module = GRPOModule(policy, None, GRPOLoss(), optimizer=None, schedule=LRSchedule(), total_steps=1)
     batch = make_batch(tokenizer.pad_token_id)

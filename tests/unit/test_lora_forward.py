@@ -8,7 +8,7 @@ import torch
 from grpo_lightning.accel import fused_lora as lora_forward
 from grpo_lightning.accel.fused_lora import install_fused_lora_forward, remove_fused_lora_forward
 from grpo_lightning.accel.generation_levers import merged_lora
-from grpo_lightning.models import LoraSettings, wrap_policy
+from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from tests.helpers import lora_policy_with_random_adapters
 
 

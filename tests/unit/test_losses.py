@@ -1,4 +1,4 @@
-"""Tests of grpo_lightning.losses against hand-worked numbers and naive per-element loops."""
+"""Tests of grpo_lightning.algorithm.losses against hand-worked numbers and naive per-element loops."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_lightning.losses import GRPOLoss, LossOutput, aggregate, k3_kl, selective_log_softmax
+from grpo_lightning.algorithm.losses import GRPOLoss, LossOutput, aggregate, k3_kl, selective_log_softmax
 
 # ---------------------------------------------------------------- selective_log_softmax
 

@@ -1,4 +1,4 @@
-"""The peak-memory estimate (grpo_lightning/memory.py) against independent counts, and the refusal it drives.
+"""The peak-memory estimate (grpo_lightning/app/memory.py) against independent counts, and the refusal it drives.
 
 Truths: parameter counts of the model really built on the CPU and peft's own trainable-parameter count; every
 term of a small run worked out by hand; the CLI's one-line refusal before anything loads.
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from grpo_lightning.memory import GIB, PROCESS_BASELINE, ModelShape, RunShape, check_fits, estimate, model_shape
-from grpo_lightning.models import LoraSettings, wrap_policy
+from grpo_lightning.app.memory import GIB, PROCESS_BASELINE, ModelShape, RunShape, check_fits, estimate, model_shape
+from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
 
 def _config(tie: bool = True):
@@ -105,7 +105,7 @@ def test_gpu_refusal_only_when_a_gpu_size_is_given():
 
 def test_a_group_that_cannot_fit_is_refused_before_anything_loads(tmp_path, monkeypatch):
     """The mistake that used to end in the kernel's OOM kill (exit 137, no message) after a minute."""
-    from grpo_lightning import models
+    from grpo_lightning.models import sources as models
     from tests.test_bad_input import cli
 
     def never(*args, **kwargs):

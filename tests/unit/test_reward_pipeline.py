@@ -10,16 +10,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from grpo_lightning.advantages import group_advantages
-from grpo_lightning.generation.base import Completion
-from grpo_lightning.losses import GRPOLoss
-from grpo_lightning.reward_pipeline import (
+from grpo_lightning.algorithm.advantages import group_advantages
+from grpo_lightning.algorithm.losses import GRPOLoss
+from grpo_lightning.algorithm.rollouts import collate_rollouts
+from grpo_lightning.rewards.gsm8k import AnswerFormat, GSM8KReward, OverlongPenalty, SafeReward
+from grpo_lightning.rewards.pipeline import (
     RewardTermError,
     build_reward,
     check_moved_keys,
     check_moved_overrides,
 )
-from grpo_lightning.reward_transforms import (
+from grpo_lightning.rewards.transforms import (
     Clip,
     EMABaseline,
     GroupNormalize,
@@ -28,8 +29,7 @@ from grpo_lightning.reward_transforms import (
     StepFormat,
     Ternary,
 )
-from grpo_lightning.rewards import AnswerFormat, GSM8KReward, OverlongPenalty, SafeReward
-from grpo_lightning.rollouts import collate_rollouts
+from grpo_lightning.types import Completion
 from grpo_lightning.variants.baseline import BaselineGRPO
 from tests.conftest import make_cfg
 
@@ -102,7 +102,7 @@ class FakeGenerator:
 
 
 def _prompts(n):
-    from grpo_lightning.data.datamodule import Prompt
+    from grpo_lightning.types import Prompt
 
     return [
         Prompt(prompt_ids=[1000 + i], answer=ANSWERS[i % len(ANSWERS)], question=f"q{i}", problem_index=i)
@@ -242,12 +242,12 @@ def test_terms_are_weighted_then_transformed_in_order():
     pipeline = build_reward(
         node(
             terms={
-                "gsm8k": {"_target_": "grpo_lightning.rewards.GSM8KReward", "format_bonus": 0.0, "weight": 2.0},
+                "gsm8k": {"_target_": "grpo_lightning.rewards.gsm8k.GSM8KReward", "format_bonus": 0.0, "weight": 2.0},
                 "mine": {"_target_": "tests.unit.test_reward_pipeline.term_fn", "weight": -0.5},
             },
             transforms={
-                "scale": {"_target_": "grpo_lightning.reward_transforms.Scale", "factor": 2.0},
-                "clip": {"_target_": "grpo_lightning.reward_transforms.Clip", "high": 2.5},
+                "scale": {"_target_": "grpo_lightning.rewards.transforms.Scale", "factor": 2.0},
+                "clip": {"_target_": "grpo_lightning.rewards.transforms.Clip", "high": 2.5},
             },
         )
     )
@@ -260,7 +260,7 @@ def test_user_function_gets_only_the_info_it_names_and_bound_keys():
     pipeline = build_reward(node(terms={"len": {"_target_": "tests.unit.test_reward_pipeline.named_info_term"}}))
     assert pipeline("abc", "9", truncated=True, num_tokens=3) == -1.0
     bound = build_reward(
-        node(terms={"penalty": {"_target_": "grpo_lightning.rewards.OverlongPenalty", "buffer_fraction": 0.5}}),
+        node(terms={"penalty": {"_target_": "grpo_lightning.rewards.gsm8k.OverlongPenalty", "buffer_fraction": 0.5}}),
         max_new_tokens=10,
     )
     assert bound("x", "9", num_tokens=10) == -1.0  # max_new_tokens comes from the pipeline
@@ -270,7 +270,7 @@ def test_a_term_that_raises_scores_zero_per_term_and_is_counted(caplog):
     pipeline = build_reward(
         node(
             terms={
-                "gsm8k": {"_target_": "grpo_lightning.rewards.GSM8KReward"},
+                "gsm8k": {"_target_": "grpo_lightning.rewards.gsm8k.GSM8KReward"},
                 "flaky": {"_target_": "tests.unit.test_reward_pipeline.raises_on_empty"},
             }
         )
@@ -305,14 +305,14 @@ def test_a_term_that_returns_a_non_number_or_nan_is_an_error_naming_it(target, m
         ({"terms": {}}, "reward.terms is empty"),
         ({"terms": {"x": {"_target_": "no.such.fn"}}}, r"reward\.terms\.x\._target_: cannot import 'no.such.fn'"),
         ({"terms": {"x": {"weight": 1.0}}}, r"reward\.terms\.x: needs a _target_"),
-        ({"terms": {"x": {"_target_": "grpo_lightning.rewards.AnswerFormat", "weight": "a"}}},
+        ({"terms": {"x": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat", "weight": "a"}}},
          r"reward\.terms\.x\.weight"),
-        ({"terms": {"g": {"_target_": "grpo_lightning.rewards.GSM8KReward", "format_bonus": 2}}},
+        ({"terms": {"g": {"_target_": "grpo_lightning.rewards.gsm8k.GSM8KReward", "format_bonus": 2}}},
          r"reward\.terms\.g: format_bonus must be in \[0, 1\)"),
-        ({"terms": {"total": {"_target_": "grpo_lightning.rewards.AnswerFormat"}}}, "reserved"),
-        ({"terms": {"a": {"_target_": "grpo_lightning.rewards.AnswerFormat"}}, "scale_rewards": "group"},
+        ({"terms": {"total": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}}}, "reserved"),
+        ({"terms": {"a": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}}, "scale_rewards": "group"},
          r"reward\.scale_rewards: unknown key"),
-        ({"terms": {"a": {"_target_": "grpo_lightning.rewards.AnswerFormat"}}, "format_bonus": 0.2},
+        ({"terms": {"a": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}}, "format_bonus": 0.2},
          r"reward\.format_bonus has moved: use reward\.terms\.gsm8k\.format_bonus"),
     ],
 )  # fmt: skip
@@ -324,7 +324,7 @@ def test_config_mistakes_name_their_key(config, message):
 def test_a_group_transform_of_the_wrong_shape_is_an_error_naming_it():
     pipeline = build_reward(
         node(
-            terms={"a": {"_target_": "grpo_lightning.rewards.AnswerFormat"}},
+            terms={"a": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}},
             group_transforms={"sum": {"_target_": "tests.unit.test_reward_pipeline.group_sum"}},
         )
     )
@@ -334,8 +334,8 @@ def test_a_group_transform_of_the_wrong_shape_is_an_error_naming_it():
 
 def test_pipeline_state_round_trips_for_exact_resume():
     spec = node(
-        terms={"a": {"_target_": "grpo_lightning.rewards.AnswerFormat"}},
-        group_transforms={"ema": {"_target_": "grpo_lightning.reward_transforms.EMABaseline", "decay": 0.8}},
+        terms={"a": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}},
+        group_transforms={"ema": {"_target_": "grpo_lightning.rewards.transforms.EMABaseline", "decay": 0.8}},
     )
     first, second = build_reward(spec), build_reward(spec)
     first.advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 1]))
@@ -344,7 +344,7 @@ def test_pipeline_state_round_trips_for_exact_resume():
     assert torch.equal(first.advantages(rewards, gids), second.advantages(rewards, gids))
     assert list(first.state_dict()) == ["reward.group_transforms.ema"]
     with pytest.raises(ValueError, match="reward state for reward.group_transforms.ema"):
-        build_reward(node(terms={"a": {"_target_": "grpo_lightning.rewards.AnswerFormat"}})).load_state_dict(
+        build_reward(node(terms={"a": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}})).load_state_dict(
             first.state_dict()
         )
 
@@ -365,14 +365,14 @@ def test_old_keys_fail_with_one_line_naming_the_new_key():
 
 
 def test_step_transforms_need_a_variant_that_knows_steps(tmp_path):
-    from grpo_lightning.train import dry_run
+    from grpo_lightning.app.train import dry_run
 
     cfg = make_cfg(
         tmp_path,
         [
             "model=tiny",
             "dry_run=true",
-            "+reward.step_transforms.fmt._target_=grpo_lightning.reward_transforms.StepFormat",
+            "+reward.step_transforms.fmt._target_=grpo_lightning.rewards.transforms.StepFormat",
         ],
     )
     with pytest.raises(ValueError, match=r"reward\.step_transforms need a variant that knows reasoning steps"):
@@ -399,9 +399,9 @@ def test_storpo_tells_step_transforms_its_steps_and_branch_step():
 
     pipeline = build_reward(
         node(
-            terms={"gsm8k": {"_target_": "grpo_lightning.rewards.GSM8KReward"}},
+            terms={"gsm8k": {"_target_": "grpo_lightning.rewards.gsm8k.GSM8KReward"}},
             step_transforms={
-                "fmt": {"_target_": "grpo_lightning.reward_transforms.StepFormat", "bonus": 0.25, "max_bonus": 1.0}
+                "fmt": {"_target_": "grpo_lightning.rewards.transforms.StepFormat", "bonus": 0.25, "max_bonus": 1.0}
             },
         )
     )
@@ -418,7 +418,7 @@ def test_sweep_summary_shows_each_rewards_terms(tmp_path):
     import csv
     import json
 
-    from grpo_lightning.sweep import write_summary
+    from grpo_lightning.app.sweep import write_summary
 
     jobs = {
         "0_reward=gsm8k": {"train/reward_mean": 0.1, "reward/total_mean": 0.1, "reward/gsm8k_mean": 0.1},

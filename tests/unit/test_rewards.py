@@ -1,4 +1,4 @@
-"""Unit tests for grpo_lightning.rewards (GSM8K reward). Expected values are written by hand."""
+"""Unit tests for grpo_lightning.rewards.gsm8k (GSM8K reward). Expected values are written by hand."""
 
 import ast
 import importlib.util
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_lightning import rewards
-from grpo_lightning.rewards import (
+from grpo_lightning.rewards import gsm8k as rewards
+from grpo_lightning.rewards.gsm8k import (
     GSM8KReward,
     RewardResult,
     extract_predicted_answer,

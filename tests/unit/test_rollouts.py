@@ -1,6 +1,7 @@
 import torch
 
-from grpo_lightning.rollouts import Rollout, collate_rollouts, position_ids_from_mask
+from grpo_lightning.algorithm.rollouts import collate_rollouts, position_ids_from_mask
+from grpo_lightning.types import Rollout
 
 
 def _rollout(prompt, completion, group_id=0, branch_point=0, reward=1.0, advantage=0.5):

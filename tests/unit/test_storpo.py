@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from grpo_lightning.data.datamodule import Prompt
-from grpo_lightning.generation.base import Completion, SamplingConfig
-from grpo_lightning.rollouts import collate_rollouts
+from grpo_lightning.algorithm.rollouts import collate_rollouts
+from grpo_lightning.generation.base import SamplingConfig
+from grpo_lightning.types import Completion, Prompt
 from grpo_lightning.variants.storpo import STORPO, evenly_spaced, step_boundaries, token_boundaries
 
 

@@ -34,7 +34,7 @@ from grpo_lightning.generation.vllm_io import (
     sampling_kwargs,
 )
 from grpo_lightning.generation.vllm_weights import check_name_mapping, checkpoint_name, policy_checkpoint_names
-from grpo_lightning.models import LoraSettings, wrap_policy
+from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
 # The tiny model (conftest `tiny_model`): hidden 64, 4 heads of 16, 2 KV heads, MLP 128, 2 layers, tied embeddings.
 HIDDEN, KV, MLP, LAYERS = 64, 32, 128, 2
@@ -334,7 +334,7 @@ def test_kv_cache_below_one_sequence_is_refused_before_the_engine_is_built(lora_
 )
 def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch, platform, overrides, words):
     """validate() decides the platform from the installed packages' metadata: no vLLM import, no model load."""
-    from grpo_lightning import validation
+    from grpo_lightning.app import validation
     from tests.conftest import make_cfg
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
@@ -346,7 +346,7 @@ def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch,
 
 
 def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
-    from grpo_lightning import validation
+    from grpo_lightning.app import validation
     from tests.conftest import make_cfg
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cpu")
@@ -632,7 +632,7 @@ def test_adapter_sync_hot_swaps_a_saved_adapter(lora_policy, tokenizer, backend)
 
 
 def test_config_group_instantiates_with_a_fake_engine(tmp_path, lora_policy, tokenizer, backend):
-    from grpo_lightning.train import build
+    from grpo_lightning.app.train import build
     from tests.conftest import make_cfg
 
     cfg = make_cfg(tmp_path, ["generator=vllm", "model=tiny", "generator.model_path=/models/tiny"])
@@ -679,7 +679,7 @@ def test_adapter_sync_builds_the_engine_with_an_allowed_rank(tokenizer, tiny_mod
 )  # fmt: skip
 def test_cuda_only_failures_are_refused_before_anything_loads(tmp_path, monkeypatch, platform, overrides, words):
     """Faked platform (and GPU count): vLLM is never imported, no model loads, one line names the key."""
-    from grpo_lightning import validation
+    from grpo_lightning.app import validation
     from tests.conftest import make_cfg
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
@@ -694,7 +694,7 @@ def test_cuda_only_failures_are_refused_before_anything_loads(tmp_path, monkeypa
 
 
 def test_adapter_sync_in_half_precision_passes_the_cuda_checks(tmp_path, monkeypatch):
-    from grpo_lightning import validation
+    from grpo_lightning.app import validation
     from tests.conftest import make_cfg
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cuda")

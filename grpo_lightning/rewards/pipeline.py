@@ -4,11 +4,11 @@ Built from the `reward` config group (conf/reward/*.yaml; docs/rewards.md):
 
     reward:
       terms:             # name -> a reward term and its weight; the reward is sum(weight * term)
-        gsm8k: {_target_: grpo_lightning.rewards.GSM8KReward, format_bonus: 0.1, weight: 1.0}
+        gsm8k: {_target_: grpo_lightning.rewards.gsm8k.GSM8KReward, format_bonus: 0.1, weight: 1.0}
       transforms: {}       # per completion, in order, on the weighted sum: Clip, Scale, Ternary
       step_transforms: {}  # per reasoning step, for variants that know steps (variant=storpo)
       group_transforms:    # over a round's rewards, in order; the last output is the advantage
-        normalize: {_target_: grpo_lightning.reward_transforms.GroupNormalize, scale: auto}
+        normalize: {_target_: grpo_lightning.rewards.transforms.GroupNormalize, scale: auto}
 
 A term is any callable `(completion, reference, **info) -> float`, a class (instantiated with the node's other
 keys) or a plain function (its other keys are bound as keyword arguments). `info` holds `truncated`,
@@ -38,7 +38,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from grpo_lightning.rewards import RewardResult
+from grpo_lightning.rewards.gsm8k import RewardResult
 
 logger = logging.getLogger(__name__)
 

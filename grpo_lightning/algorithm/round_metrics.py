@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_lightning.advantages import zero_std_group_fraction
-from grpo_lightning.rollouts import Rollout, RolloutBatch
+from grpo_lightning.algorithm.advantages import zero_std_group_fraction
+from grpo_lightning.types import Rollout, RolloutBatch
 
 
 @dataclass(frozen=True)

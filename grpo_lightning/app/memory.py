@@ -277,8 +277,8 @@ def _fix(key: str) -> str:
 
 def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
     """The estimate's view of a composed config (validated: every key has its type)."""
+    from grpo_lightning.app.validation import is_vllm, trainer_devices
     from grpo_lightning.generation.vllm_io import VLLMSettings, engine_dtype, installed_platform
-    from grpo_lightning.validation import is_vllm, trainer_devices
 
     forward = cfg.perf.forward
     shape = dict(

@@ -9,7 +9,7 @@ otherwise the rollout loop stores policy log-probs computed once before the roun
 (`score_old_logprobs`), because "detached current" is wrong after the first update.
 
 Positions are derived from the attention mask so left-padded rows score exactly as HF `generate` sampled them;
-`rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens, grpo_lightning/rollout_loop.py) checks
+`rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens, grpo_lightning/training/rollout_loop.py) checks
 it every round.
 
 Non-finite guard: a NaN/inf loss or gradient skips the optimizer step by dropping every `.grad` before the
@@ -44,8 +44,8 @@ from torch import Tensor, nn
 from grpo_lightning.accel import ForwardSettings
 from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, completion_logprobs_with_entropy
 from grpo_lightning.accel.entropy_terms import EntropyTerms
-from grpo_lightning.losses import GRPOLoss
-from grpo_lightning.rollouts import RolloutBatch
+from grpo_lightning.algorithm.losses import GRPOLoss
+from grpo_lightning.types import RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ class GRPOModule(L.LightningModule):
 
     def likely_cause(self) -> str:
         """What most likely made the loss non-finite, in config keys."""
-        from grpo_lightning.validation import LOW_TEMPERATURE
+        from grpo_lightning.generation.base import LOW_TEMPERATURE
 
         if self.temperature < LOW_TEMPERATURE:
             return (

@@ -2,12 +2,12 @@
 
 One round's path from prompts to optimizer step reads top to bottom in three files:
 
-1. `grpo_lightning/rollout_loop.py` (this file): `produce` syncs the generator's weights, samples the round
+1. `grpo_lightning/training/rollout_loop.py` (this file): `produce` syncs the generator's weights, samples the round
    (the variant, with dynamic sampling when on), lays the rollouts out in micro-batches (`layout`), scores the
    old log-probs, counts each optimizer step's tokens over all ranks, computes the round's metrics and hands
    the data module a read-only `Round`; `on_train_epoch_end` runs the end of a round, phase by phase.
-2. `grpo_lightning/module.py`: `GRPOModule.training_step`, one micro-batch's log-probs, loss and guards.
-3. `grpo_lightning/losses.py`: `GRPOLoss`, the clipped surrogate, the KL term and the loss type's aggregation.
+2. `grpo_lightning/training/module.py`: `GRPOModule.training_step`, one micro-batch's log-probs, loss and guards.
+3. `grpo_lightning/algorithm/losses.py`: `GRPOLoss`, the clipped surrogate, the KL term and the loss type's aggregation.
 
 The data module serves the `Round` it is given and nothing else: no calls into the module, no collectives.
 
@@ -31,15 +31,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from grpo_lightning.accel.heap_trim import release_freed_memory
-from grpo_lightning.checkpointing import capture_rng, restore_rng
-from grpo_lightning.data.datamodule import Prompt, RolloutDataModule
+from grpo_lightning.algorithm.dynamic_sampling import groups_in_order, is_informative, renumbered
+from grpo_lightning.algorithm.rollouts import collate_rollouts
+from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, markdown_cell, round_metrics
+from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.distributed import (
     derive_seed,
     full_parameters,
@@ -48,24 +49,10 @@ from grpo_lightning.distributed import (
     shard,
     sum_across_ranks,
 )
-from grpo_lightning.dynamic_sampling import groups_in_order, is_informative, renumbered
-from grpo_lightning.rollouts import Rollout, RolloutBatch, collate_rollouts
-from grpo_lightning.round_metrics import LogpAgreement, RolloutStats, markdown_cell, round_metrics
+from grpo_lightning.training.checkpointing import capture_rng, restore_rng
+from grpo_lightning.types import Prompt, Rollout, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Round:
-    """One round as the data module serves it; built by `RolloutLoop.install`, never changed afterwards."""
-
-    index: int
-    rollouts: tuple[Rollout, ...]
-    micro_batches: tuple[RolloutBatch, ...]
-    """Whole advantage groups each, in group order; with `old_logprobs` when several optimizer steps use them."""
-    schedule: tuple[RolloutBatch, ...]
-    """What the data loader serves: `num_iterations` passes over the micro-batches, each entry carrying the
-    trained-token count of its optimizer step over all ranks (`num_tokens_in_step`, for `dapo`)."""
 
 
 def micro_batches_of(rollouts: list[Rollout], groups_per_micro_batch: int, pad_token_id: int) -> list[RolloutBatch]:
@@ -306,7 +293,7 @@ class RolloutLoop(L.Callback):
             self.log_samples(trainer, prompts, rollouts)
 
     def sample_informative(self, rank: int, world_size: int):
-        """Dynamic sampling (grpo_lightning/dynamic_sampling.py): batches of fresh prompts until this round has
+        """Dynamic sampling (algorithm/dynamic_sampling.py): batches of fresh prompts until this round has
         `prompts_per_round` groups whose rewards differ, or the cap on extra batches is reached.
 
         Every rank draws the same number of batches (the stop decision is taken over all ranks), each from its

@@ -1,4 +1,4 @@
-"""Built-in reward transforms, composed in order by the reward pipeline (`grpo_lightning.reward_pipeline`).
+"""Built-in reward transforms, composed in order by the reward pipeline (`grpo_lightning.rewards.pipeline`).
 
 Three places, after the peer design of Unstable Baselines (final, step and sampling transforms):
 
@@ -24,7 +24,7 @@ import re
 import torch
 from torch import Tensor
 
-from grpo_lightning.advantages import SCALE_REWARDS, group_advantages
+from grpo_lightning.algorithm.advantages import SCALE_REWARDS, group_advantages
 
 # The advantage scaling each objective is defined with (`scale: auto`): Dr. GRPO drops the std division.
 LOSS_SCALE_REWARDS = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group"}
@@ -133,7 +133,7 @@ class StepDiscount:
 
 # ---- over the round's rewards (before the advantage) ----------------------------------------------------------
 class GroupNormalize:
-    """Group-relative advantage (`grpo_lightning.advantages.group_advantages`): centre on the group mean, then
+    """Group-relative advantage (`grpo_lightning.algorithm.advantages.group_advantages`): centre on the group mean, then
     divide by the group std (`group`), the batch std (`batch`) or nothing (`none`, Dr. GRPO).
 
     `auto` takes the scaling the loss is defined with: `none` for loss=dr_grpo, `group` for the others.

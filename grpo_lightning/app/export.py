@@ -200,7 +200,7 @@ def model_card(
     if base is None:
         lines += [
             f"The base model `{model}` exists only in memory; rebuild it with the same `model.source` "
-            "(grpo_lightning.models) to load the adapter.",
+            "(grpo_lightning.models.sources) to load the adapter.",
             "",
         ]
     lines += [

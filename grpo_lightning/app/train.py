@@ -22,8 +22,27 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.accel.fused_lora import install_fused_lora_forward
-from grpo_lightning.callbacks import SavePolicy
-from grpo_lightning.checkpointing import (
+from grpo_lightning.app.export import export_policy
+from grpo_lightning.app.memory import (
+    MemoryEstimate,
+    check_fits,
+    estimate,
+    gpu_memory,
+    machine_memory,
+    model_shape,
+    run_shape,
+)
+from grpo_lightning.app.quiet import quiet_third_party
+from grpo_lightning.app.summary import render as render_summary
+from grpo_lightning.app.summary import summary_metrics
+from grpo_lightning.app.validation import check_fresh_or_resume, trainer_devices, validate, world_size
+from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.errors import RunInterrupted, TrainingStopped
+from grpo_lightning.models.lora import LoraSettings, wrap_policy
+from grpo_lightning.models.sources import resolve_dtype
+from grpo_lightning.rewards.pipeline import build_reward
+from grpo_lightning.training.callbacks import SavePolicy
+from grpo_lightning.training.checkpointing import (
     AtomicCheckpointIO,
     LastCheckpoint,
     RoundCheckpoint,
@@ -34,27 +53,10 @@ from grpo_lightning.checkpointing import (
     read_checkpoint,
     resolve_ckpt_path,
 )
-from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.evaluation import GSM8KEvaluator
-from grpo_lightning.export import export_policy
-from grpo_lightning.interrupt import GracefulStop, RunInterrupted
-from grpo_lightning.memory import (
-    MemoryEstimate,
-    check_fits,
-    estimate,
-    gpu_memory,
-    machine_memory,
-    model_shape,
-    run_shape,
-)
-from grpo_lightning.models import LoraSettings, resolve_dtype, wrap_policy
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.quiet import quiet_third_party
-from grpo_lightning.reward_pipeline import build_reward
-from grpo_lightning.rollout_loop import RolloutLoop
-from grpo_lightning.summary import render as render_summary
-from grpo_lightning.summary import summary_metrics
-from grpo_lightning.validation import check_fresh_or_resume, trainer_devices, validate, world_size
+from grpo_lightning.training.evaluation import GSM8KEvaluator
+from grpo_lightning.training.interrupt import GracefulStop
+from grpo_lightning.training.module import GRPOModule
+from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.variants import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ class Plan:
     reward: str
     output_dir: str
     memory: MemoryEstimate | None = None
-    """The peak-memory estimate (grpo_lightning/memory.py); None when the model's config.json cannot be read."""
+    """The peak-memory estimate (grpo_lightning/app/memory.py); None when the model's config.json cannot be read."""
 
     def render(self) -> str:
         rows = {k: v for k, v in self.__dict__.items() if k != "memory"}
@@ -199,10 +201,6 @@ class Run:
             "saved). Resume: python -m grpo_lightning <same overrides> optim.optimizer.lr=<lower> "
             f"ckpt_path={candidate}"
         )
-
-
-class TrainingStopped(Exception):
-    """The run stopped itself (non-finite or divergence guard); the CLI prints it and exits 1."""
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -391,7 +389,7 @@ def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, to
     evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
     callbacks = [
         stop,
-        RolloutLoop(  # the round's phases, in order (grpo_lightning/rollout_loop.py)
+        RolloutLoop(  # the round's phases, in order (grpo_lightning/training/rollout_loop.py)
             generator,
             variant,
             reward_fn,

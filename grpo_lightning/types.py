@@ -1,20 +1,42 @@
-"""Rollout data types: one sampled completion (`Rollout`) and padded tensor batches of them (`RolloutBatch`).
+"""The records every layer passes around: a prompt, a sampled completion, a rollout, a batch of rollouts, a round.
 
-A rollout round is a list of `Rollout`s produced by a variant. The data module collates micro-batches of whole
-advantage groups into `RolloutBatch`es; the training step consumes them. Prompts are LEFT-padded and completions
-RIGHT-padded (TRL's layout), so every completion starts at the same column `prompt_len` and the completion
-log-probs of the whole batch are one `[B, C]` slice of the logits.
-
-Pure: imports neither Lightning nor Hydra.
+They hold data and nothing else (no behaviour beyond shape checks and moving tensors), so the layers that make
+them (data, generation, the variants, the rollout loop) and those that read them (the loss, the module, the
+probes) share one definition without importing each other. Prompts are LEFT-padded and completions RIGHT-padded
+in a `RolloutBatch` (TRL's layout): every completion starts at column `prompt_len`, so the completion log-probs of
+the whole batch are one `[B, C]` slice of the logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One problem, chat-formatted and tokenised."""
+
+    prompt_ids: list[int]
+    answer: str
+    question: str
+    problem_index: int
+    full_length: int = 0
+    """Tokens before cutting to `max_prompt_tokens` (more than len(prompt_ids) when the prompt was cut)."""
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prefix."""
+
+    token_ids: list[int]
+    """Sampled ids, up to and including EOS when the engine produced one."""
+    logprobs: list[float]
+    """Log-prob of each sampled id under the engine's (temperature-scaled) distribution."""
+    finished: bool
+    """False when max_new_tokens was reached without EOS (truncated)."""
 
 
 @dataclass
@@ -91,42 +113,14 @@ class RolloutBatch:
         return replace(self, **moved)
 
 
-def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutBatch:
-    """Pad a list of rollouts into a `RolloutBatch` (prompts left-padded, completions right-padded)."""
-    if not rollouts:
-        raise ValueError("collate_rollouts needs at least one rollout")
-    p_max = max(len(r.prompt_ids) for r in rollouts)
-    c_max = max(max(len(r.completion_ids) for r in rollouts), 1)
-    b = len(rollouts)
-    input_ids = torch.full((b, p_max + c_max), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, p_max + c_max), dtype=torch.long)
-    completion_mask = torch.zeros((b, c_max), dtype=torch.float32)
-    gen_logprobs = torch.zeros((b, c_max), dtype=torch.float32)
-    for row, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        input_ids[row, p_max - p : p_max] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        attention_mask[row, p_max - p : p_max + c] = 1
-        if c:
-            input_ids[row, p_max : p_max + c] = torch.tensor(r.completion_ids, dtype=torch.long)
-            gen_logprobs[row, :c] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
-            completion_mask[row, min(r.branch_point, c) : c] = 1.0
-    return RolloutBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        completion_mask=completion_mask,
-        gen_logprobs=gen_logprobs,
-        advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
-        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
-        group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
-        branch_points=torch.tensor([r.branch_point for r in rollouts], dtype=torch.long),
-        prompt_len=p_max,
-    )
+@dataclass(frozen=True)
+class Round:
+    """One round as the data module serves it; built by `RolloutLoop.install`, never changed afterwards."""
 
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:  # [B, T] -> [B, T]
-    """Positions that count only real tokens, as HF `generate` assigns them under left padding.
-
-    Without this a left-padded row would see its first real token at position `pad_count`, not 0, and the
-    trainer's log-probs would differ from the generator's.
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    index: int
+    rollouts: tuple[Rollout, ...]
+    micro_batches: tuple[RolloutBatch, ...]
+    """Whole advantage groups each, in group order; with `old_logprobs` when several optimizer steps use them."""
+    schedule: tuple[RolloutBatch, ...]
+    """What the data loader serves: `num_iterations` passes over the micro-batches, each entry carrying the
+    trained-token count of its optimizer step over all ranks (`num_tokens_in_step`, for `dapo`)."""

@@ -18,14 +18,6 @@ import threading
 import lightning as L
 
 
-class RunInterrupted(Exception):
-    """Raised by `Run.fit` after a graceful stop; the CLI exits with 128 + the signal number."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = signum
-
-
 class GracefulStop(L.Callback):
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

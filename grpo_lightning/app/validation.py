@@ -22,9 +22,9 @@ from hydra.utils import get_class
 from lightning.fabric.connector import _PRECISION_INPUT_INT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_lightning.generation.base import SamplingConfig
+from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE, SamplingConfig
 from grpo_lightning.generation.vllm_io import DTYPES as VLLM_DTYPES
-from grpo_lightning.reward_pipeline import check_moved_keys
+from grpo_lightning.rewards.pipeline import check_moved_keys
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,6 @@ Check = Callable[[Any], str | None]
 
 ABSENT = object()
 SEED_MAX = 2**32 - 1  # numpy's limit, which Lightning's seed_everything applies (it replaces others at random)
-MIN_TEMPERATURE = 1e-3
-"""Below this, logits / temperature overflow float16 (max 65504) for logits above 65, and the sampled-token
-log-probs lose all precision; sampling is greedy decoding anyway (which evaluation already does)."""
-LOW_TEMPERATURE = 0.1
-"""Below this a group's G samples are nearly identical: most advantages are 0 and the round trains little."""
 PRECISIONS = {str(p) for p in get_args(_PRECISION_INPUT_STR) + get_args(_PRECISION_INPUT_STR_ALIAS)} | {
     str(p) for p in get_args(_PRECISION_INPUT_INT)
 }
@@ -163,9 +158,9 @@ def rules() -> dict[str, Check]:
     """Every user-settable key and its rule; a key absent from the composed config is skipped (e.g. the keys of
     another generator or variant)."""
     from grpo_lightning.accel.settings import SAMPLERS
-    from grpo_lightning.losses import LOSS_TYPES
-    from grpo_lightning.models import DTYPES
-    from grpo_lightning.module import SCHEDULE_KINDS
+    from grpo_lightning.algorithm.losses import LOSS_TYPES
+    from grpo_lightning.models.sources import DTYPES
+    from grpo_lightning.training.module import SCHEDULE_KINDS
 
     return {
         "seed": integer(0, SEED_MAX),

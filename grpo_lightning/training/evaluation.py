@@ -19,10 +19,10 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torchmetrics import MeanMetric
 
+from grpo_lightning.algorithm.round_metrics import markdown_cell
 from grpo_lightning.data.datamodule import encode_prompt
 from grpo_lightning.data.gsm8k import GSM8K
 from grpo_lightning.distributed import gather_objects, rank_and_world
-from grpo_lightning.round_metrics import markdown_cell
 
 log = logging.getLogger(__name__)
 

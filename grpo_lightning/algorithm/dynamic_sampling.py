@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_lightning.rollouts import Rollout
+from grpo_lightning.types import Rollout
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ class RewardResult:
     extracted: str | None
     correct: bool
     terms: dict[str, float] | None = field(default=None, compare=False)
-    """Unweighted value of each reward term (set by the reward pipeline, `grpo_lightning.reward_pipeline`)."""
+    """Unweighted value of each reward term (set by the reward pipeline, `grpo_lightning.rewards.pipeline`)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,59 @@
+"""Rollout data types: one sampled completion (`Rollout`) and padded tensor batches of them (`RolloutBatch`).
+
+A rollout round is a list of `Rollout`s produced by a variant. The data module collates micro-batches of whole
+advantage groups into `RolloutBatch`es; the training step consumes them. Prompts are LEFT-padded and completions
+RIGHT-padded (TRL's layout), so every completion starts at the same column `prompt_len` and the completion
+log-probs of the whole batch are one `[B, C]` slice of the logits.
+
+Pure: imports neither Lightning nor Hydra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from grpo_lightning.types import Rollout, RolloutBatch
+
+
+def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutBatch:
+    """Pad a list of rollouts into a `RolloutBatch` (prompts left-padded, completions right-padded)."""
+    if not rollouts:
+        raise ValueError("collate_rollouts needs at least one rollout")
+    p_max = max(len(r.prompt_ids) for r in rollouts)
+    c_max = max(max(len(r.completion_ids) for r in rollouts), 1)
+    b = len(rollouts)
+    input_ids = torch.full((b, p_max + c_max), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, p_max + c_max), dtype=torch.long)
+    completion_mask = torch.zeros((b, c_max), dtype=torch.float32)
+    gen_logprobs = torch.zeros((b, c_max), dtype=torch.float32)
+    for row, r in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[row, p_max - p : p_max] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        attention_mask[row, p_max - p : p_max + c] = 1
+        if c:
+            input_ids[row, p_max : p_max + c] = torch.tensor(r.completion_ids, dtype=torch.long)
+            gen_logprobs[row, :c] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
+            completion_mask[row, min(r.branch_point, c) : c] = 1.0
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        gen_logprobs=gen_logprobs,
+        advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+        group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
+        branch_points=torch.tensor([r.branch_point for r in rollouts], dtype=torch.long),
+        prompt_len=p_max,
+    )
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:  # [B, T] -> [B, T]
+    """Positions that count only real tokens, as HF `generate` assigns them under left padding.
+
+    Without this a left-padded row would see its first real token at position `pad_count`, not 0, and the
+    trainer's log-probs would differ from the generator's.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
