@@ -47,6 +47,14 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         assert get_class(node._target_) is not None  # a GPU trainer cannot be built on a CPU machine
     elif group == "reward":  # a pipeline of terms and transforms, built by grpo_lightning.rewards.pipeline
         assert build_reward(node, loss_type="grpo", max_new_tokens=16)("#### 3", "3") >= 1.0
+    elif group == "callbacks":  # built by the run with its objects (app/train.py build_callbacks)
+        from grpo_lightning.app.train import REQUIRED_CALLBACKS, callback_parameters
+
+        parameters = callback_parameters(node)
+        assert set(REQUIRED_CALLBACKS) <= set(parameters)
+        assert {"generator", "variant", "reward_fn", "datamodule", "tokenizer", "stop"} <= set(
+            parameters["rollout_loop"]
+        )
     elif group == "generator" and option == "sampling":  # the sampling every engine extends, not an engine
         assert "_target_" not in node and set(node) == set(SAMPLING_KEYS)
     elif group == "generator":
@@ -86,3 +94,33 @@ def test_choosing_the_sampling_base_as_an_engine_names_the_key(tmp_path):
 
     with pytest.raises(ValueError, match="generator=sampling is the sampling every engine shares"):
         validate(make_cfg(tmp_path, ["generator=sampling"]))
+
+
+def test_callbacks_are_built_from_config_with_the_run_objects(tmp_path):
+    """Each entry gets its config arguments plus the run objects its constructor names; None adds nothing."""
+    from grpo_lightning.app.train import build_callbacks
+
+    cfg = make_cfg(tmp_path, ["trainer.enable_progress_bar=false", "+callbacks.mine._target_=tests.helpers.Recorder"])
+    objects = {name: object() for name in ("generator", "variant", "reward_fn", "datamodule", "tokenizer")}
+    objects["evaluator"] = None
+    built = build_callbacks(cfg.callbacks, objects)
+    assert list(built) == ["stop", "rollout_loop", "round_checkpoint", "last_checkpoint", "save_policy", "mine"]
+    loop = built["rollout_loop"]
+    assert loop.generator is objects["generator"] and loop.stop is built["stop"] and loop.seed == cfg.seed
+    assert built["save_policy"].tokenizer is objects["tokenizer"]
+    assert built["mine"].tokenizer is objects["tokenizer"]  # a user's callback asks by parameter name
+    assert str(built["last_checkpoint"].dirpath) == f"{tmp_path}/checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["~callbacks.rollout_loop"], "callbacks.rollout_loop is required"),
+        (["+callbacks.mine._target_=no.such.Callback"], "callbacks.mine._target_: cannot import 'no.such.Callback'"),
+    ],
+)
+def test_callback_mistakes_name_the_key(tmp_path, overrides, words):
+    from grpo_lightning.app.train import callback_parameters
+
+    with pytest.raises(ValueError, match=words):
+        callback_parameters(make_cfg(tmp_path, overrides).callbacks)

@@ -7,6 +7,7 @@ them without a traceback); `instantiate` wraps constructor errors, so `build` un
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -16,8 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
-from lightning.pytorch.callbacks import RichProgressBar
+from hydra.utils import get_object, instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,8 +44,6 @@ from grpo_lightning.rewards.pipeline import build_reward
 from grpo_lightning.training.callbacks import SavePolicy
 from grpo_lightning.training.checkpointing import (
     AtomicCheckpointIO,
-    LastCheckpoint,
-    RoundCheckpoint,
     RunLock,
     check_resumable,
     check_resume_settings,
@@ -54,7 +52,6 @@ from grpo_lightning.training.checkpointing import (
     resolve_ckpt_path,
 )
 from grpo_lightning.training.evaluation import GSM8KEvaluator
-from grpo_lightning.training.interrupt import GracefulStop
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.variants import VARIANTS
@@ -64,6 +61,9 @@ log = logging.getLogger(__name__)
 
 def build(node: DictConfig, **kwargs):
     """`instantiate`, with every config mistake turned into a ValueError that names the config key.
+
+    Objects the run built (a model, a settings dataclass) go to the partial this returns with `_partial_=True`,
+    never through `kwargs`: Hydra merges kwargs into the config and would turn a dataclass into a config node.
 
     A constructor's own ValueError already names its key and passes through; an unknown `_target_`, an unknown
     or wrongly typed argument gets the node's key prefixed.
@@ -140,6 +140,11 @@ class Run:
     trainer: L.Trainer
     source: object
     """The `model.source` the policy was loaded from (the exported model card names it)."""
+    callbacks: dict[str, L.Callback]
+    """The `callbacks` group's callbacks by name (conf/callbacks/default.yaml); the trainer runs these and the
+    engine's, the evaluator and the probes."""
+    evaluator: GSM8KEvaluator | None = None
+    """The `eval` node's evaluator, None with eval.enabled=false (the rollout loop runs it)."""
     ckpt_path: Path | None = None
     """The checkpoint this run resumes from (`ckpt_path` config key), None for a fresh run."""
     lock: RunLock | None = None
@@ -162,32 +167,36 @@ class Run:
         output_dir = Path(self.cfg.paths.output_dir).resolve()
         rank_zero_print(f"TensorBoard logs: tensorboard --logdir {output_dir}")
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
-        for callback in self.trainer.callbacks:  # e.g. the evaluator logs outside Lightning's metric store
-            metrics.update(getattr(callback, "final_metrics", {}))
-        rounds = next(c for c in self.trainer.callbacks if isinstance(c, RolloutLoop)).history
-        evaluator = next((c for c in self.trainer.callbacks if isinstance(c, GSM8KEvaluator)), None)
-        evals = evaluator.history if evaluator is not None else []
+        evals = self.evaluator.history if self.evaluator is not None else []
+        if self.evaluator is not None:  # it logs to the loggers directly, outside Lightning's metric store
+            metrics.update(self.evaluator.final_metrics)
+        rounds = self.rollout_loop.history
         summary = summary_metrics(rounds, evals)
         metrics.update(summary)
         rank_zero_print(render_summary(summary, len(rounds), len(evals)))
         if self.trainer.is_global_zero:
             write_final_metrics(output_dir, metrics)
-            saver = next((c for c in self.trainer.callbacks if isinstance(c, SavePolicy)), None)
-            if saver is not None:
+            saver = self.callbacks.get("save_policy")
+            if isinstance(saver, SavePolicy):
                 export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.source)
         last = output_dir / "checkpoints" / "last.ckpt"
         if self.module.diverged:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
         if self.module.stop_reason is not None:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\ncheckpoint: {last}")
-        stop = next((c for c in self.trainer.callbacks if isinstance(c, GracefulStop)), None)
-        if stop is not None and stop.stopped_after_round is not None:
+        stop = self.callbacks["stop"]
+        if stop.stopped_after_round is not None:
             raise RunInterrupted(
                 stop.signum,
                 f"stopped after round {stop.stopped_after_round} (checkpoint saved)\n"
                 f"resume: python -m grpo_lightning <same overrides> ckpt_path={last}",
             )
         return metrics
+
+    @property
+    def rollout_loop(self) -> RolloutLoop:
+        """The round's owner (`callbacks.rollout_loop`): its `history` holds every round's metrics."""
+        return self.callbacks["rollout_loop"]
 
     def checkpoint_before_divergence(self) -> str:
         """Where the newest checkpoint from before the divergence is, and how to resume from it."""
@@ -225,6 +234,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     build(cfg.eval)
     build(cfg.perf.forward)  # the speed levers' settings (docs/performance.md)
     build(cfg.perf.generate)
+    callback_parameters(cfg.callbacks)
     plan = make_plan(cfg, source, datamodule, variant, accumulate, reward_fn)
     plan.check_fits()
     build_probes(cfg, plan)
@@ -284,21 +294,23 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
         generation_settings=build(cfg.perf.generate),
         trainer_devices=trainer_devices(cfg),
     )
-    module = GRPOModule(
+    module: GRPOModule = build(cfg.module, _partial_=True)(  # the `module` node with what the run built
         policy=policy,
         reference=reference,
         loss=loss,
         optimizer=build(cfg.optim.optimizer),
         schedule=build(cfg.optim.schedule),
         total_steps=plan.rounds * plan.optimizer_steps_per_round,
-        temperature=cfg.generator.temperature,
-        max_consecutive_skips=cfg.guard.max_consecutive_skipped_steps,
-        max_norm_growth=cfg.guard.get("max_norm_growth", 2.0),
         run_info=run_info,
         fixed_settings=settings,
         forward_settings=forward_settings,
     )
-    trainer = build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes)
+    evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
+    run_objects = {"generator": generator, "variant": variant, "reward_fn": reward_fn, "datamodule": datamodule,
+                   "tokenizer": tokenizer, "evaluator": evaluator}  # fmt: skip
+    callbacks = build_callbacks(cfg.callbacks, run_objects)
+    extra = [*generator.callbacks, *([evaluator] if evaluator is not None else []), *probes]
+    trainer = build_trainer(cfg, accumulate, [*callbacks.values(), *extra])
     return Run(
         cfg=cfg,
         plan=plan,
@@ -306,6 +318,8 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
         datamodule=datamodule,
         trainer=trainer,
         source=source,
+        callbacks=callbacks,
+        evaluator=evaluator,
         ckpt_path=ckpt_path,
         lock=lock,
     )
@@ -383,47 +397,55 @@ def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
     return probes
 
 
-def build_trainer(cfg, accumulate, generator, variant, reward_fn, datamodule, tokenizer, probes=()) -> L.Trainer:
-    output_dir = Path(cfg.paths.output_dir)
-    stop = GracefulStop()
-    evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
-    callbacks = [
-        stop,
-        RolloutLoop(  # the round's phases, in order (grpo_lightning/training/rollout_loop.py)
-            generator,
-            variant,
-            reward_fn,
-            datamodule,
-            tokenizer,
-            samples_every_n_rounds=cfg.logging.samples_every_n_rounds,
-            num_samples_logged=cfg.logging.num_samples_logged,
-            seed=cfg.seed,
-            stop=stop,
-            evaluator=evaluator,
-        ),
-        RoundCheckpoint(
-            dirpath=output_dir / "checkpoints",
-            filename="round{epoch:03d}",  # round004.ckpt: no '=' in the name, which Hydra's override parser rejects
-            auto_insert_metric_name=False,
-            every_n_epochs=cfg.checkpoint.every_n_rounds,
-            save_top_k=-1,
-            save_last=False,
-        ),
-        LastCheckpoint(output_dir / "checkpoints"),
-        SavePolicy(output_dir / "policy", tokenizer),
-    ]
-    callbacks.extend(getattr(generator, "callbacks", []))  # e.g. vLLM's sleep while a round trains
-    if evaluator is not None:
-        callbacks.append(evaluator)  # for its checkpoint state and final metrics; the rollout loop runs it
-    callbacks.extend(probes)
-    callbacks.extend(build(node) for node in (cfg.get("callbacks") or {}).values())  # the user's own
-    if cfg.trainer.get("enable_progress_bar", True):
-        callbacks.append(RichProgressBar())
-    logger = build(cfg.logger)
+REQUIRED_CALLBACKS = ("stop", "rollout_loop", "last_checkpoint")
+"""Callbacks a run cannot do without: the graceful stop, the round's owner, the checkpoint a resume reads."""
+
+
+def callback_parameters(node: DictConfig) -> dict[str, list[str]]:
+    """Each `callbacks` entry's constructor parameters, after checking the entries a run needs are there and
+    every `_target_` imports (a dry run stops here: the callbacks themselves need the run's objects)."""
+    missing = [name for name in REQUIRED_CALLBACKS if name not in node]
+    if missing:
+        raise ValueError(
+            f"callbacks.{missing[0]} is required (the run's {', '.join(REQUIRED_CALLBACKS)}); remove other "
+            "callbacks, not this one"
+        )
+    parameters = {}
+    for name, spec in node.items():
+        target = spec.get("_target_") if OmegaConf.is_dict(spec) else None
+        if target is None:
+            raise ValueError(f"callbacks.{name}._target_ is missing: give the callback's class")
+        try:
+            parameters[name] = list(inspect.signature(get_object(target)).parameters)
+        except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
+            raise ValueError(f"callbacks.{name}._target_: cannot import {target!r}") from None
+    return parameters
+
+
+def build_callbacks(node: DictConfig, run_objects: dict) -> dict[str, L.Callback]:
+    """The `callbacks` group's entries, in order, by name.
+
+    Each entry's `_target_` gets the config's arguments plus those of its parameters that name one of the run's
+    objects (`run_objects`, then the callbacks built before it, by their names): the rollout loop takes the
+    generator, the variant, ...; `SavePolicy` the tokenizer; a user's callback can ask for any of them the same
+    way. An entry whose target returns None (the progress bar when it is off) adds nothing.
+    """
+    built: dict[str, L.Callback] = {}
+    for name, parameters in callback_parameters(node).items():
+        available = run_objects | built
+        passed = {k: available[k] for k in parameters if k in available and k not in node[name]}
+        callback = build(node[name], _partial_=True)(**passed)  # run objects passed as they are, not as config
+        if callback is not None:
+            built[name] = callback
+    return built
+
+
+def build_trainer(cfg: DictConfig, accumulate: int, callbacks: list[L.Callback]) -> L.Trainer:
+    """The `trainer` node with the run's callbacks, the `logger` node and the atomic checkpoint writer."""
     return build(
         cfg.trainer,
         callbacks=callbacks,
-        logger=logger,
+        logger=build(cfg.logger),
         accumulate_grad_batches=accumulate,
         plugins=[AtomicCheckpointIO()],
     )

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +19,7 @@ class SavePolicy(L.Callback):
     """
 
     def __init__(self, directory: str | Path, tokenizer) -> None:
+        """`tokenizer` is the run's (passed by the run, conf/callbacks/default.yaml)."""
         self.directory = Path(directory)
         self.tokenizer = tokenizer
 
@@ -27,3 +29,9 @@ class SavePolicy(L.Callback):
         pl_module.policy.save_pretrained(self.directory)
         self.tokenizer.save_pretrained(self.directory)
         log.info("policy saved to %s", self.directory)
+
+
+def progress_bar(enabled: bool) -> RichProgressBar | None:
+    """Lightning's Rich progress bar (it shows the round's reward), or none: Lightning refuses a progress-bar
+    callback when `trainer.enable_progress_bar` is false, so the entry builds nothing then."""
+    return RichProgressBar() if enabled else None
