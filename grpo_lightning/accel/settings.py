@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpo_lightning.schema import boolean, check_settings, choice, integer, optional, setting
+
 SAMPLERS = ("inverse_cdf", "multinomial")
 
 
@@ -29,19 +31,22 @@ def check_packed_weights(mode: bool | str) -> bool | str:
 class ForwardSettings:
     """Training forward (`perf.forward`): how completion log-probs are computed (completion_forward.py)."""
 
-    share_prefix: bool = True
-    """Each distinct prompt of a micro-batch runs once; its completions reuse its KV cache."""
-    logits_chunk_tokens: int | None = 128
-    """LM head + log-softmax this many positions at a time (chunked_head.py); None: the [B, C, V] logits at once."""
-    runs_by_length: bool = True
-    """Rows in runs of similar completion length, each computed only as far as its longest row."""
-    fused_lora: bool = True
-    """LoRA's update added to the base layer's output in place (fused_lora.py), not peft's three passes."""
+    share_prefix: bool = setting(
+        True, boolean, "each distinct prompt of a micro-batch runs once; its completions reuse its KV cache"
+    )
+    logits_chunk_tokens: int | None = setting(
+        128, optional(integer(1)), "LM head + log-softmax this many positions at a time (chunked_head.py); null: "
+        "the [B, C, V] logits at once"
+    )  # fmt: skip
+    runs_by_length: bool = setting(
+        True, boolean, "rows in runs of similar completion length, each computed only as far as its longest row"
+    )
+    fused_lora: bool = setting(
+        True, boolean, "LoRA's update added to the base layer's output in place (fused_lora.py), not peft's passes"
+    )
 
     def __post_init__(self) -> None:
-        chunk = self.logits_chunk_tokens
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"perf.forward.logits_chunk_tokens must be an integer >= 1 or null (got {chunk!r})")
+        check_settings(self, "perf.forward")
 
     @classmethod
     def plain(cls) -> ForwardSettings:
@@ -52,23 +57,26 @@ class ForwardSettings:
 class GenerationSettings:
     """HF generation (`perf.generate`): how rollouts are sampled (generator=hf; the vLLM engine ignores these)."""
 
-    custom_decode: bool = True
-    """Our sampling loop (decode_loop.py: pre-allocated KV cache) instead of HF `generate`."""
-    sampler: str = "inverse_cdf"
-    """custom_decode's draw: inverse_cdf (one uniform per row) | multinomial (as `generate` draws)."""
-    merge_lora: bool = True
-    """Generate with LoRA merged into temporary weights (generation_levers.py); the base is never modified."""
-    share_prefill: bool = True
-    """Prefill each prompt once and repeat its KV cache for its G samples."""
-    stream_logprobs: bool = True
-    """`generate` only: sampled-token log-probs through hooks, no per-step [N, V] logits kept."""
-    packed_weights: bool | str = "auto"
-    """CPU float32: MKL-packed linear weights (packed_weights.py); auto = the shapes a one-off trial finds exact
-    and faster."""
+    custom_decode: bool = setting(
+        True, boolean, "our sampling loop (decode_loop.py: pre-allocated KV cache) instead of HF generate"
+    )
+    sampler: str = setting(
+        "inverse_cdf", choice(*SAMPLERS), "custom_decode's draw: inverse_cdf (one uniform per row) | multinomial"
+    )
+    merge_lora: bool = setting(
+        True, boolean, "generate with LoRA merged into temporary weights; the base is never modified"
+    )
+    share_prefill: bool = setting(True, boolean, "prefill each prompt once, repeat its KV cache for its G samples")
+    stream_logprobs: bool = setting(
+        True, boolean, "generate only: sampled-token log-probs through hooks, no per-step [N, V] logits kept"
+    )
+    packed_weights: bool | str = setting(
+        "auto", choice("auto", True, False), "CPU float32: MKL-packed linear weights; auto = the shapes a one-off "
+        "trial finds exact and faster"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        check_sampler(self.sampler)
-        check_packed_weights(self.packed_weights)
+        check_settings(self, "perf.generate")
 
     @classmethod
     def plain(cls) -> GenerationSettings:

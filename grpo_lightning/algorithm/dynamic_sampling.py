@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grpo_lightning.schema import boolean, check_settings, integer, setting
 from grpo_lightning.types import Rollout
 
 
@@ -29,16 +30,13 @@ from grpo_lightning.types import Rollout
 class DynamicSampling:
     """`data.dynamic_sampling`: the switch and the cap on extra generation batches per round."""
 
-    enabled: bool = False
-    max_extra_batches: int = 4
-    """Extra batches of `prompts_per_round` fresh prompts a round may draw (0: filter, never draw more)."""
+    enabled: bool = setting(False, boolean, "drop groups whose rewards are all equal, refill with fresh prompts")
+    max_extra_batches: int = setting(
+        4, integer(0), "extra batches of prompts_per_round fresh prompts a round may draw (0: filter only)"
+    )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"data.dynamic_sampling.enabled must be true or false (got {self.enabled!r})")
-        value = self.max_extra_batches
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"data.dynamic_sampling.max_extra_batches must be an integer >= 0 (got {value!r})")
+        check_settings(self, "data.dynamic_sampling")
 
 
 def is_informative(group: list[Rollout]) -> bool:

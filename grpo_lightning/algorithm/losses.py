@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_lightning.schema import check_settings, choice, integer, number, setting
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -137,24 +139,14 @@ def _check_inputs(
 class GRPOLoss:
     """Clipped-surrogate GRPO loss with k3 KL; `__call__` maps one micro-batch's log-probs to `LossOutput`."""
 
-    loss_type: str = "grpo"
-    beta: float = 0.04
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    max_completion_length: int = 256
+    loss_type: str = setting("grpo", choice(*LOSS_TYPES), "how token losses aggregate (docs/algorithm.md)")
+    beta: float = setting(0.04, number(low=0), "weight of the k3 KL to the reference; 0 skips the reference forward")
+    epsilon_low: float = setting(0.2, number(low=0, below=1), "clip range below 1")
+    epsilon_high: float = setting(0.2, number(low=0), "clip range above 1 (DAPO's clip-higher: 0.28)")
+    max_completion_length: int = setting(256, integer(1), "the constant of dr_grpo's denominator")
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            types = ", ".join(LOSS_TYPES)
-            raise ValueError(f"loss.loss_type must be one of {types} (got {self.loss_type!r})")
-        if not self.beta >= 0:
-            raise ValueError(f"loss.beta must be >= 0 (got {self.beta!r})")
-        if not 0 <= self.epsilon_low < 1:
-            raise ValueError(f"loss.epsilon_low must be in [0, 1) (got {self.epsilon_low!r})")
-        if not self.epsilon_high >= 0:
-            raise ValueError(f"loss.epsilon_high must be >= 0 (got {self.epsilon_high!r})")
-        if not self.max_completion_length >= 1:
-            raise ValueError(f"loss.max_completion_length must be >= 1 (got {self.max_completion_length!r})")
+        check_settings(self, "loss")
 
     @property
     def needs_reference(self) -> bool:

@@ -1,290 +1,40 @@
-"""Config checks that no constructor makes, run before any data or model is loaded.
+"""The config check, run before any data or model is loaded: every declared key, then what spans several keys,
+files or the platform.
 
-Every key a user can set is checked for its type and range here, from one table (`RULES`), so that a mistake
+Each key's type and range is declared once, in the settings dataclass of what it configures
+(grpo_lightning/schema.py); `check_rules` walks the composed config and checks every declared key, so a mistake
 fails in a second with a message naming the key rather than minutes later, deep inside a constructor, a model
-load or a training step, with a traceback that names neither key nor file. Each failure is a ValueError whose
-message names the config key and what to do (the CLI prints it as one line; several mistakes are joined with
-"; "). Values that are legal but probably not meant (a near-zero temperature) get a warning instead.
+load or a training step. What is left here spans more than one key: combinations (the temperature against half
+precision, STORPO's step range, a data path and its test split), the platform (vLLM's build, CUDA, the trainer's
+devices), files (data files' encodings, the cache and output directories) and resuming. Each failure is a
+ValueError whose message names the config key and what to do (the CLI prints it as one line; several mistakes are
+joined with "; "). Values that are legal but probably not meant (a near-zero temperature) get a warning instead.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import torch
-from hydra.utils import get_class
-from lightning.fabric.connector import _PRECISION_INPUT_INT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+from hydra.utils import get_class, get_object
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE, SamplingConfig
-from grpo_lightning.generation.vllm_io import DTYPES as VLLM_DTYPES
+from grpo_lightning.app.schema import RunSettings
+from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.rewards.pipeline import check_moved_keys
+from grpo_lightning.schema import declared, mapping, nested_schema, problems, schemas_of
 
 log = logging.getLogger(__name__)
 
-Check = Callable[[Any], str | None]
-"""A rule: returns what the value must be ("must be an integer"), or None when the value is fine."""
-
 ABSENT = object()
-SEED_MAX = 2**32 - 1  # numpy's limit, which Lightning's seed_everything applies (it replaces others at random)
-PRECISIONS = {str(p) for p in get_args(_PRECISION_INPUT_STR) + get_args(_PRECISION_INPUT_STR_ALIAS)} | {
-    str(p) for p in get_args(_PRECISION_INPUT_INT)
-}
-ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "auto")
 
 
-# ---- rule builders -----------------------------------------------------------------------------------------------
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def integer(low: int | None = None, high: int | None = None) -> Check:
-    def check(value):
-        if not is_int(value):
-            return "must be an integer"
-        if low is not None and value < low:
-            return f"must be >= {low}"
-        if high is not None and value > high:
-            return f"must be <= {high}"
-        return None
-
-    return check
-
-
-def number(low: float | None = None, high: float | None = None, above: float | None = None,
-           below: float | None = None) -> Check:  # fmt: skip
-    """A finite int or float in [low, high] and (above, below) where given."""
-
-    def check(value):
-        if not is_number(value) or not math.isfinite(value):
-            return "must be a finite number"
-        for bound, ok, text in [
-            (low, lambda b: value >= b, ">="),
-            (above, lambda b: value > b, ">"),
-            (high, lambda b: value <= b, "<="),
-            (below, lambda b: value < b, "<"),
-        ]:
-            if bound is not None and not ok(bound):
-                return f"must be {text} {bound}"
-        return None
-
-    return check
-
-
-def positive_number(value) -> str | None:
-    return None if is_number(value) and value > 0 and math.isfinite(value) else "must be a positive number"
-
-
-def boolean(value) -> str | None:
-    return None if isinstance(value, bool) else "must be true or false"
-
-
-def text(value) -> str | None:
-    return None if isinstance(value, str) else "must be a string"
-
-
-def choice(*options) -> Check:
-    def check(value):
-        return None if value in options else f"must be one of {', '.join(map(str, options))}"
-
-    return check
-
-
-def optional(rule: Check) -> Check:
-    def check(value):
-        if value is None:
-            return None
-        problem = rule(value)
-        return None if problem is None else f"{problem} or null"
-
-    return check
-
-
-def betas(value) -> str | None:
-    ok = isinstance(value, list | tuple) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
-    return None if ok else "must be two numbers in [0, 1), e.g. [0.9, 0.99]"
-
-
-def strings(value) -> str | None:
-    ok = isinstance(value, str) or (
-        isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value)
-    )
-    return None if ok else "must be a module name pattern or a list of module names"
-
-
-def devices(value) -> str | None:
-    if value == "auto" or value == -1 or (is_int(value) and value >= 1):
-        return None
-    if isinstance(value, list | tuple) and value and all(is_int(v) and v >= 0 for v in value):
-        return None
-    return "must be a count >= 1, -1, auto, or a list of device ids"
-
-
-def mapping(value) -> str | None:
-    return None if isinstance(value, dict) else "must be a mapping, e.g. {enforce_eager: true}"
-
-
-def template(value) -> str | None:
-    if not isinstance(value, str):
-        return "must be a string"
-    return None if "{question}" in value else "must contain '{question}'"
-
-
-def dataset_rules(prefix: str) -> dict[str, Check]:
-    from grpo_lightning.data.gsm8k import SOURCES, SPLITS
-
-    return {
-        f"{prefix}.source": choice(*SOURCES),
-        f"{prefix}.split": choice(*SPLITS),
-        f"{prefix}.path": optional(text),
-        f"{prefix}.hub_id": text,
-        f"{prefix}.package": text,
-        f"{prefix}.system_prompt": optional(text),
-        f"{prefix}.prompt_template": template,
-    }
-
-
-def rules() -> dict[str, Check]:
-    """Every user-settable key and its rule; a key absent from the composed config is skipped (e.g. the keys of
-    another generator or variant)."""
-    from grpo_lightning.accel.settings import SAMPLERS
-    from grpo_lightning.algorithm.losses import LOSS_TYPES
-    from grpo_lightning.models.sources import DTYPES
-    from grpo_lightning.training.module import SCHEDULE_KINDS
-
-    return {
-        "seed": integer(0, SEED_MAX),
-        "dry_run": boolean,
-        "ckpt_path": lambda v: None if v is None or isinstance(v, str | int) else "must be a path, last or null",
-        "paths.output_dir": text,
-        "paths.cache_dir": text,
-        # generator (shared by every engine; the rest apply where the engine has them)
-        "generator.num_generations": integer(2),
-        "generator.max_new_tokens": integer(1),
-        "generator.temperature": number(above=0),
-        "generator.top_p": number(above=0, high=1),
-        "generator.top_k": integer(0),
-        "generator.batch_size": integer(1),
-        "generator.seed_per_prefix": boolean,
-        "generator.logp_diff_threshold": optional(number(above=0)),
-        "generator.on_stale": choice("warn", "abort"),
-        # generator=vllm (docs/vllm.md); the platform-dependent checks are in check_vllm
-        "generator.model_path": optional(text),
-        "generator.revision": optional(text),
-        "generator.trust_remote_code": boolean,
-        "generator.device": optional(text),
-        "generator.dtype": choice(*VLLM_DTYPES),
-        "generator.gpu_memory_utilization": number(above=0, high=1),
-        "generator.kv_cache_gib": optional(number(above=0)),
-        "generator.max_model_len": optional(integer(2)),
-        "generator.enable_prefix_caching": boolean,
-        "generator.enable_sleep_mode": optional(boolean),
-        "generator.sleep_level": choice(1, 2),
-        "generator.seed": integer(0, SEED_MAX),
-        "generator.engine_kwargs": mapping,
-        "generator.sync_every": integer(1),
-        "generator.lora_sync": choice("merge", "adapter"),
-        # data
-        "data.prompts_per_round": integer(1),
-        "data.groups_per_micro_batch": integer(1),
-        "data.num_iterations": integer(1),
-        "data.max_prompt_tokens": integer(1),
-        "data.dynamic_sampling.enabled": boolean,
-        "data.dynamic_sampling.max_extra_batches": integer(0),
-        "data.seed": integer(0),
-        **dataset_rules("data.dataset"),
-        # evaluation
-        "eval.enabled": boolean,
-        "eval.every_n_rounds": integer(1),
-        "eval.num_problems": integer(1),
-        "eval.pass_k": integer(0),
-        "eval.at_start": boolean,
-        "eval.seed": integer(0),
-        "eval.max_new_tokens": integer(1),
-        "eval.max_prompt_tokens": integer(1),
-        "eval.num_samples_logged": integer(0),
-        "eval.batch_size": integer(1),
-        "eval.dataset.path": optional(text),
-        # optimizer and schedule
-        "optim.optimizer.lr": number(low=0),  # 0: a control run that never updates (docs/learning.md)
-        "optim.optimizer.weight_decay": number(low=0),
-        "optim.optimizer.betas": betas,
-        "optim.optimizer.eps": number(above=0),
-        "optim.optimizer.amsgrad": boolean,
-        "optim.schedule.kind": choice(*SCHEDULE_KINDS),
-        "optim.schedule.warmup_steps": integer(0),
-        "optim.schedule.min_ratio": number(low=0, high=1),
-        # loss
-        "loss.loss_type": choice(*LOSS_TYPES),
-        "loss.beta": number(low=0),
-        "loss.epsilon_low": number(low=0, below=1),
-        "loss.epsilon_high": number(low=0),
-        "loss.max_completion_length": integer(1),
-        # variant
-        "variant.completions_per_step": integer(1),
-        "variant.min_steps": integer(1),
-        "variant.max_steps": integer(1),
-        "variant.fallback_generations": integer(2),
-        # model
-        "model.dtype": choice(*DTYPES),
-        "model.trust_remote_code": boolean,
-        "model.lora.enabled": boolean,
-        "model.lora.r": integer(1),
-        "model.lora.alpha": number(above=0),
-        "model.lora.dropout": number(low=0, below=1),
-        "model.lora.target_modules": strings,
-        "model.source.path": text,
-        "model.source.repo_id": text,
-        "model.source.revision": optional(text),
-        "model.source.hidden_size": integer(1),
-        "model.source.num_hidden_layers": integer(1),
-        "model.source.num_attention_heads": integer(1),
-        "model.source.num_key_value_heads": integer(1),
-        "model.source.intermediate_size": integer(1),
-        "model.source.seed": integer(0),
-        # trainer
-        "trainer.max_epochs": integer(1),
-        "trainer.accumulate_grad_batches": optional(integer(1)),
-        "trainer.gradient_clip_val": optional(number(low=0)),
-        "trainer.log_every_n_steps": integer(1),
-        "trainer.enable_progress_bar": boolean,
-        "trainer.enable_model_summary": boolean,
-        "trainer.precision": lambda v: (
-            None if str(v) in PRECISIONS else f"must be one of {', '.join(sorted(PRECISIONS))}"
-        ),
-        "trainer.accelerator": choice(*ACCELERATORS),
-        "trainer.devices": devices,
-        "trainer.num_nodes": integer(1),
-        # checkpoints, guard, logging
-        "checkpoint.every_n_rounds": integer(1),
-        "guard.max_consecutive_skipped_steps": integer(1),
-        "guard.max_norm_growth": optional(number(above=1)),
-        # speed levers (docs/performance.md); perf.generate applies to generator=hf only
-        "perf.forward.share_prefix": boolean,
-        "perf.forward.logits_chunk_tokens": optional(integer(1)),
-        "perf.forward.runs_by_length": boolean,
-        "perf.forward.fused_lora": boolean,
-        "perf.generate.custom_decode": boolean,
-        "perf.generate.sampler": choice(*SAMPLERS),
-        "perf.generate.merge_lora": boolean,
-        "perf.generate.share_prefill": boolean,
-        "perf.generate.stream_logprobs": boolean,
-        "perf.generate.packed_weights": choice("auto", True, False),
-        "logging.samples_every_n_rounds": integer(1),
-        "logging.num_samples_logged": integer(0),
-    }
-
-
+# ---- every declared key ------------------------------------------------------------------------------------------
 def lookup(cfg: DictConfig, key: str):
     """The value at a dotted key, ABSENT when the key (or a parent) is not in the config or is `???`."""
     node: Any = cfg
@@ -296,15 +46,49 @@ def lookup(cfg: DictConfig, key: str):
 
 
 def check_rules(cfg: DictConfig) -> list[str]:
-    problems = []
-    for key, rule in rules().items():
-        value = lookup(cfg, key)
-        if value is ABSENT:
+    """Every declared key of the composed config against its rule (grpo_lightning/schema.py): the top level and
+    third-party nodes by `RunSettings` (app/schema.py), every node with a `_target_` by its target's settings. A
+    key no declaration knows is left to the constructor it is passed to (build() names it)."""
+    return node_problems(cfg, "", (RunSettings,))
+
+
+def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> list[str]:
+    target = node.get("_target_") if "_target_" in node else None
+    if isinstance(target, str):
+        schemas = target_schemas(target) or schemas
+    values, children = {}, {}
+    for key in node:
+        if not isinstance(key, str) or key.startswith("_") or OmegaConf.is_missing(node, key):
             continue
-        problem = rule(value)
-        if problem is not None:
-            problems.append(f"{key} {problem} (got {value!r})")
-    return problems
+        try:
+            value = node[key]
+        except OmegaConfBaseException:  # an interpolation that resolves only in a Hydra run (${hydra:...})
+            continue
+        if isinstance(value, DictConfig):
+            children[key] = value
+        else:
+            values[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    found = [problem for schema in schemas for problem in problems(values, schema, path)]
+    for key, child in children.items():
+        child_path = f"{path}.{key}" if path else key
+        if key in values_with_mappings(schemas):  # a mapping-valued key (engine_kwargs): its rule checks it
+            found += [p for schema in schemas for p in problems({key: OmegaConf.to_container(child)}, schema, path)]
+            continue
+        found += node_problems(child, child_path, tuple(s for s in [nested_schema(schemas, key)] if s))
+    return found
+
+
+def values_with_mappings(schemas: tuple[type, ...]) -> set[str]:
+    """Keys declared with the `mapping` rule: their value is a node, checked as one value."""
+    return {name for schema in schemas for name, f in declared(schema).items() if f.metadata["rule"] is mapping}
+
+
+def target_schemas(target: str) -> tuple[type, ...]:
+    """The settings declaring a `_target_`'s keys; () when the target does not import (build() reports it)."""
+    try:
+        return schemas_of(get_object(target))
+    except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
+        return ()
 
 
 # ---- the checks --------------------------------------------------------------------------------------------------
@@ -317,10 +101,9 @@ def validate(cfg: DictConfig) -> None:
             "generator=sampling is the sampling every engine shares (generator/sampling.yaml), not an engine: choose "
             "generator=hf or generator=vllm"
         )
-    problems = check_rules(cfg)
-    if problems:
-        raise ValueError("; ".join(problems))
-    SamplingConfig(**{f.name: cfg.generator[f.name] for f in fields(SamplingConfig)})  # other groups interpolate it
+    found = check_rules(cfg)
+    if found:
+        raise ValueError("; ".join(found))
     check_combinations(cfg)
     target = cfg.optim.optimizer.get("_target_")
     try:

@@ -16,6 +16,7 @@ Several processes (DDP): `prompts_per_round` counts the whole round; each rank t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import lightning as L
 import torch
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.algorithm.dynamic_sampling import DynamicSampling
 from grpo_lightning.data.gsm8k import GSM8K, Problem
+from grpo_lightning.schema import check_settings, configures, integer, setting
 from grpo_lightning.types import Prompt, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
@@ -45,29 +47,40 @@ def _identity(batch: RolloutBatch) -> RolloutBatch:
     return batch
 
 
+@dataclass(frozen=True)
+class DataSettings:
+    """`data`: the round's size and layout (the dataset and dynamic sampling are nodes of their own)."""
+
+    prompts_per_round: int = setting(
+        2, integer(1), "prompts sampled per rollout round, over all processes; many small steps learn faster on a CPU"
+    )
+    groups_per_micro_batch: int = setting(1, integer(1), "whole advantage groups per forward / backward")
+    num_iterations: int = setting(
+        1, integer(1), "passes over each round (mu in GRPO); > 1 scores old log-probs once before the first update"
+    )
+    max_prompt_tokens: int = setting(512, integer(1), "longer prompts keep their last tokens")
+    seed: int = setting(0, integer(0), "the prompt order: a seeded permutation per pass over the data")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "data")
+
+
 class RolloutDataModule(L.LightningDataModule):
     def __init__(
         self,
         dataset: GSM8K,
-        prompts_per_round: int = 4,
-        groups_per_micro_batch: int = 1,
-        num_iterations: int = 1,
-        max_prompt_tokens: int = 512,
-        seed: int = 0,
+        prompts_per_round: int = DataSettings.prompts_per_round,
+        groups_per_micro_batch: int = DataSettings.groups_per_micro_batch,
+        num_iterations: int = DataSettings.num_iterations,
+        max_prompt_tokens: int = DataSettings.max_prompt_tokens,
+        seed: int = DataSettings.seed,
         dynamic_sampling: DynamicSampling | None = None,
         world_size: int = 1,
     ) -> None:
         """`world_size`: the processes a round is split over (trainer.devices x trainer.num_nodes, known from the
         config before any process starts)."""
         super().__init__()
-        for key, value in [
-            ("prompts_per_round", prompts_per_round),
-            ("groups_per_micro_batch", groups_per_micro_batch),
-            ("num_iterations", num_iterations),
-            ("max_prompt_tokens", max_prompt_tokens),
-        ]:
-            if value < 1:
-                raise ValueError(f"data.{key} must be >= 1 (got {value})")
+        DataSettings(prompts_per_round, groups_per_micro_batch, num_iterations, max_prompt_tokens, seed)
         if prompts_per_round % groups_per_micro_batch:
             raise ValueError(
                 f"data.prompts_per_round ({prompts_per_round}) must be a multiple of "
@@ -163,3 +176,6 @@ class RolloutDataModule(L.LightningDataModule):
         if not self.schedule:
             raise RuntimeError("no rollouts for this round: the rollout loop must serve one before the data loader")
         return DataLoader(list(self.schedule), batch_size=None, shuffle=False, collate_fn=_identity)
+
+
+configures(RolloutDataModule, DataSettings)

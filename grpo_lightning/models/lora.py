@@ -11,22 +11,23 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from grpo_lightning.schema import boolean, check_settings, integer, number, setting, strings
+
 
 @dataclass
 class LoraSettings:
     """`model.lora`: LoRA through peft; `enabled: false` means full fine-tuning."""
 
-    enabled: bool = True
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
+    enabled: bool = setting(True, boolean, "false: full fine-tuning (a frozen reference copy when loss.beta > 0)")
+    r: int = setting(16, integer(1), "adapter rank")
+    alpha: float = setting(32, number(above=0), "scaling alpha / r")
+    dropout: float = setting(0.0, number(low=0, below=1), "> 0 makes trainer log-probs differ from the sampler's")
+    target_modules: str | list[str] = setting(
+        "all-linear", strings, "all-linear (every linear layer but the LM head), a regex or a list of module names"
+    )
 
     def __post_init__(self) -> None:
-        if self.enabled and self.r < 1:
-            raise ValueError(f"model.lora.r must be >= 1 (got {self.r})")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
+        check_settings(self, "model.lora")
 
 
 def wrap_policy(model: nn.Module, lora: LoraSettings, needs_reference: bool) -> tuple[nn.Module, nn.Module | None]:

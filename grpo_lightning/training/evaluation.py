@@ -23,6 +23,7 @@ from grpo_lightning.algorithm.round_metrics import markdown_cell
 from grpo_lightning.data.datamodule import encode_prompt
 from grpo_lightning.data.gsm8k import GSM8K
 from grpo_lightning.distributed import gather_objects, rank_and_world
+from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
 
 log = logging.getLogger(__name__)
 
@@ -73,31 +74,47 @@ def rows_per_call(generator, rows: int):
         generator.batch_size = previous
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """`eval`: greedy pass@1 on a fixed, seeded subset of the test split, with the training generator."""
+
+    enabled: bool = setting(True, boolean, "evaluate during training")
+    every_n_rounds: int = setting(12, integer(1), "and at the start (at_start) and after the last round")
+    num_problems: int = setting(32, integer(1), "the fixed seeded subset of the test split")
+    pass_k: int = setting(0, integer(0), "> 0: also sample k completions per problem -> eval/pass@k")
+    max_new_tokens: int = setting(96, integer(1), "completion budget (generator.max_new_tokens by default)")
+    max_prompt_tokens: int = setting(512, integer(1), "longer prompts keep their last tokens")
+    num_samples_logged: int = setting(4, integer(0), "problems shown in the eval/samples text table")
+    at_start: bool = setting(True, boolean, "evaluate the starting policy too")
+    seed: int = setting(1234, integer(0), "which subset")
+    batch_size: int = setting(64, integer(1), "greedy rows per decode call (HF engine)")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "eval")
+
+
 class GSM8KEvaluator(L.Callback):
     def __init__(
         self,
         dataset: GSM8K,
         reward,
-        enabled: bool = True,
-        every_n_rounds: int = 5,
-        num_problems: int = 50,
-        pass_k: int = 0,
-        max_new_tokens: int = 128,
-        max_prompt_tokens: int = 512,
-        num_samples_logged: int = 4,
-        at_start: bool = True,
-        seed: int = 1234,
-        batch_size: int = 64,
+        enabled: bool = EvalSettings.enabled,
+        every_n_rounds: int = EvalSettings.every_n_rounds,
+        num_problems: int = EvalSettings.num_problems,
+        pass_k: int = EvalSettings.pass_k,
+        max_new_tokens: int = EvalSettings.max_new_tokens,
+        max_prompt_tokens: int = EvalSettings.max_prompt_tokens,
+        num_samples_logged: int = EvalSettings.num_samples_logged,
+        at_start: bool = EvalSettings.at_start,
+        seed: int = EvalSettings.seed,
+        batch_size: int = EvalSettings.batch_size,
         generator=None,
         tokenizer=None,
     ) -> None:
         """`generator` and `tokenizer` are the run's (train.py passes them with the config's keys); a dry run
         builds the evaluator without them, to check its keys."""
-        for key, value, low in [("every_n_rounds", every_n_rounds, 1), ("num_problems", num_problems, 1),
-                                ("pass_k", pass_k, 0), ("max_new_tokens", max_new_tokens, 1),
-                                ("batch_size", batch_size, 1)]:  # fmt: skip
-            if value < low:
-                raise ValueError(f"eval.{key} must be >= {low} (got {value})")
+        EvalSettings(enabled, every_n_rounds, num_problems, pass_k, max_new_tokens, max_prompt_tokens,
+                     num_samples_logged, at_start, seed, batch_size)  # fmt: skip
         self.dataset, self.reward_fn, self.enabled = dataset, reward, enabled
         self.every_n_rounds, self.num_problems, self.pass_k = every_n_rounds, num_problems, pass_k
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
@@ -190,3 +207,6 @@ class GSM8KEvaluator(L.Callback):
             ok = self.reward_fn.score_detailed(text, answer).correct
             rows.append(f"| {answer} | {'yes' if ok else 'no'} | {markdown_cell(text, 1500)} |")
         writer.add_text("eval/samples", "\n".join(rows), trainer.global_step)
+
+
+configures(GSM8KEvaluator, EvalSettings)

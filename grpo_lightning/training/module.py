@@ -45,6 +45,7 @@ from grpo_lightning.accel import ForwardSettings
 from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, completion_logprobs_with_entropy
 from grpo_lightning.accel.entropy_terms import EntropyTerms
 from grpo_lightning.algorithm.losses import GRPOLoss
+from grpo_lightning.schema import check_settings, choice, integer, number, setting
 from grpo_lightning.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -57,15 +58,12 @@ SCHEDULE_KINDS = ("constant", "linear", "cosine")
 class LRSchedule:
     """`optim.schedule`: linear warmup then constant, linear or cosine decay to `min_ratio` x lr."""
 
-    kind: str = "constant"
-    warmup_steps: int = 0
-    min_ratio: float = 0.0
+    kind: str = setting("constant", choice(*SCHEDULE_KINDS), "after warmup: constant | linear | cosine decay")
+    warmup_steps: int = setting(0, integer(0), "optimizer steps of linear warmup")
+    min_ratio: float = setting(0.0, number(low=0, high=1), "decay to this fraction of the lr")
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULE_KINDS:
-            raise ValueError(f"optim.schedule.kind must be one of {', '.join(SCHEDULE_KINDS)} (got {self.kind!r})")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.schedule.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        check_settings(self, "optim.schedule")
 
     def factor(self, step: int, total_steps: int) -> float:
         """Multiplier of the base lr at optimizer step `step` (0-based)."""

@@ -21,7 +21,9 @@ from __future__ import annotations
 import bisect
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from grpo_lightning.schema import check_settings, configures, integer, setting
 from grpo_lightning.types import Completion, Rollout
 from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
 
@@ -65,26 +67,34 @@ def split_steps(text: str) -> list[str]:
     return [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
+@dataclass(frozen=True)
+class STORPOSettings:
+    """`variant=storpo`: where an initial completion branches and how many continuations each branch gets."""
+
+    completions_per_step: int = setting(2, integer(1), "continuations sampled from each branch point")
+    min_steps: int = setting(2, integer(1), "a completion with fewer reasoning steps is sampled plainly instead")
+    max_steps: int = setting(4, integer(1), "at most this many branch points, evenly spaced")
+    fallback_generations: int = setting(
+        4, integer(2), "group size of a prompt sampled plainly (generator.num_generations by default)"
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self, "variant")
+
+
 @register_variant("storpo")
 class STORPO(GRPOVariant):
     knows_steps = True
 
     def __init__(
         self,
-        completions_per_step: int = 2,
-        min_steps: int = 2,
-        max_steps: int = 4,
-        fallback_generations: int = 4,
+        completions_per_step: int = STORPOSettings.completions_per_step,
+        min_steps: int = STORPOSettings.min_steps,
+        max_steps: int = STORPOSettings.max_steps,
+        fallback_generations: int = STORPOSettings.fallback_generations,
     ) -> None:
         super().__init__()
-        for key, value, low in [
-            ("completions_per_step", completions_per_step, 1),
-            ("min_steps", min_steps, 1),
-            ("max_steps", max_steps, 1),
-            ("fallback_generations", fallback_generations, 2),
-        ]:
-            if value < low:
-                raise ValueError(f"variant.{key} must be >= {low} (got {value})")
+        STORPOSettings(completions_per_step, min_steps, max_steps, fallback_generations)
         if min_steps > max_steps:
             raise ValueError(f"variant.min_steps ({min_steps}) must be <= variant.max_steps ({max_steps})")
         self.completions_per_step = completions_per_step
@@ -169,3 +179,6 @@ def _join(initial: Completion, k: int, continuation: Completion) -> Completion:
         logprobs=initial.logprobs[:k] + continuation.logprobs,
         finished=continuation.finished,
     )
+
+
+configures(STORPO, STORPOSettings)

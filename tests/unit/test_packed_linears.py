@@ -103,5 +103,5 @@ def test_generation_with_auto_packed_weights_is_identical(tiny_model, tokenizer,
 
 
 def test_an_unknown_mode_names_the_config_key():
-    with pytest.raises(ValueError, match=r"^perf\.generate\.packed_weights must be true, false or auto"):
+    with pytest.raises(ValueError, match=r"^perf\.generate\.packed_weights must be one of auto, True, False"):
         GenerationSettings(packed_weights="yes")

@@ -1,0 +1,145 @@
+"""The declarations of the keys no settings dataclass of a component owns: the top level of conf/config.yaml, and
+the keys of third-party nodes (Lightning's Trainer, torch's optimizer) that this application relies on.
+
+Every other node is declared by the class its `_target_` names (grpo_lightning/schema.py): the generator by its
+sampling and engine settings, the loss by `GRPOLoss`, and so on. app/validation.py walks the composed config
+from `RunSettings` down and checks every declared key before anything loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import get_args
+
+from lightning.fabric.connector import _PRECISION_INPUT_INT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+
+from grpo_lightning.models.lora import LoraSettings
+from grpo_lightning.models.sources import DTYPES
+from grpo_lightning.schema import (
+    SEED_MAX,
+    boolean,
+    choice,
+    integer,
+    is_int,
+    is_number,
+    number,
+    optional,
+    setting,
+    text,
+)
+
+PRECISIONS = {str(p) for p in get_args(_PRECISION_INPUT_STR) + get_args(_PRECISION_INPUT_STR_ALIAS)} | {
+    str(p) for p in get_args(_PRECISION_INPUT_INT)
+}
+ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "auto")
+
+
+def checkpoint_path(value) -> str | None:
+    return None if value is None or isinstance(value, str | int) else "must be a path, last or null"
+
+
+def precision(value) -> str | None:
+    return None if str(value) in PRECISIONS else f"must be one of {', '.join(sorted(PRECISIONS))}"
+
+
+def devices(value) -> str | None:
+    if value == "auto" or value == -1 or (is_int(value) and value >= 1):
+        return None
+    if isinstance(value, list | tuple) and value and all(is_int(v) and v >= 0 for v in value):
+        return None
+    return "must be a count >= 1, -1, auto, or a list of device ids"
+
+
+def betas(value) -> str | None:
+    ok = isinstance(value, list | tuple) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)
+    return None if ok else "must be two numbers in [0, 1), e.g. [0.9, 0.99]"
+
+
+@dataclass(frozen=True)
+class PathsSettings:
+    output_dir: str = setting("", text, "the run's directory: Hydra's run dir (hydra.run.dir) by default")
+    cache_dir: str = setting("~/.cache/grpo_lightning", text, "converted models (GGUF -> safetensors), shared")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    every_n_rounds: int = setting(5, integer(1), "round<NNN>.ckpt every this many rounds, plus last.ckpt each round")
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    max_consecutive_skipped_steps: int = setting(
+        3, integer(1), "this many non-finite steps in a row: save a checkpoint and stop with an error"
+    )
+    max_norm_growth: float | None = setting(
+        2.0, optional(number(above=1)), "one step multiplies the trainable norm by more: diverged, stop (null: off)"
+    )
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    samples_every_n_rounds: int = setting(1, integer(1), "text table of completions and histograms, every N rounds")
+    num_samples_logged: int = setting(4, integer(0), "rows in that table")
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    merged: bool = setting(False, boolean, "also write merged full weights to policy/merged/")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    dtype: str = setting("float32", choice(*DTYPES), "the policy's dtype")
+    trust_remote_code: bool = setting(False, boolean, "passed to from_pretrained")
+    lora: LoraSettings = setting(factory=LoraSettings, help="LoRA through peft (model.lora.enabled=false: full)")
+
+
+@dataclass(frozen=True)
+class OptimizerKeys:
+    """The keys of `optim.optimizer` (torch.optim.AdamW by default) that the application sets or documents."""
+
+    lr: float = setting(5.0e-4, number(low=0), "learning rate; 0 is a control run that never updates")
+    weight_decay: float = setting(0.0, number(low=0), "decoupled weight decay")
+    betas: tuple[float, float] = setting((0.9, 0.99), betas, "Adam's moment decays")
+    eps: float = setting(1e-8, number(above=0), "Adam's epsilon")
+    amsgrad: bool = setting(False, boolean, "AMSGrad variant")
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    optimizer: OptimizerKeys = setting(factory=OptimizerKeys, help="a partial optimizer class (_partial_: true)")
+
+
+@dataclass(frozen=True)
+class TrainerKeys:
+    """The `lightning.pytorch.Trainer` arguments the application relies on (any other passes through as is)."""
+
+    max_epochs: int = setting(12, integer(1), "rounds: an epoch is one rollout round")
+    accumulate_grad_batches: int | None = setting(
+        None, optional(integer(1)), "micro-batches per optimizer step; null: the whole round in one step"
+    )
+    gradient_clip_val: float | None = setting(1.0, optional(number(low=0)), "gradient norm clip")
+    log_every_n_steps: int = setting(1, integer(1), "Lightning's logging cadence")
+    enable_progress_bar: bool = setting(True, boolean, "the Rich bar with the round's reward")
+    enable_model_summary: bool = setting(False, boolean, "Lightning's model summary at the start")
+    precision: str = setting("32-true", precision, "32-true on CPU, bf16-mixed on GPU")
+    accelerator: str = setting("cpu", choice(*ACCELERATORS), "cpu | gpu | auto")
+    devices: int | str | list[int] = setting(1, devices, "a count, -1, auto or a list of device ids")
+    num_nodes: int = setting(1, integer(1), "machines (docs/multiprocess.md)")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The top level of the composed config; nodes with a `_target_` are declared by their target's settings."""
+
+    seed: int = setting(0, integer(0, SEED_MAX), "everything random: sampling, prompt order, initialisation")
+    dry_run: bool = setting(False, boolean, "validate, load the data, print the plan; load no model")
+    ckpt_path: str | None = setting(None, checkpoint_path, "resume: null, last, a run directory or a .ckpt file")
+    paths: PathsSettings = setting(factory=PathsSettings, help="where the run writes")
+    checkpoint: CheckpointSettings = setting(factory=CheckpointSettings, help="checkpoint cadence")
+    guard: GuardSettings = setting(factory=GuardSettings, help="non-finite and divergence guards")
+    logging: LoggingSettings = setting(factory=LoggingSettings, help="sample tables and histograms")
+    export: ExportSettings = setting(factory=ExportSettings, help="what <output_dir>/policy/ gets")
+    model: ModelSettings = setting(factory=ModelSettings, help="the policy: source, dtype, LoRA")
+    optim: OptimSettings = setting(factory=OptimSettings, help="optimizer and schedule")
+    trainer: TrainerKeys = setting(factory=TrainerKeys, help="Lightning Trainer arguments")
