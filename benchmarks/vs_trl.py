@@ -246,6 +246,7 @@ def check(steps: int = 1) -> dict:
 
     from grpo_lightning.algorithm.losses import GRPOLoss
     from grpo_lightning.algorithm.rollouts import collate_rollouts
+    from grpo_lightning.rewards.pipeline import pipeline_from_function
     from grpo_lightning.training.module import GRPOModule, LRSchedule
     from grpo_lightning.variants.baseline import BaselineGRPO
 
@@ -287,7 +288,7 @@ def check(steps: int = 1) -> dict:
         rollouts = variant.generate_rollouts(
             generator,
             prompts,
-            lambda t, a: 0.1 if "#" in t else len(t) % 7 / 7.0,  # dense: non-zero advantages
+            pipeline_from_function(lambda t, a: 0.1 if "#" in t else len(t) % 7 / 7.0),  # dense: non-zero advantages
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
         batch = collate_rollouts(rollouts, tokenizer.pad_token_id)

@@ -6,6 +6,23 @@ import os
 
 import lightning as L
 import torch
+from torch import nn
+
+from grpo_lightning.generation.base import Generator, SamplingConfig
+from grpo_lightning.generation.stale_guard import StaleWeightGuard
+
+
+class StubGenerator(Generator):
+    """The base of the tests' scripted engines: a `Generator` with nothing to sync, no guard threshold and no
+    callbacks; a subclass implements `generate`."""
+
+    def __init__(self, sampling: SamplingConfig | None = None) -> None:
+        self.sampling = sampling if sampling is not None else SamplingConfig()
+        self.guard = StaleWeightGuard(threshold=None)
+        self.callbacks = []
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Nothing to copy: scripted completions do not depend on weights."""
 
 
 class VowelFractionReward:

@@ -101,8 +101,14 @@ def test_callbacks_are_built_from_config_with_the_run_objects(tmp_path):
     from grpo_lightning.app.train import build_callbacks
 
     cfg = make_cfg(tmp_path, ["trainer.enable_progress_bar=false", "+callbacks.mine._target_=tests.helpers.Recorder"])
-    objects = {name: object() for name in ("generator", "variant", "reward_fn", "datamodule", "tokenizer")}
-    objects["evaluator"] = None
+    from tests.helpers import StubGenerator
+
+    class ScriptedEngine(StubGenerator):
+        def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
+            raise AssertionError("not sampled here")
+
+    objects = {name: object() for name in ("variant", "reward_fn", "datamodule", "tokenizer")}
+    objects |= {"generator": ScriptedEngine(), "evaluator": None}
     built = build_callbacks(cfg.callbacks, objects)
     assert list(built) == ["stop", "rollout_loop", "round_checkpoint", "last_checkpoint", "save_policy", "mine"]
     loop = built["rollout_loop"]

@@ -10,7 +10,7 @@ import torch
 
 from grpo_lightning.app.train import build_run
 from grpo_lightning.errors import TrainingStopped
-from grpo_lightning.rewards.gsm8k import GSM8KReward, SafeReward
+from grpo_lightning.rewards.pipeline import pipeline_from_function
 from tests.helpers import FlakyReward
 
 
@@ -75,16 +75,13 @@ def test_too_many_non_finite_steps_in_a_row_stop_with_a_checkpoint(tiny_cfg):
     assert ckpt["epoch"] == 2 and ckpt["grpo_lightning"]["skipped_steps"] == 2  # stopped after rounds 1 and 2
 
 
-def test_safe_reward_scores_failures_zero_and_counts_them(caplog):
-    reward = SafeReward(FlakyReward())
+def test_a_failing_reward_scores_zero_and_is_counted(caplog):
+    reward = pipeline_from_function(FlakyReward())
     with caplog.at_level(logging.ERROR):
         scores = [reward(text, "") for text in ["abc", "ab", "abcdef", "a"]]  # lengths 3 and 6 raise
     assert scores == [0.0, 0.5, 0.0, 1.0]
     assert reward.pop_errors() == 2 and reward.pop_errors() == 0 and reward.total_errors == 2
     assert len(caplog.records) == 1 and "ZeroDivisionError" in caplog.records[0].getMessage()  # first one only
-    assert not hasattr(reward, "score_detailed")  # offered only when the wrapped reward has it
-    detailed = SafeReward(GSM8KReward()).score_detailed("The answer is 7.", "7")
-    assert detailed.reward == 1.0 and detailed.correct
 
 
 def test_a_reward_that_raises_on_some_samples_does_not_stop_the_run(tiny_cfg):

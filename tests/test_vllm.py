@@ -318,6 +318,7 @@ def test_storpo_variant_keeps_prefix_ids(engine, tokenizer, monkeypatch):
     """STORPO's branches through the engine keep the initial completion's first k ids exactly. A random model
     rarely writes sentence ends, so every 6th character counts as a step boundary here (the boundary regex has
     its own tests); what is under test is the continuation requests and their joining."""
+    from grpo_lightning.rewards.pipeline import pipeline_from_function
     from grpo_lightning.types import Prompt
     from grpo_lightning.variants import storpo
     from grpo_lightning.variants.storpo import STORPO
@@ -327,7 +328,8 @@ def test_storpo_variant_keeps_prefix_ids(engine, tokenizer, monkeypatch):
     gen.sync_weights(policy)
     prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]
     variant = STORPO(completions_per_step=2, min_steps=1, max_steps=3, fallback_generations=4)
-    rollouts = variant.generate_rollouts(gen, prompts, lambda text, answer: float(len(text) % 2), tokenizer.decode)
+    reward = pipeline_from_function(lambda text, answer: float(len(text) % 2))
+    rollouts = variant.generate_rollouts(gen, prompts, reward, tokenizer.decode)
     assert {r.group_id for r in rollouts} == {0, 1}
     assert any(r.branch_point > 0 for r in rollouts)
     for r in rollouts:

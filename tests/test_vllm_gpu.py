@@ -211,6 +211,7 @@ def test_continuations_reproduce_their_prefixes(setup, tokenizer):
 
 
 def test_storpo_variant_on_the_engine(setup, tokenizer):
+    from grpo_lightning.rewards.pipeline import pipeline_from_function
     from grpo_lightning.types import Prompt
     from grpo_lightning.variants.storpo import STORPO
 
@@ -218,7 +219,8 @@ def test_storpo_variant_on_the_engine(setup, tokenizer):
     gen.sync_weights(policy)
     prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]
     variant = STORPO(completions_per_step=2, min_steps=1, max_steps=3, fallback_generations=4)
-    rollouts = variant.generate_rollouts(gen, prompts, lambda text, answer: float(len(text) % 2), tokenizer.decode)
+    reward = pipeline_from_function(lambda text, answer: float(len(text) % 2))
+    rollouts = variant.generate_rollouts(gen, prompts, reward, tokenizer.decode)
     assert {r.group_id for r in rollouts} == {0, 1}
     for r in rollouts:
         assert len(r.completion_ids) <= gen.sampling.max_new_tokens

@@ -52,8 +52,7 @@ def round_metrics(per_rank: list[dict]) -> dict[str, float]:
     for key in per_rank[0]["sampling"]:  # dynamic sampling: counts over all ranks (extra batches: equal on all)
         values = [part["sampling"][key] for part in per_rank]
         metrics[key] = values[0] if key == "rollout/ds_extra_batches" else sum(values)
-    if per_rank[0]["reward_errors"] is not None:
-        metrics["rollout/reward_errors"] = float(sum(part["reward_errors"] for part in per_rank))
+    metrics["rollout/reward_errors"] = float(sum(part["reward_errors"] for part in per_rank))
     return metrics
 
 

@@ -17,6 +17,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from grpo_lightning.generation.vllm_weights import is_peft_model
+from grpo_lightning.models.sources import ModelSource
+
 log = logging.getLogger(__name__)
 
 MERGED = "merged"
@@ -32,7 +35,7 @@ CARD_METRICS = (
 
 
 def export_policy(
-    directory: Path, cfg: DictConfig, policy: nn.Module, tokenizer, metrics: dict[str, float], source
+    directory: Path, cfg: DictConfig, policy: nn.Module, tokenizer, metrics: dict[str, float], source: ModelSource
 ) -> None:
     """Write the model card (and the merged weights when `export.merged` is set) beside the saved policy.
 
@@ -47,8 +50,8 @@ def export_policy(
         merged_dir = directory / MERGED
         save_merged(policy, tokenizer, merged_dir)
         log.info("merged weights saved to %s", merged_dir)
-    is_adapter = hasattr(policy, "peft_config")
-    card = model_card(cfg, metrics, source.describe(), base_model_ref(source), is_adapter, directory, merged_dir)
+    is_adapter = is_peft_model(policy)
+    card = model_card(cfg, metrics, source.describe(), source.base_model_ref(), is_adapter, directory, merged_dir)
     (directory / "README.md").write_text(card)
 
 
@@ -58,21 +61,10 @@ def save_merged(policy: nn.Module, tokenizer, directory: Path) -> None:
     The merge runs on a copy: the trained policy (and its frozen base, the KL reference) stay as they are.
     Full fine-tuning has nothing to merge and saves the model itself.
     """
-    model = copy.deepcopy(policy).merge_and_unload() if hasattr(policy, "merge_and_unload") else policy
+    model = copy.deepcopy(policy).merge_and_unload() if is_peft_model(policy) else policy
     with torch.no_grad():
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-
-
-def base_model_ref(source) -> str | None:
-    """What `from_pretrained` takes for the base model: a Hub id or a folder; None for an in-memory model."""
-    if hasattr(source, "repo_id"):
-        return source.repo_id
-    if hasattr(source, "converted_dir"):
-        return str(source.converted_dir())
-    if hasattr(source, "path"):
-        return str(Path(source.path).expanduser().resolve())
-    return None
 
 
 def command_line() -> str:

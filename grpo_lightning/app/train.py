@@ -253,9 +253,7 @@ def build_run(cfg: DictConfig) -> Run:
     settings = fixed_settings(cfg)
     if ckpt_path is not None:
         check_resume_settings(ckpt_path, settings)
-    available = getattr(source, "check_available", None)  # e.g. a Hub model offline and not in the cache
-    if available is not None:
-        available()
+    source.check_available()  # e.g. a Hub model offline and not in the cache
     lock = RunLock(cfg.paths.output_dir) if rank_zero_only.rank == 0 else None
     try:
         check_fresh_or_resume(cfg)  # again, now that no other run can start here
@@ -372,7 +370,7 @@ def build_pipeline(cfg: DictConfig):
 
 
 def check_reward_fits_variant(reward_fn, variant) -> None:
-    if getattr(reward_fn, "uses_steps", False) and not variant.knows_steps:
+    if reward_fn.uses_steps and not variant.knows_steps:
         raise ValueError(
             f"reward.step_transforms need a variant that knows reasoning steps (variant=storpo); "
             f"variant {variant.name!r} does not (remove them or choose variant=storpo)"
@@ -391,9 +389,7 @@ def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
     probes = [build(node) for node in (cfg.get("probe") or {}).values()]
     micro_batches_per_step = plan.accumulate_grad_batches
     for probe in probes:
-        check = getattr(probe, "check_setup", None)
-        if check is not None:
-            check(micro_batches_per_step, world_size(cfg))
+        probe.check_setup(micro_batches_per_step, world_size(cfg))
     return probes
 
 
@@ -493,7 +489,7 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
         optimizer_steps_per_round=per_round // accumulate,
         max_new_tokens=cfg.generator.max_new_tokens,
         loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta})",
-        reward=reward_fn.describe() if hasattr(reward_fn, "describe") else "",
+        reward=reward_fn.describe(),
         output_dir=str(Path(cfg.paths.output_dir).resolve()),
         memory=memory_estimate(cfg, source, rollouts_per_round, rollouts_per_round // dm.prompts_per_round),
     )

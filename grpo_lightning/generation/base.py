@@ -1,4 +1,4 @@
-"""The generator interface every rollout engine implements.
+"""The generator base class every rollout engine derives from.
 
 A generator samples completions from token-id prefixes. A prefix is usually a chat-formatted prompt; a
 variant that branches (STORPO) passes `prompt_ids + completion_ids[:k]` instead, so continuation is the same
@@ -8,14 +8,20 @@ trainer compares against its own (`rollout/logp_diff_*`) to catch stale weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.schema import check_settings, integer, number, setting
 from grpo_lightning.types import Completion
+
+if TYPE_CHECKING:
+    import lightning as L
 
 MIN_TEMPERATURE = 1e-3
 """Below this, logits / temperature overflow float16 (max 65504) for logits above 65, and the sampled-token
@@ -40,12 +46,22 @@ class SamplingConfig:
         check_settings(self, "generator")
 
 
-@runtime_checkable
-class Generator(Protocol):
-    """What a rollout variant needs from an engine."""
+class Generator(ABC):
+    """What the rollout loop, the variants and the evaluator need from an engine; every engine derives from it.
+
+    An abstract base class rather than a Protocol: the optional parts (`reseed`, `push_weights`,
+    `rows_per_call`) have a default here, so callers call them on every engine instead of asking whether an
+    engine has them, and a new engine states in one place what it does differently.
+    """
 
     sampling: SamplingConfig
+    """The sampling parameters (config group `generator`); variants read `sampling.max_new_tokens`."""
+    guard: StaleWeightGuard
+    """The engine's stale-weight guard, told of every round by the rollout loop (generation/stale_guard.py)."""
+    callbacks: list[L.Callback]
+    """Lightning callbacks the engine needs beside the rollout loop (train.py adds them to the trainer)."""
 
+    @abstractmethod
     def generate(
         self,
         prefixes: list[list[int]],
@@ -59,11 +75,29 @@ class Generator(Protocol):
         one int for all prefixes or one per prefix. `greedy=True` decodes argmax tokens (evaluation; then
         `num_samples` must be 1).
         """
-        ...
 
+    @abstractmethod
     def sync_weights(self, policy: nn.Module) -> None:
-        """Make the engine sample from the policy's current weights."""
-        ...
+        """Make the engine sample from the policy's current weights (the rollout loop, before every round)."""
+
+    def reseed(self, round_seed: int) -> None:  # noqa: B027 - a no-op default, not an abstract method
+        """Take the seed of the round about to be sampled (the rollout loop derives it from (seed, round)).
+
+        No-op: an engine that draws from the global RNG needs no seed of its own; one that seeds each prefix
+        (HF with `seed_per_prefix`) keeps it."""
+
+    def push_weights(self) -> None:  # noqa: B027 - a no-op default, not an abstract method
+        """Copy the policy's current weights into the engine now, outside the round's `sync_weights` (the
+        rollout loop, before an evaluation that follows the last round).
+
+        No-op: an engine that samples from the policy module itself holds no copy to refresh."""
+
+    @contextlib.contextmanager
+    def rows_per_call(self, rows: int) -> Iterator[None]:
+        """Decode up to `rows` rows per call while the block runs (the evaluator: many short greedy prompts).
+
+        No-op: an engine that schedules its own batches (vLLM) has no row count to set."""
+        yield
 
 
 def per_prefix_budgets(max_new_tokens: int | Sequence[int] | None, default: int, num_prefixes: int) -> list[int]:

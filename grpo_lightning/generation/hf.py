@@ -12,7 +12,7 @@ the sampling distribution is truncated while the log-probs are not; TRL makes th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from grpo_lightning.accel.decode_loop import new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
-from grpo_lightning.generation.base import SamplingConfig, request_budgets, truncate
+from grpo_lightning.generation.base import Generator, SamplingConfig, request_budgets, truncate
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
 from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
 from grpo_lightning.types import Completion
@@ -49,7 +49,7 @@ class HFSettings:
         check_settings(self, "generator")
 
 
-class HFGenerator:
+class HFGenerator(Generator):
     """Batched sampling with left padding through `model.generate`."""
 
     def __init__(
@@ -91,6 +91,17 @@ class HFGenerator:
     def reseed(self, round_seed: int) -> None:
         """Base of the per-prefix seeds (the rollout loop passes one derived from (seed, round))."""
         self.round_seed = round_seed
+
+    @contextlib.contextmanager
+    def rows_per_call(self, rows: int) -> Iterator[None]:
+        """`batch_size = rows` while the block runs. Greedy decoding of many short prompts (the evaluator) is
+        cheaper per problem in one wide call than in several narrow ones on CPU, where every decode step reads
+        all the weights once whatever the row count."""
+        previous, self.batch_size = self.batch_size, rows
+        try:
+            yield
+        finally:
+            self.batch_size = previous
 
     def _sampling_rng(self, prefix: list[int]):
         """With `seed_per_prefix`, a forked RNG seeded from (round seed, prefix tokens); else the global RNG."""

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.generation.base import SamplingConfig, request_budgets
+from grpo_lightning.generation.base import Generator, SamplingConfig, request_budgets
 from grpo_lightning.generation.hf import _eos_token_ids
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
 from grpo_lightning.generation.vllm_io import (
@@ -92,7 +92,7 @@ class VLLMSourceSettings:
         check_settings(self, "generator")
 
 
-class VLLMGenerator:
+class VLLMGenerator(Generator):
     """`Generator` backed by an in-process `vllm.LLM`; `backend` injects a fake engine (contract tests)."""
 
     def __init__(
@@ -127,7 +127,7 @@ class VLLMGenerator:
             raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.backend = import_vllm() if backend is None else backend
-        self.platform = getattr(self.backend, "platform", "cuda")  # the fake engines of the tests: CUDA's logic
+        self.platform = self.backend.platform  # "cuda" or "cpu" (import_vllm; the contract tests' fake says which)
         model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.settings = for_platform(self.settings, self.platform, model_dtype)
         self.real_gpu = backend is None and self.platform == "cuda"
@@ -197,7 +197,7 @@ class VLLMGenerator:
                 ) from err
             raise
 
-    # ---- the Generator protocol ------------------------------------------------------------------------
+    # ---- the Generator interface -----------------------------------------------------------------------
     def generate(
         self,
         prefixes: list[list[int]],

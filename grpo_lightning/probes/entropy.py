@@ -43,6 +43,7 @@ from torch import Tensor
 
 from grpo_lightning.accel.completion_forward import completion_logprobs_with_entropy
 from grpo_lightning.accel.entropy_terms import entropy_and_logit_grad, token_entropy
+from grpo_lightning.probes.base import Probe, ProbedModule
 
 __all__ = ["EntropyProbe", "RunningAgreement", "entropy_and_logit_grad", "pearson", "token_entropy"]
 
@@ -98,7 +99,7 @@ class RunningAgreement:
         return cxy / math.sqrt(cxx * cyy) if cxx > 0 and cyy > 0 else float("nan")
 
 
-class EntropyProbe(L.Callback):
+class EntropyProbe(Probe):
     """Logs `probe/entropy/*` every `every_n_steps` optimizer steps; never changes training."""
 
     def __init__(
@@ -135,11 +136,11 @@ class EntropyProbe(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: L.Trainer, pl_module: ProbedModule, stage: str) -> None:
         pl_module.entropy_observer, pl_module.entropy_grad = None, False
         self._params = []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer, pl_module: ProbedModule, batch, batch_idx: int) -> None:
         active = trainer.global_step % self.every_n_steps == 0
         pl_module.entropy_observer = self._observe if active else None
         pl_module.entropy_grad = active and self.first_order
@@ -179,7 +180,7 @@ class EntropyProbe(L.Callback):
                     acc.add_(g)
 
     # ---- per optimizer step --------------------------------------------------------------------------------
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+    def on_before_optimizer_step(self, trainer, pl_module: ProbedModule, optimizer) -> None:
         if pl_module.entropy_observer is None or not self._seq_entropy:
             return
         self._stepped = True
@@ -187,7 +188,7 @@ class EntropyProbe(L.Callback):
         if self._grad_h is not None:
             self._dot_before = sum(_dot64(g, p) for g, p in zip(self._grad_h, self._params, strict=True))
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer, pl_module: ProbedModule, outputs, batch, batch_idx: int) -> None:
         if not self._stepped:  # not an optimizer step, or not probed
             return
         metrics = self._step_metrics()
@@ -227,7 +228,9 @@ class EntropyProbe(L.Callback):
         return metrics
 
     @torch.no_grad()
-    def _actual(self, trainer, pl_module, metrics: dict[str, float], distributed: bool) -> dict[str, float]:
+    def _actual(
+        self, trainer, pl_module: ProbedModule, metrics: dict[str, float], distributed: bool
+    ) -> dict[str, float]:
         """Re-score the step's micro-batches with the updated policy: the entropy change the step caused."""
         total = 0.0
         with torch.random.fork_rng():

@@ -64,6 +64,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from grpo_lightning.probes.base import Probe, ProbedModule
+
 log = logging.getLogger(__name__)
 
 # Per-step sums over micro-batches (then over ranks): |h_i|^2, |h_i|^2 / B_i^2, 1 / B_i, B_i, micro-batches,
@@ -139,7 +141,7 @@ class SmoothedRatio:
         return math.sqrt(spread * self.w2) / self.w1
 
 
-class GradientNoiseScaleProbe(L.Callback):
+class GradientNoiseScaleProbe(Probe):
     """Logs `probe/gns/*` every `every_n_steps` optimizer steps; never changes training."""
 
     def __init__(self, every_n_steps: int = 1, ema_beta: float = 0.9, min_snr: float = 2.0) -> None:
@@ -194,7 +196,7 @@ class GradientNoiseScaleProbe(L.Callback):
         return None  # the gradient is never modified
 
     # ---- per micro-batch -----------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer, pl_module: ProbedModule, batch, batch_idx: int) -> None:
         self._active = trainer.global_step % self.every_n_steps == 0
         if self._active:
             self._micro_sq = self._micro_cross = 0.0
@@ -220,7 +222,7 @@ class GradientNoiseScaleProbe(L.Callback):
         t["hook_total"] += sq + 2.0 * float(self._micro_cross)
 
     # ---- per optimizer step --------------------------------------------------------------------------------
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+    def on_before_optimizer_step(self, trainer, pl_module: ProbedModule, optimizer) -> None:
         if not self._active:
             return
         big_sq = float(sum(_sq_norm(p.grad) for p in self._params if p.grad is not None))
@@ -228,7 +230,7 @@ class GradientNoiseScaleProbe(L.Callback):
         totals = trainer.strategy.reduce(totals.to(pl_module.device), reduce_op="sum").cpu()
         sum_sq, sum_sq_per_b2, inv_b, b_step, count, hook_total, empty = totals.tolist()
         world = float(trainer.world_size)
-        per_sample = getattr(pl_module, "step_weighting", "micro_batch") == "sample"
+        per_sample = pl_module.step_weighting == "sample"
         if per_sample:  # dapo: g_i = (B_step / (W B_i)) h_i, a_i = B_i / B_step
             mean_sq = (b_step / world) ** 2 * sum_sq_per_b2 / count
         else:  # Lightning's mean over micro-batches: g_i = m h_i, a_i = 1 / (m W)

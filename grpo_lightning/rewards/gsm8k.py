@@ -19,13 +19,16 @@ Design choices:
 * Answers are compared as numbers, not strings, so ``18``, ``18.0``, ``18.00``, ``$18`` and ``18.`` are all
   equal, with an absolute tolerance of 1e-6 to absorb float rounding of decimal answers.
 
-This module deliberately imports neither Lightning nor Hydra, only the standard library.
+This module deliberately imports neither Lightning nor Hydra, only the standard library (and the stdlib-only
+interfaces in `grpo_lightning.rewards.base`, which also define `RewardResult`).
 """
 
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from grpo_lightning.rewards.base import RewardResult, RewardTerm
 
 logger = logging.getLogger(__name__)
 
@@ -85,24 +88,10 @@ def normalize_number(text: str) -> float | None:
 
 
 @dataclass(frozen=True)
-class RewardResult:
-    """Outcome of scoring one completion.
-
-    ``extracted`` is the predicted answer string (None when no answer format matched), so callers can
-    compute a format rate as the fraction of results whose ``extracted`` is not None.
-    """
-
-    reward: float
-    extracted: str | None
-    correct: bool
-    terms: dict[str, float] | None = field(default=None, compare=False)
-    """Unweighted value of each reward term (set by the reward pipeline, `grpo_lightning.rewards.pipeline`)."""
-
-
-@dataclass(frozen=True)
-class GSM8KReward:
+class GSM8KReward(RewardTerm):
     """Reward 1.0 for a numerically correct answer, ``format_bonus`` for a wrong one, 0.0 for none."""
 
+    reports_answer = True
     format_bonus: float = 0.1
 
     def __post_init__(self) -> None:
@@ -128,25 +117,26 @@ class GSM8KReward:
         reward = 1.0 if correct else float(self.format_bonus)
         return RewardResult(reward=reward, extracted=extracted, correct=correct)
 
-    def __call__(self, completion: str, reference: str) -> float:
-        """Return the scalar reward of ``completion`` against the reference answer string."""
-        return self.score_detailed(completion, reference).reward
+    def score(self, completion: str, reference: str, **info) -> RewardResult:
+        """The reward term: `score_detailed` (the rollout's `info` does not matter to correctness)."""
+        return self.score_detailed(completion, reference)
 
 
 @dataclass(frozen=True)
-class AnswerFormat:
+class AnswerFormat(RewardTerm):
     """1.0 when the completion states a final answer in a recognised format (correct or not), else 0.0.
 
     A reward term (`reward=gsm8k_shaped`): with weight 0.1 beside a correctness term of format_bonus 0, a wrong
     answer in a recognised format scores what today's format bonus gives it, and a correct one 1.1.
     """
 
-    def __call__(self, completion: str, reference: str) -> float:
-        return 0.0 if extract_predicted_answer(completion) is None else 1.0
+    def score(self, completion: str, reference: str, **info) -> RewardResult:
+        value = 0.0 if extract_predicted_answer(completion) is None else 1.0
+        return RewardResult(reward=value, extracted=None, correct=False)
 
 
 @dataclass(frozen=True)
-class OverlongPenalty:
+class OverlongPenalty(RewardTerm):
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), a reward term in [-1, 0].
 
     With L_max = `max_new_tokens` and a buffer of L_cache = `buffer_fraction` x L_max tokens: 0 up to
@@ -164,69 +154,21 @@ class OverlongPenalty:
         if not (math.isfinite(self.truncated_penalty) and self.truncated_penalty <= 0.0):
             raise ValueError(f"truncated_penalty must be a finite number <= 0 (got {self.truncated_penalty!r})")
 
-    def __call__(
+    def score(
         self,
         completion: str,
         reference: str,
         truncated: bool = False,
         num_tokens: int | None = None,
         max_new_tokens: int | None = None,
-    ) -> float:
+        **info,
+    ) -> RewardResult:
         if truncated:
-            return float(self.truncated_penalty)
-        if num_tokens is None or not max_new_tokens:
-            return 0.0
-        cache = max(self.buffer_fraction * max_new_tokens, 1.0)
-        expected = max_new_tokens - cache
-        if num_tokens <= expected:
-            return 0.0
-        return max((expected - num_tokens) / cache, -1.0)
-
-
-class SafeReward:
-    """Wraps a reward function so one failing sample scores 0 instead of ending the run.
-
-    A user reward that raises on an odd completion (a regex on unexpected text, a parser bug) should not kill
-    an hours-long run: the sample scores 0.0, the failure is counted (`rollout/reward_errors`, per round) and
-    the first error is logged with its traceback so the bug is still visible. `score_detailed` is offered only
-    when the wrapped function has it, so variants see the same interface as before.
-    """
-
-    def __init__(self, reward_fn) -> None:
-        self.reward_fn = reward_fn
-        self.errors = 0
-        """Failures since the last `pop_errors()`."""
-        self.total_errors = 0
-        if hasattr(reward_fn, "score_detailed"):
-            self.score_detailed = self._score_detailed
-
-    def __call__(self, completion: str, reference: str) -> float:
-        try:
-            return float(self.reward_fn(completion, reference))
-        except Exception as err:  # noqa: BLE001 - any user error becomes a zero reward, counted and logged
-            self._record(err, completion)
-            return 0.0
-
-    def _score_detailed(self, completion: str, reference: str) -> RewardResult:
-        try:
-            return self.reward_fn.score_detailed(completion, reference)
-        except Exception as err:  # noqa: BLE001
-            self._record(err, completion)
-            return RewardResult(reward=0.0, extracted=None, correct=False)
-
-    def pop_errors(self) -> int:
-        """Failures since the previous call (the rollout loop logs them once per round)."""
-        errors, self.errors = self.errors, 0
-        return errors
-
-    def _record(self, err: Exception, completion: str) -> None:
-        if self.total_errors == 0:
-            logger.error(
-                "the reward function raised %s on a completion (scored 0; later failures are only counted in "
-                "rollout/reward_errors): %r",
-                type(err).__name__,
-                completion[:200],
-                exc_info=err,
-            )
-        self.errors += 1
-        self.total_errors += 1
+            value = float(self.truncated_penalty)
+        elif num_tokens is None or not max_new_tokens:
+            value = 0.0
+        else:
+            cache = max(self.buffer_fraction * max_new_tokens, 1.0)
+            expected = max_new_tokens - cache
+            value = 0.0 if num_tokens <= expected else max((expected - num_tokens) / cache, -1.0)
+        return RewardResult(reward=value, extracted=None, correct=False)

@@ -10,9 +10,12 @@ Built from the `reward` config group (conf/reward/*.yaml; docs/rewards.md):
       group_transforms:    # over a round's rewards, in order; the last output is the advantage
         normalize: {_target_: grpo_lightning.rewards.transforms.GroupNormalize, scale: auto}
 
-A term is any callable `(completion, reference, **info) -> float`, a class (instantiated with the node's other
-keys) or a plain function (its other keys are bound as keyword arguments). `info` holds `truncated`,
-`num_tokens`, `max_new_tokens` and `branch_point`; a term that takes no `**info` gets only the keys it names.
+A term is a `RewardTerm` or any callable `(completion, reference, **info) -> float`, a class (instantiated with
+the node's other keys) or a plain function (its other keys are bound as keyword arguments). `info` holds
+`truncated`, `num_tokens`, `max_new_tokens` and `branch_point`; a callable that takes no `**info` gets only the
+keys it names. The builder wraps a callable that is not a `RewardTerm` (or, for a transform, not a `Transform`)
+into one (`CallableTerm`, `CallableTransform`), so the pipeline calls every stage through the interfaces of
+`grpo_lightning.rewards.base`.
 
 Robustness: a term that RAISES scores 0 for that completion and is counted (`rollout/reward_errors`, the first
 failure logged with its traceback), so one odd completion cannot end a long run; a term that RETURNS something
@@ -38,7 +41,8 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from grpo_lightning.rewards.gsm8k import RewardResult
+from grpo_lightning.rewards.base import RewardResult, RewardTerm, Transform
+from grpo_lightning.rewards.transforms import GroupNormalize
 
 logger = logging.getLogger(__name__)
 
@@ -101,18 +105,42 @@ class RewardTermError(ValueError):
 
 @dataclass
 class _Stage:
-    """One named callable of the pipeline and the info keywords it takes (None: all, it has **kwargs)."""
+    """One named term or transform of the pipeline."""
 
     key: str
     """Its config key, e.g. `reward.terms.gsm8k` (errors name it)."""
     name: str
-    fn: Callable
+    fn: RewardTerm | Transform
     weight: float = 1.0
-    accepts: frozenset[str] | None = None
 
-    def call(self, *args, info: Mapping):
-        kwargs = dict(info) if self.accepts is None else {k: v for k, v in info.items() if k in self.accepts}
-        return self.fn(*args, **kwargs)
+
+def _keywords_for(accepts: frozenset[str] | None, info: Mapping) -> dict:
+    """The `info` keys a callable takes (`accepts` None: all, it has **kwargs)."""
+    return dict(info) if accepts is None else {k: v for k, v in info.items() if k in accepts}
+
+
+class CallableTerm(RewardTerm):
+    """A term given as a plain callable `(completion, reference, **info) -> number`: called with the info keys its
+    signature names, reporting no answer. Its value is passed on as returned; the pipeline checks it is a finite
+    number and names the term's key when it is not."""
+
+    def __init__(self, fn: Callable, accepts: frozenset[str] | None) -> None:
+        self.fn, self.accepts = fn, accepts
+
+    def score(self, completion: str, reference: str, **info) -> RewardResult:
+        value = self.fn(completion, reference, **_keywords_for(self.accepts, info))
+        return RewardResult(reward=value, extracted=None, correct=False)
+
+
+class CallableTransform(Transform):
+    """A transform given as a plain callable: called with the info keys its signature names; no context, no
+    state (a transform that needs either derives from `Transform`)."""
+
+    def __init__(self, fn: Callable, accepts: frozenset[str] | None) -> None:
+        self.fn, self.accepts = fn, accepts
+
+    def __call__(self, *args, **info):
+        return self.fn(*args, **_keywords_for(self.accepts, info))
 
 
 def _accepted_keywords(fn: Callable, positional: int) -> frozenset[str] | None:
@@ -178,7 +206,7 @@ class RewardPipeline:
     def score_completion(self, completion: str, reference: str, **info) -> RewardResult:
         """Reward of one completion, with each term's unweighted value in `terms`.
 
-        `extracted` / `correct` come from the first term that reports them (`score_detailed`, e.g. GSM8KReward);
+        `extracted` / `correct` come from the first term that reports them (`reports_answer`, e.g. GSM8KReward);
         without one, nothing counts as extracted and `correct` is `reward >= 1`. `info["steps"]` (a list of the
         completion's reasoning steps, from a variant that knows them) turns on the step transforms.
         """
@@ -199,29 +227,22 @@ class RewardPipeline:
             total = weighted if total is None else total + weighted  # one term of weight 1.0: the value itself
         reward = total
         for stage in self.transforms:
-            reward = _as_number(stage.key, stage.call(reward, info=info))
+            reward = _as_number(stage.key, stage.fn(reward, **info))
         if steps is not None:
             for stage in self.step_transforms:
-                reward = _as_number(stage.key, stage.call(reward, steps, info=info))
+                reward = _as_number(stage.key, stage.fn(reward, steps, **info))
         if detail is None:
             return RewardResult(reward=reward, extracted=None, correct=reward >= 1.0, terms=values)
         return RewardResult(reward=reward, extracted=detail.extracted, correct=detail.correct, terms=values)
 
     def _term(self, term: _Stage, completion: str, reference: str, info) -> tuple[float, RewardResult | None]:
-        detailed = getattr(term.fn, "score_detailed", None)
+        """The term's value and, when the term reports answers, its result."""
         try:
-            if detailed is not None:
-                result = detailed(completion, reference)
-                raw = result.reward
-            else:
-                result, raw = None, term.call(completion, reference, info=info)
+            result = term.fn.score(completion, reference, **info)
         except Exception as err:  # noqa: BLE001 - a term that raises scores 0 for this completion, counted and logged
             self._record(term.key, err, completion)
             return 0.0, None
-        return _as_number(term.key, raw), result
-
-    def score_detailed(self, completion: str, reference: str) -> RewardResult:
-        return self.score_completion(completion, reference)
+        return _as_number(term.key, result.reward), result if term.fn.reports_answer else None
 
     def __call__(self, completion: str, reference: str, **info) -> float:
         return self.score_completion(completion, reference, **info).reward
@@ -260,15 +281,18 @@ class RewardPipeline:
         self.errors += 1
         self.total_errors += 1
 
+    def _stages(self) -> list[_Stage]:
+        return [*self.terms, *self.transforms, *self.step_transforms, *self.group_transforms]
+
     def state_dict(self) -> dict:
         """State of the stateful stages (e.g. an EMA baseline), by config key: saved in every checkpoint."""
-        stages = [*self.terms, *self.transforms, *self.step_transforms, *self.group_transforms]
-        return {s.key: s.fn.state_dict() for s in stages if callable(getattr(s.fn, "state_dict", None))}
+        return {s.key: state for s in self._stages() if (state := s.fn.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
-        stages = {s.key: s for s in [*self.terms, *self.transforms, *self.step_transforms, *self.group_transforms]}
+        stateful = self.state_dict()
+        stages = {s.key: s for s in self._stages()}
         for key, value in state.items():
-            if key not in stages or not callable(getattr(stages[key].fn, "load_state_dict", None)):
+            if key not in stateful:
                 raise ValueError(
                     f"ckpt_path: the checkpoint holds reward state for {key}, which this run's reward does not have; "
                     "resume with the same reward config"
@@ -280,8 +304,8 @@ class RewardPipeline:
         terms = " + ".join(f"{t.weight:g} x {t.name}" for t in self.terms)
         chain = []
         for stage in (*self.transforms, *self.step_transforms, *self.group_transforms):
-            scale = getattr(stage.fn, "scale", None)
-            chain.append(f"{stage.name}(scale={scale})" if isinstance(scale, str) else stage.name)
+            settings = stage.fn.describe_settings()
+            chain.append(f"{stage.name}({settings})" if settings else stage.name)
         return terms + "".join(f" -> {name}" for name in chain)
 
 
@@ -304,16 +328,23 @@ def build_reward(node: DictConfig, loss_type: str | None = None, max_new_tokens:
             key = f"reward.{place}.{name}"
             if place == "terms" and name in RESERVED_TERM_NAMES:
                 raise ValueError(f"{key}: the name {name!r} is reserved (reward/total_mean); choose another")
-            stage = _build_stage(key, str(name), spec, weighted=place == "terms")
-            stage.accepts = _accepted_keywords(stage.fn, positional)
-            bind = getattr(stage.fn, "bind", None)
-            if callable(bind):
-                bind(loss_type=loss_type, max_new_tokens=max_new_tokens)
+            stage = _build_stage(key, str(name), spec, place, positional)
+            stage.fn.bind(loss_type=loss_type, max_new_tokens=max_new_tokens)
             stages[place].append(stage)
     return RewardPipeline(**stages, max_new_tokens=max_new_tokens)
 
 
-def _build_stage(key: str, name: str, spec, weighted: bool) -> _Stage:
+def pipeline_from_function(fn: Callable, name: str = "reward") -> RewardPipeline:
+    """A reward function used from Python (tests, benchmarks) as a pipeline a variant takes: the one term
+    `fn` of weight 1 and GRPO's group-normalised advantages (`GroupNormalize(scale="group")`)."""
+    term = fn if isinstance(fn, RewardTerm) else CallableTerm(fn, _accepted_keywords(fn, 2))
+    normalize = _Stage(key="reward.group_transforms.normalize", name="normalize", fn=GroupNormalize(scale="group"))
+    return RewardPipeline(terms=[_Stage(key=f"reward.terms.{name}", name=name, fn=term)], group_transforms=[normalize])
+
+
+def _build_stage(key: str, name: str, spec, place: str, positional: int) -> _Stage:
+    """The stage of one config node; a callable that is not a `RewardTerm` / `Transform` is wrapped into one."""
+    weighted = place == "terms"
     if not (OmegaConf.is_dict(spec) or isinstance(spec, Mapping)) or "_target_" not in spec:
         raise ValueError(f"{key}: needs a _target_ (a function or a class); got {spec!r}")
     spec = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else dict(spec)
@@ -340,4 +371,12 @@ def _build_stage(key: str, name: str, spec, weighted: bool) -> _Stage:
         raise ValueError(f"{key}._target_: {target!r} is neither a function nor a class")
     if not callable(fn):
         raise ValueError(f"{key}._target_: {target!r} builds an object that cannot be called")
+    if weighted and isinstance(fn, Transform):
+        raise ValueError(f"{key}._target_: {target!r} is a transform, not a reward term")
+    if not weighted and isinstance(fn, RewardTerm):
+        raise ValueError(f"{key}._target_: {target!r} is a reward term, not a transform")
+    if weighted and not isinstance(fn, RewardTerm):
+        fn = CallableTerm(fn, _accepted_keywords(fn, positional))
+    elif not weighted and not isinstance(fn, Transform):
+        fn = CallableTransform(fn, _accepted_keywords(fn, positional))
     return _Stage(key=key, name=name, fn=fn, weight=float(weight))

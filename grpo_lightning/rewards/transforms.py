@@ -9,8 +9,11 @@ Three places, after the peer design of Unstable Baselines (final, step and sampl
   (`StepFormat`, `StepDiscount`);
 * group transforms, over a round's rewards before the advantage:
   `__call__(rewards [N], group_ids [N]) -> [N]`; the last one's output is the advantage (`GroupNormalize`, which
-  is today's advantage, and `EMABaseline`). A stateful one offers `state_dict()` / `load_state_dict()`, which
+  is today's advantage, and `EMABaseline`). A stateful one overrides `state_dict()` / `load_state_dict()`, which
   the rollout loop saves in every checkpoint.
+
+Each derives from `grpo_lightning.rewards.base.Transform`, whose defaults (no context, no state) the pipeline
+relies on.
 
 Each is a small class whose constructor arguments are its config keys; a constructor's ValueError names the key
 without its config prefix (the pipeline builder adds `reward.<place>.<name>: `).
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.algorithm.advantages import SCALE_REWARDS, group_advantages
+from grpo_lightning.rewards.base import Transform
 
 # The advantage scaling each objective is defined with (`scale: auto`): Dr. GRPO drops the std division.
 LOSS_SCALE_REWARDS = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group"}
@@ -38,7 +42,7 @@ def _finite(name: str, value, allow_none: bool = False) -> None:
 
 
 # ---- per completion --------------------------------------------------------------------------------------------
-class Clip:
+class Clip(Transform):
     """Clamp the reward to [low, high]; either bound may be null (no bound)."""
 
     def __init__(self, low: float | None = None, high: float | None = None) -> None:
@@ -48,7 +52,7 @@ class Clip:
             raise ValueError(f"low ({low}) must be <= high ({high})")
         self.low, self.high = low, high
 
-    def __call__(self, reward: float) -> float:
+    def __call__(self, reward: float, **info) -> float:
         if self.low is not None and reward < self.low:
             return float(self.low)
         if self.high is not None and reward > self.high:
@@ -56,7 +60,7 @@ class Clip:
         return reward
 
 
-class Scale:
+class Scale(Transform):
     """`factor * reward + shift`."""
 
     def __init__(self, factor: float = 1.0, shift: float = 0.0) -> None:
@@ -64,11 +68,11 @@ class Scale:
         _finite("shift", shift)
         self.factor, self.shift = factor, shift
 
-    def __call__(self, reward: float) -> float:
+    def __call__(self, reward: float, **info) -> float:
         return self.factor * reward + self.shift
 
 
-class Ternary:
+class Ternary(Transform):
     """Map the reward to {-1, 0, 1} (win / draw / loss): 1 at or above `high`, -1 at or below `low`, else 0.
 
     The defaults fit the GSM8K reward: a correct answer (1.0) is 1, a wrong answer in a recognised format
@@ -82,7 +86,7 @@ class Ternary:
             raise ValueError(f"low ({low}) must be < high ({high})")
         self.high, self.low = high, low
 
-    def __call__(self, reward: float) -> float:
+    def __call__(self, reward: float, **info) -> float:
         if reward >= self.high:
             return 1.0
         if reward <= self.low:
@@ -91,7 +95,7 @@ class Ternary:
 
 
 # ---- per reasoning step ----------------------------------------------------------------------------------------
-class StepFormat:
+class StepFormat(Transform):
     """A step-format reward: `bonus` for each of the completion's own reasoning steps that matches `pattern`
     (by default, one that shows a computed result, `= <number>`), at most `max_bonus` in all.
 
@@ -112,13 +116,13 @@ class StepFormat:
             raise ValueError(f"pattern {pattern!r} is not a regular expression ({err})") from None
         self.bonus, self.max_bonus, self.own_steps_only = bonus, max_bonus, own_steps_only
 
-    def __call__(self, reward: float, steps: list[str], branch_step: int = 0) -> float:
+    def __call__(self, reward: float, steps: list[str], branch_step: int = 0, **info) -> float:
         own = steps[branch_step:] if self.own_steps_only else steps
         matched = sum(1 for step in own if self.pattern.search(step))
         return reward + min(self.bonus * matched, self.max_bonus)
 
 
-class StepDiscount:
+class StepDiscount(Transform):
     """`reward * gamma ** (steps - 1)`: a discount per reasoning step that favours shorter solutions."""
 
     def __init__(self, gamma: float = 0.98) -> None:
@@ -127,12 +131,12 @@ class StepDiscount:
             raise ValueError(f"gamma must be in (0, 1] (got {gamma!r})")
         self.gamma = gamma
 
-    def __call__(self, reward: float, steps: list[str]) -> float:
+    def __call__(self, reward: float, steps: list[str], **info) -> float:
         return reward * self.gamma ** max(len(steps) - 1, 0)
 
 
 # ---- over the round's rewards (before the advantage) ----------------------------------------------------------
-class GroupNormalize:
+class GroupNormalize(Transform):
     """Group-relative advantage (`grpo_lightning.algorithm.advantages.group_advantages`): centre on the group mean, then
     divide by the group std (`group`), the batch std (`batch`) or nothing (`none`, Dr. GRPO).
 
@@ -147,17 +151,20 @@ class GroupNormalize:
             raise ValueError(f"eps must be >= 0 (got {eps!r})")
         self.scale, self.eps = scale, eps
 
-    def bind(self, loss_type: str | None = None, **context) -> None:
+    def bind(self, loss_type: str | None = None, max_new_tokens: int | None = None) -> None:
         """Resolve `auto` once the loss is known (the pipeline builder calls this)."""
         if self.scale == "auto":
             self.scale = LOSS_SCALE_REWARDS.get(loss_type or "grpo", "group")
+
+    def describe_settings(self) -> str:
+        return f"scale={self.scale}"
 
     def __call__(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
         scale = "group" if self.scale == "auto" else self.scale
         return group_advantages(rewards, group_ids, scale, self.eps)
 
 
-class EMABaseline:
+class EMABaseline(Transform):
     """REINFORCE with a running baseline: `A = r - b`, with b an exponential moving average of the rounds' mean
     rewards (`b <- decay * b + (1 - decay) * mean`, b = the first round's mean to start), taken BEFORE this
     round updates it. `scale: batch` also divides by the round's reward std (+ eps).
@@ -196,3 +203,6 @@ class EMABaseline:
 
     def load_state_dict(self, state: dict) -> None:
         self.value, self.rounds = state["value"], state["rounds"]
+
+    def describe_settings(self) -> str:
+        return f"scale={self.scale}"

@@ -24,7 +24,7 @@ class SavePolicy(L.Callback):
         self.tokenizer = tokenizer
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero or getattr(pl_module, "diverged", False):  # never save blown-up weights
+        if not trainer.is_global_zero or pl_module.diverged:  # never save blown-up weights
             return
         pl_module.policy.save_pretrained(self.directory)
         self.tokenizer.save_pretrained(self.directory)

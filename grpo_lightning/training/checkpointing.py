@@ -46,7 +46,7 @@ class LastCheckpoint(Checkpoint):
         self.dirpath = Path(dirpath)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if getattr(pl_module, "diverged", False):  # keep the previous round's file: it predates the divergence
+        if pl_module.diverged:  # keep the previous round's file: it predates the divergence
             return
         trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)  # every rank; rank 0 writes
 
@@ -56,7 +56,7 @@ class RoundCheckpoint(ModelCheckpoint):
     checkpoint's `epoch`), never written for a round the guard found diverged."""
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not getattr(pl_module, "diverged", False):
+        if not pl_module.diverged:
             super().on_train_epoch_end(trainer, pl_module)
 
 
@@ -235,6 +235,7 @@ class RunLock:
     NAME = ".run.lock"
 
     def __init__(self, output_dir: str | Path) -> None:
+        self._file = None  # release() (and __del__) find no file when the lock was never taken
         import fcntl
 
         self.path = Path(output_dir) / self.NAME
@@ -254,9 +255,8 @@ class RunLock:
         self._file.flush()
 
     def release(self) -> None:
-        file = getattr(self, "_file", None)
-        if file is not None and not file.closed:
-            file.close()  # closing the descriptor releases the flock
+        if self._file is not None and not self._file.closed:
+            self._file.close()  # closing the descriptor releases the flock
 
     def __del__(self) -> None:
         self.release()

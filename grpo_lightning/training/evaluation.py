@@ -9,7 +9,6 @@ problem and the metrics are computed over all of them (rank 0 logs).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -55,23 +54,6 @@ def score_completions(texts: list[str], lengths: list[int], answers: list[str], 
 def pass_at_k(correct: list[list[bool]]) -> float:
     """Fraction of problems with at least one correct sample among their k samples (n = k: exact pass@k)."""
     return sum(any(samples) for samples in correct) / max(len(correct), 1)
-
-
-@contextlib.contextmanager
-def rows_per_call(generator, rows: int):
-    """Let an engine that decodes a fixed number of rows per call (HF: `generator.batch_size`) take `rows` while
-    evaluating. Greedy decoding of many short prompts is cheaper per problem in one wide call than in several
-    narrow ones on CPU, where every decode step reads all the weights once whatever the row count. Engines
-    that schedule their own batches (vLLM) have no such attribute and are left alone."""
-    previous = getattr(generator, "batch_size", None)
-    if previous is None:
-        yield
-        return
-    generator.batch_size = rows
-    try:
-        yield
-    finally:
-        generator.batch_size = previous
 
 
 @dataclass(frozen=True)
@@ -149,7 +131,7 @@ class GSM8KEvaluator(L.Callback):
         """Called by the rollout loop at the end of every round, once the next round is sampled."""
         rounds_done = trainer.current_epoch + 1
         last = trainer.max_epochs is not None and rounds_done >= trainer.max_epochs
-        if getattr(pl_module, "diverged", False):  # blown-up weights: nothing worth scoring (or logging)
+        if pl_module.diverged:  # blown-up weights: nothing worth scoring (or logging)
             return
         if self.enabled and (rounds_done % self.every_n_rounds == 0 or last):
             self.evaluate(trainer)
@@ -161,7 +143,7 @@ class GSM8KEvaluator(L.Callback):
         rank, world_size = rank_and_world()
         mine = self.prompts[rank::world_size]
         prefixes = [p.prompt_ids for p in mine]
-        with torch.random.fork_rng(), rows_per_call(self.generator, self.batch_size):  # never moves the training RNG
+        with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves the training RNG
             greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.max_new_tokens, greedy=True)]
             sampled = self.generator.generate(prefixes, self.pass_k, self.max_new_tokens) if self.pass_k else []
         part = {

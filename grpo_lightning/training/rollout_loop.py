@@ -125,10 +125,9 @@ class RolloutLoop(L.Callback):
         self.seed = seed
         self.stop = stop
         """The graceful stop (interrupt.py), asked at every round end whether a signal arrived."""
+        self.guard = generator.guard
+        """The generator's stale-weight guard (generation/stale_guard.py), told of every round."""
         self.evaluator = evaluator
-        self.guard = getattr(generator, "guard", None)
-        """The generator's stale-weight guard (generation/stale_guard.py), told of every round; a user's own
-        generator may have none."""
         """The GSM8K evaluator (evaluation.py), run at the start and after the rounds it is due."""
         self.prompt_cursor = 0
         """Dynamic sampling: the prompt stream position of the next unused prompt."""
@@ -148,8 +147,7 @@ class RolloutLoop(L.Callback):
 
     @property
     def state_key(self) -> str:
-        """The key of this state in a checkpoint's `callbacks`: the name it has always been saved under, so that
-        every checkpoint written so far resumes."""
+        """The checkpoint key of this state: the class's former name, kept because renaming it would only churn."""
         return "RolloutCallback"
 
     def decode(self, ids: list[int]) -> str:
@@ -158,11 +156,10 @@ class RolloutLoop(L.Callback):
     # ---- checkpoint state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Called on every rank when a checkpoint is written; rank 0 writes everybody's part."""
-        reward_state = getattr(self.reward_fn, "state_dict", None)  # e.g. an EMA baseline across rounds
         local = {
             "pending": None if self.pending is None else [dataclasses.asdict(r) for r in self.pending],
             "rng": capture_rng(),
-            "reward": reward_state() if reward_state is not None else {},
+            "reward": self.reward_fn.state_dict(),  # e.g. an EMA baseline across rounds
         }
         return {
             "next_round": self.next_round,
@@ -204,8 +201,8 @@ class RolloutLoop(L.Callback):
         agreement = self.agreement.metrics()
         for key, reduce in (("rollout/logp_diff_mean", "mean"), ("rollout/logp_diff_max", "max")):
             pl_module.log(key, agreement[key], on_epoch=True, batch_size=1, sync_dist=True, reduce_fx=reduce)
-        if self.guard is not None:  # the value just logged, averaged over ranks: every rank judges the same
-            self.guard.check(trainer.current_epoch, trainer.callback_metrics.get("rollout/logp_diff_mean"))
+        # the value just logged, averaged over ranks: every rank judges the same
+        self.guard.check(trainer.current_epoch, trainer.callback_metrics.get("rollout/logp_diff_mean"))
         if self.stop is not None:
             self.stop.after_round(trainer)  # a signal: no next round; the checkpoint is written as usual
         next_round = trainer.current_epoch + 1
@@ -214,9 +211,7 @@ class RolloutLoop(L.Callback):
             self.produce(trainer, pl_module, next_round)
         if self.evaluator is not None:
             if not more or trainer.should_stop:  # no next round synced the engine: give it the weights just trained
-                push = getattr(self.generator, "push_weights", None)  # engines with their own copy (vLLM)
-                if push is not None:
-                    push()
+                self.generator.push_weights()  # engines with their own copy (vLLM)
             self.evaluator.after_round(trainer, pl_module)
 
     def start_or_resume(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -241,8 +236,7 @@ class RolloutLoop(L.Callback):
             restore_rng(mine["rng"])
             self.produce(trainer, pl_module, state["next_round"])
             return
-        names = {f.name for f in dataclasses.fields(Rollout)}  # older checkpoints carry a since removed field
-        rollouts = [Rollout(**{k: v for k, v in r.items() if k in names}) for r in mine["pending"]]
+        rollouts = [Rollout(**r) for r in mine["pending"]]
         self.install(trainer, pl_module, rollouts, state["next_round"])
         self.round_metrics = {k: v for k, v in state["round_metrics"].items() if not k.startswith("rollout/logp_diff")}
         restore_rng(mine["rng"])
@@ -252,9 +246,7 @@ class RolloutLoop(L.Callback):
     def produce(self, trainer: L.Trainer, pl_module: L.LightningModule, round_index: int) -> None:
         """Sync, sample, score, gather: the next round's rollouts, installed, and its metrics."""
         self.generator.sync_weights(pl_module.policy)
-        reseed = getattr(self.generator, "reseed", None)  # engines that can seed per prefix (HF)
-        if reseed is not None:
-            reseed(derive_seed(self.seed, "round", round_index))
+        self.generator.reseed(derive_seed(self.seed, "round", round_index))  # engines that seed per prefix (HF)
         rank, world_size = rank_and_world()
         start = time.perf_counter()
         release_freed_memory()  # the training phase's freed activations, before generation adds its own
@@ -266,15 +258,13 @@ class RolloutLoop(L.Callback):
                 rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
                 sampled, sampling_metrics = rollouts, {}
         release_freed_memory()  # generation's merged / packed weights and KV cache, before training
-        if self.guard is not None:
-            self.guard.round_sampled()
+        self.guard.round_sampled()
         rollout_s = time.perf_counter() - start
-        pop_errors = getattr(self.reward_fn, "pop_errors", None)  # SafeReward counts failing reward calls
         local = {
             "stats": [RolloutStats.of(r, rank) for r in sampled],
             "rollout_s": rollout_s,
             "variant": dict(self.variant.metrics),
-            "reward_errors": pop_errors() if pop_errors is not None else None,
+            "reward_errors": self.reward_fn.pop_errors(),  # failing reward term calls
             "sampling": sampling_metrics,
         }
         self.round_metrics = round_metrics(gather_objects(local))

@@ -13,17 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpo_lightning.algorithm.advantages import group_advantages
-from grpo_lightning.rewards.gsm8k import RewardResult
 from grpo_lightning.types import Rollout
 
 if TYPE_CHECKING:
     from grpo_lightning.generation.base import Generator
+    from grpo_lightning.rewards.pipeline import RewardPipeline
     from grpo_lightning.types import Completion, Prompt
 
 VARIANTS: dict[str, type[GRPOVariant]] = {}
-
-RewardFn = Callable[[str, str], float]
 
 
 def register_variant(name: str):
@@ -53,7 +50,7 @@ class GRPOVariant(ABC):
         self.metrics = {}
 
     def generate_rollouts(
-        self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardFn, decode: Callable
+        self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardPipeline, decode: Callable
     ) -> list[Rollout]:
         """Sample and score completions of `prompts`, then fill in every rollout's `advantage`."""
         rollouts = self.sample_rollouts(generator, prompts, reward_fn, decode)
@@ -62,7 +59,7 @@ class GRPOVariant(ABC):
 
     @abstractmethod
     def sample_rollouts(
-        self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardFn, decode: Callable
+        self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardPipeline, decode: Callable
     ) -> list[Rollout]:
         """Sample, score and group completions (group id = index of the prompt in `prompts`); no advantages yet.
 
@@ -74,24 +71,18 @@ class GRPOVariant(ABC):
         """How many rollouts a round of `num_prompts` prompts yields (for the dry-run plan)."""
         raise NotImplementedError
 
-    def score(self, reward_fn: RewardFn, text: str, answer: str, **info) -> RewardResult:
-        """Reward of one completion; a reward_fn with `score_detailed` also reports answer extraction, a reward
-        pipeline (`score_completion`) also gets `info` (truncated, num_tokens, ...) and reports each term."""
-        pipeline = getattr(reward_fn, "score_completion", None)
-        if pipeline is not None:
-            return pipeline(text, answer, **info)
-        detailed = getattr(reward_fn, "score_detailed", None)
-        if detailed is not None:
-            return detailed(text, answer)
-        reward = float(reward_fn(text, answer))
-        return RewardResult(reward=reward, extracted=None, correct=reward >= 1.0)
-
     def step_info(self, text: str, completion: Completion, branch_point: int, decode: Callable) -> dict:
         """What a variant that knows reasoning steps tells the reward: `steps` and `branch_step` (none here)."""
         return {}
 
     def make_rollout(
-        self, prompt: Prompt, completion: Completion, group_id: int, reward_fn: RewardFn, decode, branch_point: int = 0
+        self,
+        prompt: Prompt,
+        completion: Completion,
+        group_id: int,
+        reward_fn: RewardPipeline,
+        decode: Callable,
+        branch_point: int = 0,
     ) -> Rollout:
         """Decode and score one completion of `prompt`; `branch_point` leading tokens are not trained on."""
         text = decode(completion.token_ids)
@@ -101,7 +92,7 @@ class GRPOVariant(ABC):
             "branch_point": branch_point,
             **self.step_info(text, completion, branch_point, decode),
         }
-        result = self.score(reward_fn, text, prompt.answer, **info)
+        result = reward_fn.score_completion(text, prompt.answer, **info)
         return Rollout(
             prompt_ids=list(prompt.prompt_ids),
             completion_ids=completion.token_ids,
@@ -115,16 +106,11 @@ class GRPOVariant(ABC):
             reward_terms=dict(result.terms or {}),
         )
 
-    def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardFn | None = None) -> None:
+    def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardPipeline) -> None:
         """Fill `advantage` as in docs/algorithm.md (Advantages) over the rollouts' group ids: the reward
-        pipeline's group transforms (`reward.group_transforms`, docs/rewards.md) when `reward_fn` has them
-        (`advantages`), else GRPO's group-normalised advantages (a plain reward function used from Python)."""
+        pipeline's group transforms (`reward.group_transforms`, docs/rewards.md)."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([r.group_id for r in rollouts], dtype=torch.long)
-        pipeline = getattr(reward_fn, "advantages", None)
-        if pipeline is not None:
-            advantages = pipeline(rewards, group_ids)
-        else:
-            advantages = group_advantages(rewards, group_ids, "group")
+        advantages = reward_fn.advantages(rewards, group_ids)
         for r, a in zip(rollouts, advantages.tolist(), strict=True):
             r.advantage = a

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from grpo_lightning.types import Rollout
-from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
+from grpo_lightning.variants.base import GRPOVariant, register_variant
+
+if TYPE_CHECKING:
+    from grpo_lightning.rewards.pipeline import RewardPipeline
 
 
 @register_variant("grpo")
@@ -18,7 +22,9 @@ class BaselineGRPO(GRPOVariant):
     def rollouts_per_round(self, num_prompts: int) -> int:
         return num_prompts * self.num_generations
 
-    def sample_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
+    def sample_rollouts(
+        self, generator, prompts: Sequence, reward_fn: RewardPipeline, decode: Callable
+    ) -> list[Rollout]:
         samples = generator.generate([p.prompt_ids for p in prompts], self.num_generations)
         rollouts = [
             self.make_rollout(prompt, c, group_id, reward_fn, decode)

@@ -22,10 +22,14 @@ import bisect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from grpo_lightning.schema import check_settings, configures, integer, setting
 from grpo_lightning.types import Completion, Rollout
-from grpo_lightning.variants.base import GRPOVariant, RewardFn, register_variant
+from grpo_lightning.variants.base import GRPOVariant, register_variant
+
+if TYPE_CHECKING:
+    from grpo_lightning.rewards.pipeline import RewardPipeline
 
 STEP_BOUNDARY = re.compile(r"(?<![0-9])\.(?:\s+|\n+)(?=[A-Z0-9])")
 
@@ -114,7 +118,9 @@ class STORPO(GRPOVariant):
         """Upper bound: every prompt branches at max_steps boundaries."""
         return num_prompts * max(1 + self.completions_per_step * self.max_steps, self.fallback_generations)
 
-    def sample_rollouts(self, generator, prompts: Sequence, reward_fn: RewardFn, decode: Callable) -> list[Rollout]:
+    def sample_rollouts(
+        self, generator, prompts: Sequence, reward_fn: RewardPipeline, decode: Callable
+    ) -> list[Rollout]:
         initial = [group[0] for group in generator.generate([p.prompt_ids for p in prompts], 1)]
         branches: dict[int, list[int]] = {}  # prompt index -> branch points (token counts)
         fallback: list[int] = []  # prompt indices sampled plainly

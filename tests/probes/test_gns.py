@@ -23,6 +23,8 @@ def _data(seed=0):
 class Regression(L.LightningModule):
     """Weighted least squares with a frozen learning rate (lr = 0): the gradient distribution is stationary."""
 
+    step_weighting = "micro_batch"  # Lightning's mean over micro-batches (grpo_lightning.probes.base.ProbedModule)
+
     def __init__(self, weights: torch.Tensor):
         super().__init__()
         torch.manual_seed(0)

@@ -9,6 +9,7 @@ from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.data.gsm8k import GSM8K, parse_rows
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.types import Rollout
+from tests.helpers import StubGenerator
 
 
 def _write_jsonl(path, rows):
@@ -91,8 +92,15 @@ class _Tok:
     pad_token_id = 0
 
 
+class _NoEngine(StubGenerator):
+    """The rollout loop's engine where only its layout is under test: it never samples."""
+
+    def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
+        raise AssertionError("laying a round out samples nothing")
+
+
 def _loop(dm: RolloutDataModule) -> RolloutLoop:
-    return RolloutLoop(generator=None, variant=None, reward_fn=None, datamodule=dm, tokenizer=_Tok())
+    return RolloutLoop(generator=_NoEngine(), variant=None, reward_fn=None, datamodule=dm, tokenizer=_Tok())
 
 
 def test_micro_batches_keep_whole_groups_and_count_step_tokens():

@@ -4,6 +4,7 @@ import pytest
 
 from grpo_lightning.rewards.gsm8k import GSM8KReward
 from grpo_lightning.training.evaluation import GSM8KEvaluator, pass_at_k, score_completions
+from tests.helpers import StubGenerator
 
 
 def test_accuracy_format_rate_and_length_on_hand_written_completions():
@@ -93,7 +94,7 @@ def test_an_evaluation_runs_in_a_one_process_nccl_group(nccl_like_group):
 
     replies = {1: "#### 4", 2: "#### 5", 3: "#### 6"}
 
-    class ScriptedEngine:
+    class ScriptedEngine(StubGenerator):
         def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
             return [[Completion([p[0]], [0.0], finished=True)] for p in prefixes]
 

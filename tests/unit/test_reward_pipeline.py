@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from grpo_lightning.algorithm.advantages import group_advantages
 from grpo_lightning.algorithm.losses import GRPOLoss
 from grpo_lightning.algorithm.rollouts import collate_rollouts
-from grpo_lightning.rewards.gsm8k import AnswerFormat, GSM8KReward, OverlongPenalty, SafeReward
+from grpo_lightning.generation.base import SamplingConfig
+from grpo_lightning.rewards.gsm8k import AnswerFormat, GSM8KReward, OverlongPenalty
 from grpo_lightning.rewards.pipeline import (
     RewardTermError,
     build_reward,
@@ -29,9 +30,10 @@ from grpo_lightning.rewards.transforms import (
     StepFormat,
     Ternary,
 )
-from grpo_lightning.types import Completion
+from grpo_lightning.types import Completion, Rollout
 from grpo_lightning.variants.baseline import BaselineGRPO
 from tests.conftest import make_cfg
+from tests.helpers import StubGenerator
 
 # Completions covering every GSM8K outcome: correct, wrong but formatted, no answer, other formats, ties.
 TEXTS = [
@@ -85,10 +87,11 @@ def group_sum(rewards, group_ids):
 
 
 # ---- bitwise equality with today's code path ---------------------------------------------------------------
-class FakeGenerator:
+class FakeGenerator(StubGenerator):
     """Scripted completions, G per prompt (token ids are character codes, so decode is exact)."""
 
     def __init__(self, texts_per_prompt):
+        super().__init__()
         self.texts = texts_per_prompt
 
     def generate(self, prompt_ids, num_samples, max_new_tokens=None):
@@ -114,16 +117,37 @@ def _decode(ids):
     return "".join(chr(i) for i in ids)
 
 
+def _plain_gsm8k_rollouts(generator, prompts, reward: GSM8KReward) -> list[Rollout]:
+    """The rollouts of one round scored by `reward` alone, without the pipeline (no advantages yet)."""
+    samples = generator.generate([p.prompt_ids for p in prompts], 4)
+    rollouts = []
+    for group_id, (prompt, completions) in enumerate(zip(prompts, samples, strict=True)):
+        for c in completions:
+            text = _decode(c.token_ids)
+            result = reward.score_detailed(text, prompt.answer)
+            rollouts.append(
+                Rollout(
+                    prompt_ids=list(prompt.prompt_ids),
+                    completion_ids=c.token_ids,
+                    gen_logprobs=c.logprobs,
+                    reward=result.reward,
+                    group_id=group_id,
+                    truncated=not c.finished,
+                    text=text,
+                    answer_extracted=result.extracted is not None,
+                )
+            )
+    return rollouts
+
+
 @pytest.mark.parametrize(("loss", "scale"), [("grpo", "group"), ("dapo", "group"), ("dr_grpo", "none")])
 def test_default_pipeline_is_bitwise_todays_rewards_advantages_and_loss(tmp_path, loss, scale):
     texts = [[TEXTS[(i * 5 + j) % len(TEXTS)] for j in range(4)] for i in range(6)]
     texts[1] = ["#### 9"] * 4  # a group of equal rewards: advantage exactly 0
     generator, prompts = FakeGenerator(texts), _prompts(6)
 
-    # The plain path: SafeReward(GSM8KReward(0.1)), then group_advantages with the loss type's scaling.
-    old = BaselineGRPO(num_generations=4).sample_rollouts(
-        generator, prompts, SafeReward(GSM8KReward(format_bonus=0.1)), _decode
-    )
+    # The plain path: GSM8KReward(0.1) on each completion, then group_advantages with the loss type's scaling.
+    old = _plain_gsm8k_rollouts(generator, prompts, GSM8KReward(format_bonus=0.1))
     plain = group_advantages(torch.tensor([r.reward for r in old]), torch.tensor([r.group_id for r in old]), scale)
     for r, a in zip(old, plain.tolist(), strict=True):
         r.advantage = a
@@ -379,13 +403,11 @@ def test_step_transforms_need_a_variant_that_knows_steps(tmp_path):
         dry_run(cfg)
 
 
-class CharGenerator:
+class CharGenerator(StubGenerator):
     """STORPO's generator interface at character level: the initial text, then `continuation` from any prefix."""
 
-    class sampling:  # noqa: N801 - mimics the generator's SamplingConfig attribute
-        max_new_tokens = 200
-
     def __init__(self, initial: str, continuation: str):
+        super().__init__(SamplingConfig(max_new_tokens=200))
         self.initial, self.continuation = initial, continuation
 
     def generate(self, prompt_ids, num_samples, max_new_tokens=None):

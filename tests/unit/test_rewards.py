@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_lightning.rewards import base as reward_interfaces
 from grpo_lightning.rewards import gsm8k as rewards
 from grpo_lightning.rewards.gsm8k import (
     GSM8KReward,
@@ -164,15 +165,21 @@ def test_reward_is_frozen() -> None:
         reward.format_bonus = 0.5  # type: ignore[misc]
 
 
-def test_module_imports_only_stdlib() -> None:
-    tree = ast.parse(Path(rewards.__file__).read_text(encoding="utf-8"))
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
+            imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            imported.add((node.module or "").split(".")[0])
-    assert imported <= {"re", "math", "dataclasses", "logging"}
+            imported.add(node.module or "")
+    return imported
+
+
+def test_module_imports_only_stdlib() -> None:
+    imported = _imported_modules(Path(rewards.__file__))
+    assert imported <= {"re", "math", "dataclasses", "logging", "grpo_lightning.rewards.base"}
+    assert _imported_modules(Path(reward_interfaces.__file__)) <= {"__future__", "abc", "dataclasses", "typing"}
 
 
 def _gsm8k_test_split() -> Path:

@@ -5,8 +5,10 @@ import torch
 
 from grpo_lightning.algorithm.rollouts import collate_rollouts
 from grpo_lightning.generation.base import SamplingConfig
+from grpo_lightning.rewards.pipeline import pipeline_from_function
 from grpo_lightning.types import Completion, Prompt
 from grpo_lightning.variants.storpo import STORPO, evenly_spaced, step_boundaries, token_boundaries
+from tests.helpers import StubGenerator
 
 
 @pytest.mark.parametrize(
@@ -55,16 +57,16 @@ def test_token_boundaries_drop_empty_and_full_prefixes():
     assert token_boundaries([0, 1, 2], [0, 1, 3, 1], decode) == [1]  # k=0 and k=3 (whole) dropped, k=1 once
 
 
-class ScriptedGenerator:
-    """A Generator that returns scripted text (test double of the protocol) and records every call.
+class ScriptedGenerator(StubGenerator):
+    """A Generator that returns scripted text (test double of an engine) and records every call.
 
     Prefixes that are a prompt get the prompt's scripted initial completion (one sample) or fallback samples;
     any other prefix is a branch and gets `continuation` (cut to its budget).
     """
 
     def __init__(self, tokenizer, initial: dict[int, str], continuation: str, max_new_tokens: int = 64):
+        super().__init__(SamplingConfig(max_new_tokens=max_new_tokens))
         self.tokenizer = tokenizer
-        self.sampling = SamplingConfig(max_new_tokens=max_new_tokens)
         self.initial = {p: self._ids(t) for p, t in initial.items()}
         self.continuation = self._ids(continuation)
         self.calls = []
@@ -99,7 +101,7 @@ def test_groups_branch_points_and_prefix_ids(tokenizer):
     gen = ScriptedGenerator(tokenizer, initial, continuation=" So #### 9")
     variant = STORPO(completions_per_step=2, min_steps=2, max_steps=4, fallback_generations=3)
     rollouts = variant.generate_rollouts(
-        gen, _prompts(2), lambda text, ans: float("#### 9" in text), _decoder(tokenizer)
+        gen, _prompts(2), pipeline_from_function(lambda text, ans: float("#### 9" in text)), _decoder(tokenizer)
     )
 
     group0 = [r for r in rollouts if r.group_id == 0]
@@ -127,7 +129,7 @@ def test_advantages_span_the_whole_group(tokenizer):
     gen = ScriptedGenerator(tokenizer, initial, continuation=" #### 9")
     variant = STORPO(completions_per_step=1, min_steps=1, max_steps=2, fallback_generations=2)
     rollouts = variant.generate_rollouts(
-        gen, _prompts(1), lambda text, ans: float("#### 9" in text), _decoder(tokenizer)
+        gen, _prompts(1), pipeline_from_function(lambda text, ans: float("#### 9" in text)), _decoder(tokenizer)
     )
     rewards = [r.reward for r in rollouts]
     assert rewards == [0.0, 1.0, 1.0]
@@ -141,7 +143,7 @@ def test_masks_cover_exactly_the_tokens_after_each_branch_point(tokenizer):
     initial = {1000: "Step one. Step two. Step three. #### 5"}
     gen = ScriptedGenerator(tokenizer, initial, continuation=" #### 9")
     rollouts = STORPO(completions_per_step=1, min_steps=1, max_steps=2).generate_rollouts(
-        gen, _prompts(1), lambda text, ans: 0.0, _decoder(tokenizer)
+        gen, _prompts(1), pipeline_from_function(lambda text, ans: 0.0), _decoder(tokenizer)
     )
     batch = collate_rollouts(rollouts, pad_token_id=tokenizer.pad_token_id)
     for row, r in enumerate(rollouts):

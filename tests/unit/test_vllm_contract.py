@@ -176,6 +176,7 @@ class FakeBackend:
         self.responder = responder
         self.SamplingParams = FakeSamplingParams
         self.LoRARequest = FakeLoRARequest
+        self.platform = "cuda"  # what import_vllm reports; the CPU tests set "cpu"
 
     def LLM(self, **kwargs):  # noqa: N802 (stands for the class vllm.LLM)
         engine = FakeLLM(self.shapes, self.log, self.responder, kwargs, env=dict(os.environ))

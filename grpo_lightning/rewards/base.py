@@ -1,0 +1,89 @@
+"""What the reward pipeline (`grpo_lightning.rewards.pipeline`) asks of its stages: `RewardTerm` and `Transform`.
+
+The pipeline calls every stage the same way, whatever it is: a term's `score`, a transform's call, and for both
+`bind`, `state_dict`, `load_state_dict` and `describe_settings`, whose defaults here are those of a stateless
+stage that needs no context. The built-in terms and transforms derive from these classes. A plain function (or
+an object of a class that derives from neither) is wrapped by the pipeline builder into a stage with these
+defaults, called with the `info` keys its signature names (docs/rewards.md).
+
+Like gsm8k.py, this module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Outcome of scoring one completion.
+
+    ``extracted`` is the predicted answer string (None when no answer format matched), so callers can
+    compute a format rate as the fraction of results whose ``extracted`` is not None.
+    """
+
+    reward: float
+    extracted: str | None
+    correct: bool
+    terms: dict[str, float] | None = field(default=None, compare=False)
+    """Unweighted value of each reward term (set by the reward pipeline, `grpo_lightning.rewards.pipeline`)."""
+
+
+class Stage:
+    """What the pipeline asks of every term and transform besides scoring: the run's context and its state.
+
+    The defaults describe a stage that needs no context and keeps no state, which is every built-in but
+    `GroupNormalize` (told the loss) and `EMABaseline` (a baseline across rounds).
+    """
+
+    def bind(self, loss_type: str | None = None, max_new_tokens: int | None = None) -> None:
+        """Take the run's loss type and completion budget (the pipeline builder calls this once). No-op."""
+
+    def state_dict(self) -> dict:
+        """The state a resumed run needs, saved in every checkpoint; empty means stateless (not saved)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned. No-op: a stateless stage is never given a state."""
+
+    def describe_settings(self) -> str:
+        """Settings the run plan names beside the stage's name (`normalize(scale=group)`); none by default."""
+        return ""
+
+
+class RewardTerm(Stage, ABC):
+    """A reward term: one number for a completion against the reference answer (`reward.terms.<name>`).
+
+    `score` takes every `info` key as a keyword (`truncated`, `num_tokens`, `max_new_tokens`, `branch_point`,
+    and from variants that know steps `branch_step`), so a term reads the ones it needs and ignores the rest.
+    """
+
+    reports_answer: ClassVar[bool] = False
+    """Whether `score` says if an answer was found (`extracted`) and right (`correct`). The pipeline takes both
+    from the first term that does (`rollout/format_rate`); without one, nothing counts as extracted and
+    `correct` is `reward >= 1`. A term that does not report leaves `extracted` None and `correct` False."""
+
+    @abstractmethod
+    def score(self, completion: str, reference: str, **info: Any) -> RewardResult:
+        """The term's unweighted value (`reward`) and, when it `reports_answer`, the answer it found."""
+
+    def __call__(self, completion: str, reference: str, **info: Any) -> float:
+        return self.score(completion, reference, **info).reward
+
+
+class Transform(Stage, ABC):
+    """A reward transform. Its call depends on where the config puts it (docs/rewards.md):
+
+    - `reward.transforms`: `(reward, **info) -> float`, on the weighted sum of the terms;
+    - `reward.step_transforms`: `(reward, steps, **info) -> float`, `steps` the completion's reasoning steps;
+    - `reward.group_transforms`: `(rewards [N], group_ids [N]) -> [N]` torch tensors, over a round's rewards;
+      the last one's output is the advantage.
+
+    Per-completion and per-step transforms are given every `info` key, as terms are.
+    """
+
+    @abstractmethod
+    def __call__(self, *args: Any, **info: Any) -> Any:
+        """The transform, with the arguments of its place (above)."""
