@@ -495,6 +495,19 @@ def check_callbacks(callbacks_module, capsys):
     assert capsys.readouterr().out == "round 4: 2 rollouts\n"
 
 
+def check_declared_keys(settings_module, tmp_path: Path) -> None:
+    """The page's declaration: the config check names a bad key of a node whose `_target_` is the page's class,
+    with the same message as the class's own constructor."""
+    from grpo_lightning.app.validation import check_rules
+
+    cfg = make_cfg(
+        tmp_path / "declared", ["variant._target_=my_pkg.settings.PairsVariant", "variant.num_generations=1"]
+    )
+    with pytest.raises(ValueError) as err:
+        settings_module.PairsVariant(num_generations=1)
+    assert check_rules(cfg) == [str(err.value)] == ["variant.num_generations must be >= 2 (got 1)"]
+
+
 def dry_run_command(args: list[str], output_dir: Path):
     """A documented command as the CLI runs it with dry_run=true: the CLI's own check of moved keys, composition,
     validation, data, reward, variant, plan; no model is loaded. Also builds the extra callbacks. Returns the cfg."""
@@ -540,7 +553,8 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
     import grpo_lightning.models.sources as sources
 
     page, written = my_pkg
-    assert {p.name for p in written} == {"variants.py", "callbacks.py", "pairs.yaml"}
+    assert {p.name for p in written} == {"variants.py", "callbacks.py", "pairs.yaml", "settings.py"}
+    check_declared_keys(importlib.import_module("my_pkg.settings"), tmp_path)
     check_pairs(importlib.import_module("my_pkg.variants"), tmp_path)
     check_callbacks(importlib.import_module("my_pkg.callbacks"), capsys)
 
