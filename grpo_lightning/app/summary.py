@@ -35,6 +35,10 @@ def summary_metrics(
             key = f"eval/{name}"
             if key in first and key in last:
                 out[f"summary/eval_{name}_start"], out[f"summary/eval_{name}_end"] = first[key], last[key]
+        for bound in ("low", "high"):  # the last evaluation's 95% interval (training/evaluation.py)
+            key = f"eval/gsm8k_accuracy_ci95_{bound}"
+            if key in last:
+                out[f"summary/eval_gsm8k_accuracy_end_ci95_{bound}"] = last[key]
     return out
 
 
@@ -50,5 +54,9 @@ def render(metrics: dict[str, float], num_rounds: int, num_evals: int, window: i
     for key, label in labels:
         start, end = metrics.get(f"summary/{key}_start"), metrics.get(f"summary/{key}_end")
         if start is not None and end is not None:
-            lines.append(f"  {label:<58} {start:.3f} -> {end:.3f} ({end - start:+.3f})")
+            line = f"  {label:<58} {start:.3f} -> {end:.3f} ({end - start:+.3f})"
+            low, high = metrics.get(f"summary/{key}_end_ci95_low"), metrics.get(f"summary/{key}_end_ci95_high")
+            if low is not None and high is not None:
+                line += f", 95% CI [{low:.3f}, {high:.3f}]"
+            lines.append(line)
     return "run summary:\n" + "\n".join(lines) if lines else ""

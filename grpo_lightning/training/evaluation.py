@@ -1,4 +1,5 @@
-"""GSM8K evaluation during training: greedy pass@1 (and optional sampled pass@k) on a fixed test subset.
+"""GSM8K evaluation during training: greedy pass@1 with its 95% Wilson interval, and optionally the unbiased
+pass@k from n samples per problem (Chen et al. 2021), on a fixed test subset.
 
 The subset is a seeded permutation's first `num_problems` problems of the test split, so every evaluation of a
 run (and every run of a sweep with the same `eval.seed`) scores the same problems. Evaluation uses the training
@@ -10,6 +11,7 @@ problem and the metrics are computed over all of them (rank 0 logs).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -51,9 +53,34 @@ def score_completions(texts: list[str], lengths: list[int], answers: list[str], 
     return EvalResult(float(accuracy.compute()), float(fmt.compute()), float(length.compute()))
 
 
-def pass_at_k(correct: list[list[bool]]) -> float:
-    """Fraction of problems with at least one correct sample among their k samples (n = k: exact pass@k)."""
-    return sum(any(samples) for samples in correct) / max(len(correct), 1)
+def pass_at_k_estimate(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem from n samples of which c are correct (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code", eq. 1): 1 - C(n - c, k) / C(n, k), the chance that k of the n samples,
+    drawn without replacement, hold a correct one. Computed as a product, which stays exact for large n."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k(correct: list[list[bool]], k: int | None = None) -> float:
+    """Mean unbiased pass@k over problems, each with its n sampled answers' correctness; k None: k = n (then it is
+    the fraction of problems with a correct answer among their samples)."""
+    if not correct:
+        return 0.0
+    return sum(pass_at_k_estimate(len(s), sum(s), k or len(s)) for s in correct) / len(correct)
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (Wilson 1927): unlike p +- z sqrt(p(1 - p) / n) it stays
+    inside [0, 1] and is not empty at 0 or n successes, which small evaluation subsets often give."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass(frozen=True)
@@ -63,7 +90,8 @@ class EvalSettings:
     enabled: bool = setting(True, boolean, "evaluate during training")
     every_n_rounds: int = setting(12, integer(1), "and at the start (at_start) and after the last round")
     num_problems: int = setting(32, integer(1), "the fixed seeded subset of the test split")
-    pass_k: int = setting(0, integer(0), "> 0: also sample k completions per problem -> eval/pass@k")
+    pass_k: int = setting(0, integer(0), "> 0: also sample completions per problem -> eval/pass@k (unbiased)")
+    num_samples: int = setting(0, integer(0), "n samples per problem for pass@k (n >= pass_k); 0: n = pass_k")
     max_new_tokens: int = setting(96, integer(1), "completion budget (generator.max_new_tokens by default)")
     max_prompt_tokens: int = setting(512, integer(1), "longer prompts keep their last tokens")
     num_samples_logged: int = setting(4, integer(0), "problems shown in the eval/samples text table")
@@ -73,6 +101,8 @@ class EvalSettings:
 
     def __post_init__(self) -> None:
         check_settings(self, "eval")
+        if self.pass_k and self.num_samples and self.num_samples < self.pass_k:
+            raise ValueError(f"eval.num_samples ({self.num_samples}) must be >= eval.pass_k ({self.pass_k}) or 0")
 
 
 class GSM8KEvaluator(L.Callback):
@@ -84,6 +114,7 @@ class GSM8KEvaluator(L.Callback):
         every_n_rounds: int = EvalSettings.every_n_rounds,
         num_problems: int = EvalSettings.num_problems,
         pass_k: int = EvalSettings.pass_k,
+        num_samples: int = EvalSettings.num_samples,
         max_new_tokens: int = EvalSettings.max_new_tokens,
         max_prompt_tokens: int = EvalSettings.max_prompt_tokens,
         num_samples_logged: int = EvalSettings.num_samples_logged,
@@ -95,8 +126,10 @@ class GSM8KEvaluator(L.Callback):
     ) -> None:
         """`generator` and `tokenizer` are the run's (train.py passes them with the config's keys); a dry run
         builds the evaluator without them, to check its keys."""
-        EvalSettings(enabled, every_n_rounds, num_problems, pass_k, max_new_tokens, max_prompt_tokens,
+        EvalSettings(enabled, every_n_rounds, num_problems, pass_k, num_samples, max_new_tokens, max_prompt_tokens,
                      num_samples_logged, at_start, seed, batch_size)  # fmt: skip
+        self.num_samples = num_samples or pass_k
+        """n, the samples drawn per problem for pass@k (Chen et al.'s estimator needs n >= k)."""
         self.dataset, self.reward_fn, self.enabled = dataset, reward, enabled
         self.every_n_rounds, self.num_problems, self.pass_k = every_n_rounds, num_problems, pass_k
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
@@ -145,7 +178,7 @@ class GSM8KEvaluator(L.Callback):
         prefixes = [p.prompt_ids for p in mine]
         with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves the training RNG
             greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.max_new_tokens, greedy=True)]
-            sampled = self.generator.generate(prefixes, self.pass_k, self.max_new_tokens) if self.pass_k else []
+            sampled = self.generator.generate(prefixes, self.num_samples, self.max_new_tokens) if self.pass_k else []
         part = {
             "texts": [self._decode(c.token_ids) for c in greedy],
             "lengths": [len(c.token_ids) for c in greedy],
@@ -160,13 +193,16 @@ class GSM8KEvaluator(L.Callback):
         parts = gather_objects(part)
         texts, lengths, answers, correct = ([x for q in parts for x in q[key]] for key in part)
         result = score_completions(texts, lengths, answers, self.reward_fn)
+        low, high = wilson_interval(round(result.accuracy * len(texts)), len(texts))
         metrics = {
             "eval/gsm8k_accuracy": result.accuracy,
+            "eval/gsm8k_accuracy_ci95_low": low,
+            "eval/gsm8k_accuracy_ci95_high": high,
             "eval/format_rate": result.format_rate,
             "eval/completion_len_mean": result.completion_len_mean,
         }
         if self.pass_k:
-            metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct)
+            metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct, self.pass_k)
         metrics["time/eval_s"] = max(gather_objects(time.perf_counter() - start))  # ranks decode in parallel
         if trainer.is_global_zero:
             for lg in trainer.loggers:

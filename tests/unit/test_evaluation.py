@@ -117,3 +117,102 @@ def test_a_tiny_run_with_evaluation_in_a_one_process_nccl_group(nccl_like_group,
 
     metrics = build_run(tiny_cfg("trainer.max_epochs=1", "eval.num_problems=2")).fit()
     assert 0.0 <= metrics["eval/gsm8k_accuracy"] <= 1.0 and metrics["eval/completion_len_mean"] > 0
+
+
+# ---- statistics a researcher can quote -----------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6])
+def test_pass_at_k_equals_the_mean_over_every_subset_of_k_samples(n):
+    """Brute force: pass@k is the chance that k of the n samples, without replacement, hold a correct one."""
+    from itertools import combinations
+
+    from grpo_lightning.training.evaluation import pass_at_k_estimate
+
+    for c in range(n + 1):
+        samples = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(combinations(samples, k))
+            truth = sum(any(s) for s in subsets) / len(subsets)
+            assert pass_at_k_estimate(n, c, k) == pytest.approx(truth, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_over_problems_and_its_limits():
+    from grpo_lightning.training.evaluation import pass_at_k_estimate
+
+    # 4 samples, 1 correct: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2; all wrong: 0
+    assert pass_at_k([[True, False, False, False], [False] * 4], k=2) == pytest.approx((0.5 + 0.0) / 2)
+    assert pass_at_k([[True, False, False, False]], k=1) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k_estimate(2, 1, 3)
+
+
+@pytest.mark.parametrize(("successes", "trials"), [(0, 10), (1, 32), (16, 32), (32, 32), (7, 128), (93, 128)])
+def test_wilson_interval_against_the_score_test_it_inverts(successes, trials):
+    """Independent truth: the interval holds exactly the p whose score test does not reject the observed
+    proportion, |p_hat - p| <= z sqrt(p (1 - p) / n), found here by bisection on each side of p_hat."""
+    import math
+
+    from grpo_lightning.training.evaluation import wilson_interval
+
+    z, p_hat = 1.959964, successes / trials
+
+    def accepted(p):
+        return abs(p_hat - p) <= z * math.sqrt(p * (1 - p) / trials)
+
+    def edge(inside, outside):
+        for _ in range(200):
+            mid = (inside + outside) / 2
+            inside, outside = (mid, outside) if accepted(mid) else (inside, mid)
+        return inside
+
+    centre = min(max(p_hat, 1e-12), 1 - 1e-12)
+    low = 0.0 if successes == 0 else edge(centre, 0.0)
+    high = 1.0 if successes == trials else edge(centre, 1.0)
+    assert wilson_interval(successes, trials) == pytest.approx((low, high), abs=1e-9)
+
+
+def test_num_samples_below_pass_k_names_the_keys():
+    with pytest.raises(ValueError, match=r"eval.num_samples \(2\) must be >= eval.pass_k \(4\)"):
+        GSM8KEvaluator(dataset=None, reward=None, pass_k=4, num_samples=2)
+
+
+def test_evaluation_reports_the_interval_and_unbiased_pass_at_k():
+    """Scripted engine: greedy answers 2 of 4 right; 4 samples per problem for pass@2 with 1, 0, 2, 4 correct."""
+    from types import SimpleNamespace
+
+    from grpo_lightning.generation.base import Generator
+    from grpo_lightning.training.evaluation import wilson_interval
+    from grpo_lightning.types import Completion, Prompt
+
+    greedy_reply = {1: "#### 1", 2: "#### 0", 3: "#### 3", 4: "#### 0"}
+    sampled_right = {1: 1, 2: 0, 3: 2, 4: 4}
+
+    class ScriptedEngine(Generator):
+        sampling = guard = None
+        callbacks = []
+
+        def sync_weights(self, policy):
+            pass
+
+        def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
+            if greedy:
+                return [[Completion([p[0]], [0.0], True)] for p in prefixes]
+            return [[Completion([100 * p[0] + int(j < sampled_right[p[0]])], [0.0], True) for j in range(num_samples)]
+                    for p in prefixes]  # fmt: skip
+
+    def decode(ids, skip_special_tokens=True):
+        token = ids[0]
+        if token < 100:
+            return greedy_reply[token]
+        problem, right = divmod(token, 100)
+        return f"#### {problem if right else -1}"
+
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, loggers=[])
+    evaluator = GSM8KEvaluator(dataset=None, reward=GSM8KReward(format_bonus=0.0), generator=ScriptedEngine(),
+                               tokenizer=SimpleNamespace(decode=decode), num_samples_logged=0, pass_k=2,
+                               num_samples=4)  # fmt: skip
+    evaluator.prompts = [Prompt([i], str(i), f"q{i}", i) for i in range(1, 5)]
+    metrics = evaluator.evaluate(trainer)
+    assert metrics["eval/gsm8k_accuracy"] == 0.5
+    assert (metrics["eval/gsm8k_accuracy_ci95_low"], metrics["eval/gsm8k_accuracy_ci95_high"]) == wilson_interval(2, 4)
+    # pass@2 from 4 samples: 1 correct -> 1/2, 0 -> 0, 2 -> 1 - C(2,2)/C(4,2) = 5/6, 4 -> 1
+    assert metrics["eval/pass@2"] == pytest.approx((0.5 + 0 + 5 / 6 + 1) / 4)
