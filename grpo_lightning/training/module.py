@@ -59,7 +59,7 @@ class LRSchedule:
     """`optim.schedule`: linear warmup then constant, linear or cosine decay to `min_ratio` x lr."""
 
     kind: str = setting("constant", choice(*SCHEDULE_KINDS), "after warmup: constant | linear | cosine decay")
-    warmup_steps: int = setting(0, integer(0), "optimizer steps of linear warmup")
+    warmup_steps: int = setting(1, integer(0), "optimizer steps of linear warmup")
     min_ratio: float = setting(0.0, number(low=0, high=1), "decay to this fraction of the lr")
 
     def __post_init__(self) -> None:

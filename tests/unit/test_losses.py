@@ -328,8 +328,8 @@ def test_config_validation_messages(kwargs: dict, message: str) -> None:
 
 
 def test_valid_config_and_needs_reference() -> None:
-    assert GRPOLoss().needs_reference
-    assert not GRPOLoss(beta=0.0).needs_reference
+    assert GRPOLoss(beta=0.04).needs_reference
+    assert not GRPOLoss().needs_reference  # beta 0 by default (loss=grpo): no reference forward
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         GRPOLoss(loss_type=loss_type, epsilon_low=0.0, epsilon_high=0.0)
 

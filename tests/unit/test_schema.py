@@ -170,3 +170,43 @@ def test_the_default_config_passes(tmp_path):
         if option == "model=local":
             overrides.append(f"model.source.path={tmp_path}")
         assert check_rules(make_cfg(tmp_path, overrides)) == [], option
+
+
+def test_the_declared_defaults_are_the_default_config(tmp_path):
+    """A key's default is its declaration's: every declared key of the default composition that the config does
+    not wire to another key (an interpolation) holds the declared default. Options (loss=dapo, perf=plain, ...)
+    state only what they change."""
+    import dataclasses
+
+    from omegaconf import DictConfig
+
+    from grpo_lightning.app.schema import RunSettings
+    from grpo_lightning.app.validation import target_schemas
+    from grpo_lightning.schema import declared, nested_schema
+
+    differ = []
+
+    def walk(node: DictConfig, path: str, schemas: tuple) -> None:
+        target = node.get("_target_") if "_target_" in node else None
+        if isinstance(target, str):
+            schemas = target_schemas(target) or schemas
+        raw = OmegaConf.to_container(node, resolve=False)
+        for key in node:
+            if key.startswith("_") or (isinstance(raw[key], str) and "${" in raw[key]):
+                continue
+            value = node[key]
+            f = next((declared(s)[key] for s in schemas if key in declared(s)), None)
+            if isinstance(value, DictConfig) and (f is None or "schema" in f.metadata):
+                walk(value, f"{path}{key}.", tuple(s for s in [nested_schema(schemas, key)] if s))
+            elif f is not None:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+                if plain != (list(default) if isinstance(default, tuple) else default):
+                    differ.append(f"{path}{key}: config {plain!r}, declared {default!r}")
+
+    cfg = make_cfg(tmp_path, ["generator=vllm", "variant=storpo"])
+    with open_dict(cfg):
+        cfg.paths.output_dir = ""  # the run directory: Hydra's, per run
+    walk(cfg, "", (RunSettings,))
+    walk(make_cfg(tmp_path, []).generator, "generator.", ())
+    assert differ == []
