@@ -53,6 +53,8 @@ def check_rules(cfg: DictConfig) -> list[str]:
 
 
 def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> list[str]:
+    """The problems of one node (at dotted `path`) and of the nodes below it, `schemas` declaring its keys unless
+    its own `_target_` names a declaration."""
     target = node.get("_target_") if "_target_" in node else None
     if isinstance(target, str):
         schemas = target_schemas(target) or schemas
