@@ -207,3 +207,32 @@ def test_cli_follows_hydra_conventions(tmp_path):
     result = _cli("--cfg", "job", "loss=dr_grpo", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "loss_type: dr_grpo" in result.stdout and "scale: auto" in result.stdout
+
+
+def test_tokens_generated_total_adds_up_every_sampled_token(tiny_cfg):
+    """Independent count: the completion tokens of every rollout sampled in each round, dynamic sampling's
+    dropped groups included (its `sampled` list), summed round by round."""
+    import lightning as L
+
+    seen = []
+
+    class Counter(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append(dict(loop.round_metrics))
+
+    run = build_run(tiny_cfg("trainer.max_epochs=3", "data.dynamic_sampling.enabled=true", "eval.enabled=false"))
+    loop = run.rollout_loop
+    real_sample = loop.sample_informative
+    sampled_tokens = []
+
+    def counting_sample(rank, world_size):
+        prompts, rollouts, sampled, metrics = real_sample(rank, world_size)
+        sampled_tokens.append(sum(len(r.completion_ids) for r in sampled))
+        return prompts, rollouts, sampled, metrics
+
+    loop.sample_informative = counting_sample
+    run.trainer.callbacks.append(Counter())
+    run.fit()
+    totals = [m["rollout/tokens_generated_total"] for m in seen]
+    assert totals == [float(sum(sampled_tokens[: i + 1])) for i in range(len(totals))]
+    assert len(totals) == 3 and totals[0] > 0

@@ -72,6 +72,7 @@ def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, fl
         "rollout/format_rate": sum(s.extracted for s in stats) / len(stats),
         "rollout/group_size_mean": len(stats) / num_groups,
         "rollout/tokens_generated_per_prompt": generated / num_groups,
+        "rollout/tokens_generated": float(generated),
         "rollout/tokens_per_s": generated / max(rollout_s, 1e-9),
         "time/rollout_s": rollout_s,
     }

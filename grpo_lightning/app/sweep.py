@@ -24,6 +24,7 @@ DEFAULT_METRICS = (
     "train/kl",
     "rollout/completion_len_mean",
     "rollout/tokens_generated_per_prompt",
+    "rollout/tokens_generated_total",
 )
 
 

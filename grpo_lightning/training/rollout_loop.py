@@ -134,6 +134,9 @@ class RolloutLoop(L.Callback):
         self.history: list[tuple[int, float, float]] = []
         """(round, train/reward_mean, rollout/format_rate) of every round produced so far (run summary)."""
         self.round_metrics: dict[str, float] = {}
+        self.tokens_generated_total = 0.0
+        """Completion tokens sampled by every rank since the run began, dynamic sampling's dropped groups included:
+        the compute axis on which variants compare (`rollout/tokens_generated_total`)."""
         self._train_start = 0.0
         self.next_round = 0
         """The round to train next (what a checkpoint written now resumes at)."""
@@ -165,6 +168,7 @@ class RolloutLoop(L.Callback):
             "next_round": self.next_round,
             "round_metrics": dict(self.round_metrics),
             "prompt_cursor": self.prompt_cursor,
+            "tokens_generated_total": self.tokens_generated_total,
             "history": list(self.history),
             "ranks": gather_objects(local),
         }
@@ -229,6 +233,7 @@ class RolloutLoop(L.Callback):
             )
         mine = state["ranks"][rank]
         self.prompt_cursor = state.get("prompt_cursor", 0)
+        self.tokens_generated_total = state.get("tokens_generated_total", 0.0)  # the pending round's included
         self.history = [tuple(h) for h in state.get("history", [])]
         if mine.get("reward"):
             self.reward_fn.load_state_dict(mine["reward"])
@@ -268,6 +273,8 @@ class RolloutLoop(L.Callback):
             "sampling": sampling_metrics,
         }
         self.round_metrics = round_metrics(gather_objects(local))
+        self.tokens_generated_total += self.round_metrics["rollout/tokens_generated"]
+        self.round_metrics["rollout/tokens_generated_total"] = self.tokens_generated_total
         self.install(trainer, pl_module, rollouts, round_index)
         self.history.append(
             (round_index, self.round_metrics["train/reward_mean"], self.round_metrics["rollout/format_rate"])
