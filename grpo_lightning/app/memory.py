@@ -277,8 +277,8 @@ def _fix(key: str) -> str:
 
 def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
     """The estimate's view of a composed config (validated: every key has its type)."""
-    from grpo_lightning.app.validation import is_vllm, trainer_devices
-    from grpo_lightning.generation.vllm_io import VLLMSettings, engine_dtype, installed_platform
+    from grpo_lightning.app.validation import is_vllm, trainer_devices, vllm_settings
+    from grpo_lightning.generation.vllm_io import engine_dtype, installed_platform
 
     forward = cfg.perf.forward
     shape = dict(
@@ -298,8 +298,7 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         trainer_on_gpu=bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda"),
     )
     if shape["engine"] == "vllm":
-        keys = [k for k in VLLMSettings.__dataclass_fields__ if k in cfg.generator]
-        settings = VLLMSettings(**{k: cfg.generator[k] for k in keys})
+        settings = vllm_settings(cfg)
         on_cpu = installed_platform() == "cpu"
         gpu_bytes = None if on_cpu else gpu_memory()
         shape |= dict(

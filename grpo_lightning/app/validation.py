@@ -160,6 +160,16 @@ def is_vllm(cfg: DictConfig) -> bool:
     return str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator")
 
 
+def vllm_settings(cfg: DictConfig):
+    """generator=vllm: the engine settings (`VLLMSettings`) of the composed `generator` node."""
+    from grpo_lightning.generation.vllm_io import VLLMSettings
+
+    keys = [f.name for f in fields(VLLMSettings)]
+    return VLLMSettings(
+        **{k: lookup(cfg, f"generator.{k}") for k in keys if lookup(cfg, f"generator.{k}") is not ABSENT}
+    )
+
+
 def check_vllm(cfg: DictConfig) -> None:
     """generator=vllm: vLLM installed, and the settings possible on its platform (the CPU build has no CUDA
     device and no sleep mode; the CUDA build needs a GPU), decided from the package metadata before vLLM or any
@@ -168,17 +178,13 @@ def check_vllm(cfg: DictConfig) -> None:
     if not is_vllm(cfg):
         return
     from grpo_lightning.generation.vllm_io import (
-        VLLMSettings,
         engine_cuda_index,
         engine_lora_rank,
         for_platform,
         installed_platform,
     )
 
-    keys = [f.name for f in fields(VLLMSettings)]
-    settings = VLLMSettings(
-        **{k: lookup(cfg, f"generator.{k}") for k in keys if lookup(cfg, f"generator.{k}") is not ABSENT}
-    )
+    settings = vllm_settings(cfg)
     platform = installed_platform()
     if platform is None:
         raise ValueError(

@@ -22,6 +22,7 @@ from torch import nn
 
 from grpo_lightning.generation.base import SamplingConfig, truncate
 from grpo_lightning.generation.vllm_weights import is_peft_model
+from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.schema import (
     SEED_MAX,
     boolean,
@@ -402,21 +403,12 @@ def process_state_kept() -> Iterator[None]:
     (process-wide effects): vLLM's CPU build replaces `torch.set_num_threads` by a no-op for the process, so
     there the thread count never changes; `gc.freeze()` at engine start; a few environment variables.
     """
-    import random
-
-    import numpy as np
-
     threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
-    rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng = capture_rng()
     try:
         yield
     finally:
-        random.setstate(rng[0])
-        np.random.set_state(rng[1])
-        torch.random.set_rng_state(rng[2])
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        restore_rng(rng)
         restored = []
         if torch.get_float32_matmul_precision() != precision:
             restored.append(f"float32 matmul precision {torch.get_float32_matmul_precision()!r} -> {precision!r}")

@@ -4,8 +4,8 @@
   refreshes `last.ckpt` when it also saves a periodic checkpoint, which would lose up to `every_n_rounds` rounds.
 - `AtomicCheckpointIO` writes `x.ckpt` as a hidden temporary file in the same folder, fsyncs it and renames it
   over the old one (`os.replace` is atomic on POSIX), so SIGKILL mid-write leaves the previous `last.ckpt`.
-- `capture_rng` / `restore_rng`: torch (CPU and CUDA), Python and NumPy generator states. Lightning does not
-  save them; the rollout loop stores them with the round in progress (see rollout_loop.py).
+- `capture_rng` / `restore_rng` (grpo_lightning/rng.py): torch (CPU and CUDA), Python and NumPy generator
+  states. Lightning does not save them; the rollout loop stores them with the round in progress (see rollout_loop.py).
 - `resolve_ckpt_path` / `check_resumable`: the `ckpt_path` config key, turned into a file that exists and was
   written for the same model and LoRA settings, or a ValueError that says what to do.
 - `fixed_settings` / `check_resume_settings`: the keys a resume may not change (`FIXED_ON_RESUME`) are saved in
@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -88,27 +86,6 @@ def _fsync_dir(directory: Path) -> None:
 
 
 # ---- RNG state -------------------------------------------------------------------------------------------------
-def capture_rng() -> dict[str, Any]:
-    """Every generator a round draws from, in types `torch.load(weights_only=True)` accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-    }
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
 # ---- resuming --------------------------------------------------------------------------------------------------
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> Path | None:
     """`ckpt_path`: null (fresh run), `last` (this output dir's last.ckpt), a run dir, or a .ckpt file."""

@@ -49,7 +49,7 @@ from grpo_lightning.distributed import (
     shard,
     sum_across_ranks,
 )
-from grpo_lightning.training.checkpointing import capture_rng, restore_rng
+from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.types import Prompt, Rollout, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
