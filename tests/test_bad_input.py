@@ -385,6 +385,7 @@ VALIDATION_MISTAKES = [
         ["data.dataset.prompt_template must contain"],
     ),
     ("max epochs fractional", ["trainer.max_epochs=1.5"], ["trainer.max_epochs must be an integer"]),
+    ("token budget 0", ["max_tokens_generated=0"], ["max_tokens_generated must be >= 1", "0"]),
     ("precision unknown", ["trainer.precision=8-mixed"], ["trainer.precision must be one of"]),
     ("devices 0", ["trainer.devices=0"], ["trainer.devices must be a count >= 1"]),
     ("accumulation 0", ["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches must be >= 1"]),

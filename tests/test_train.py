@@ -236,3 +236,29 @@ def test_tokens_generated_total_adds_up_every_sampled_token(tiny_cfg):
     totals = [m["rollout/tokens_generated_total"] for m in seen]
     assert totals == [float(sum(sampled_tokens[: i + 1])) for i in range(len(totals))]
     assert len(totals) == 3 and totals[0] > 0
+
+
+def test_token_budget_ends_the_run_at_the_first_round_past_it_and_evaluates_it(tiny_cfg):
+    """`max_tokens_generated`: the truth is the totals the rounds logged (recorded independently, each round's own
+    `rollout/tokens_generated_total`). The run must train exactly the rounds up to the first whose total reaches
+    the budget (well before `trainer.max_epochs`), evaluate after that round as after a last round, and end as a
+    finished run, not an interrupted one."""
+    import lightning as L
+
+    seen = []
+
+    class Counter(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append(loop.round_metrics["rollout/tokens_generated_total"])
+
+    budget = 600  # 16 completions of at most 16 tokens a batch: a few rounds of the tiny run
+    run = build_run(tiny_cfg("trainer.max_epochs=50", f"max_tokens_generated={budget}", "eval.every_n_rounds=100"))
+    loop = run.rollout_loop
+    run.trainer.callbacks.append(Counter())
+    metrics = run.fit()
+    first_past = next(i for i, total in enumerate(seen) if total >= budget)
+    assert len(seen) == first_past + 1 < 50
+    assert loop.tokens_generated_total == seen[-1]  # no round was sampled after the last one
+    steps = [step for step, _ in run.evaluator.history]
+    assert steps == [0, run.trainer.global_step]  # the start, and after the last round
+    assert "eval/gsm8k_accuracy" in metrics

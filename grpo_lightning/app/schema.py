@@ -135,6 +135,9 @@ class RunSettings:
     seed: int = setting(0, integer(0, SEED_MAX), "everything random: sampling, prompt order, initialisation")
     dry_run: bool = setting(False, boolean, "validate, load the data, print the plan; load no model")
     ckpt_path: str | None = setting(None, checkpoint_path, "resume: null, last, a run directory or a .ckpt file")
+    max_tokens_generated: int | None = setting(
+        None, optional(integer(1)), "end at the first round end with this many tokens generated; null: off"
+    )
     paths: PathsSettings = setting(factory=PathsSettings, help="where the run writes")
     checkpoint: CheckpointSettings = setting(factory=CheckpointSettings, help="checkpoint cadence")
     guard: GuardSettings = setting(factory=GuardSettings, help="non-finite and divergence guards")

@@ -160,10 +160,11 @@ class GSM8KEvaluator(L.Callback):
         if self.at_start and trainer.ckpt_path is None:  # a resumed run was evaluated before its interruption
             self.evaluate(trainer)
 
-    def after_round(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Called by the rollout loop at the end of every round, once the next round is sampled."""
+    def after_round(self, trainer: L.Trainer, pl_module: L.LightningModule, last_round: bool = False) -> None:
+        """Called by the rollout loop at the end of every round, once the next round is sampled; `last_round`:
+        the run ends after this round before `trainer.max_epochs` (its token budget is spent)."""
         rounds_done = trainer.current_epoch + 1
-        last = trainer.max_epochs is not None and rounds_done >= trainer.max_epochs
+        last = last_round or (trainer.max_epochs is not None and rounds_done >= trainer.max_epochs)
         if pl_module.diverged:  # blown-up weights: nothing worth scoring (or logging)
             return
         if self.enabled and (rounds_done % self.every_n_rounds == 0 or last):

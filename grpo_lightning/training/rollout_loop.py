@@ -114,6 +114,7 @@ class RolloutLoop(L.Callback):
         seed: int = 0,
         stop=None,
         evaluator=None,
+        max_tokens_generated: int | None = None,
     ) -> None:
         self.generator = generator
         self.variant = variant
@@ -129,6 +130,9 @@ class RolloutLoop(L.Callback):
         """The generator's stale-weight guard (generation/stale_guard.py), told of every round."""
         self.evaluator = evaluator
         """The GSM8K evaluator (evaluation.py), run at the start and after the rounds it is due."""
+        self.max_tokens_generated = max_tokens_generated
+        """The token budget (`max_tokens_generated`): the run ends at the first round end at which
+        `tokens_generated_total` reaches it; None: `trainer.max_epochs` rounds."""
         self.prompt_cursor = 0
         """Dynamic sampling: the prompt stream position of the next unused prompt."""
         self.history: list[tuple[int, float, float]] = []
@@ -209,14 +213,25 @@ class RolloutLoop(L.Callback):
         self.guard.check(trainer.current_epoch, trainer.callback_metrics.get("rollout/logp_diff_mean"))
         if self.stop is not None:
             self.stop.after_round(trainer)  # a signal: no next round; the checkpoint is written as usual
+        spent = self.budget_spent()
+        if spent:  # the run's last round, ended like a graceful stop (no next round), evaluated like the last
+            log.info("token budget reached: %.0f tokens generated", self.tokens_generated_total)
+            trainer.should_stop = True
         next_round = trainer.current_epoch + 1
         more = trainer.max_epochs is None or next_round < trainer.max_epochs
-        if more and not trainer.should_stop:  # a graceful stop or the non-finite guard ends the run here
+        if more and not trainer.should_stop:  # a graceful stop, the token budget or the non-finite guard ends here
             self.produce(trainer, pl_module, next_round)
         if self.evaluator is not None:
             if not more or trainer.should_stop:  # no next round synced the engine: give it the weights just trained
                 self.generator.push_weights()  # engines with their own copy (vLLM)
-            self.evaluator.after_round(trainer, pl_module)
+            self.evaluator.after_round(trainer, pl_module, last_round=spent)
+
+    def budget_spent(self) -> bool:
+        """Whether the rounds trained so far generated `max_tokens_generated` tokens or more. Asked at a round's
+        end, before the next round is sampled, so the total is that of the rounds trained: every run of a
+        comparison stops at the first round end past the same budget (docs/learning.md). The total is the same on
+        every rank (it is summed over all of them), so all ranks decide alike."""
+        return self.max_tokens_generated is not None and self.tokens_generated_total >= self.max_tokens_generated
 
     def start_or_resume(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         state, self._resume_state = self._resume_state, None
