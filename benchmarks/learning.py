@@ -1,181 +1,233 @@
-"""Does training make the model better? The learning recipe against an lr=0 control, over several seeds.
+"""Does training make the model answer more problems correctly? A recipe against an lr=0 control, over seeds.
 
 Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` for every seed twice: trained, and an identical
-control with `optim.optimizer.lr=0` (same rollouts, same evaluation, no update). Both evaluate greedy answers
-on a fixed subset of the GSM8K test split (training draws from the train split only). Prints a per-seed table
-(start, end, change of eval format rate and accuracy, and of the training reward), the trained-minus-control
-gap, time-to-target, and writes `learning.md` and `learning.png` (reward and format rate per round, trained vs
-control) into the output folder.
+control with `optim.optimizer.lr=0` (same first round, same evaluation, no update). Both evaluate greedy answers
+on the recipe's fixed held-out problems. Reads every run's evaluations back (TensorBoard) and writes into the
+output folder `learning.md` (printed too) and `learning.png`:
 
-    python benchmarks/learning.py                          # experiment=learn_cpu, seeds 0 1 2
-    python benchmarks/learning.py --arms trained control no_ds --seeds 0
+- per run: held-out pass@1 (`eval/accuracy`, the answer extracted whatever its format) with its 95% Wilson
+  interval, the strict accuracy (correct and in the asked format) and the format rate, at the start and the end;
+  generated tokens and wall time;
+- per seed, trained against its own control at the end: the gains, and whether the trained run is ahead by
+  more than its interval (the test is stated in the table);
+- the plot: pass@1 and format rate against generated tokens, each arm's mean over seeds with a min..max band.
 
-Runs that finished before (a `final_metrics.json` in their folder) are read, not rerun: an interrupted
-benchmark continues where it stopped (`--force` reruns). Arms: `trained`, `control` (lr=0) and `no_ds`
-(trained without dynamic sampling, for its effect on time-to-target).
+    python benchmarks/learning.py                              # experiment=learn_arith, seeds 0 1 2
+    python benchmarks/learning.py --control-from-start         # no control runs (see below)
+    python benchmarks/learning.py --experiment learn_cpu --arms trained control no_ds --seeds 0
+
+Runs that finished before (a `final_metrics.json` in their folder) are read, not rerun (`--force` reruns).
+`--control-from-start`: an lr=0 run never changes its parameters, so its greedy evaluation is the same at every
+round; its pass@1 is then the trained run's own start-of-run evaluation (same model, decode and problems), and no
+control is run. Arms: `trained`, `control` (lr=0), `no_ds` (trained without dynamic sampling).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_lightning.app.analysis import RunData, read_run, series, time_to_target
+from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, time_to_target
+from grpo_lightning.app.jobs import Job, compose, run_jobs, wall_seconds
 
 ARMS = {
-    "trained": [],
-    "control": ["optim.optimizer.lr=0"],
-    "no_ds": ["data.dynamic_sampling.enabled=false"],
+    "trained": (),
+    "control": ("optim.optimizer.lr=0",),
+    "no_ds": ("data.dynamic_sampling.enabled=false",),
 }
-ROUND_TAGS = ("train/reward_mean", "rollout/format_rate")
+YES_NO = {True: "yes", False: "no", None: "n/a"}
+FROM_START = "control (trained run's start)"
+"""The control arm's label when its pass@1 is the trained run's start-of-run evaluation."""
+AHEAD_TEST = (
+    "ahead = the trained run's 95% Wilson interval on its final pass@1 lies wholly above its own control's final "
+    "pass@1 (same seed, same problems, same greedy decode). The control's pass@1 is a fixed number on these "
+    "problems (greedy decoding of the unchanged start model), so this is a one-sided test at the 2.5% level of "
+    "whether the trained model's pass@1 on problems like these exceeds it. It does not use the pairing of the "
+    "two runs' per-problem outcomes (McNemar's test would): runs log only the aggregate"
+)
 
 
-def run_arms(out: Path, experiment: str, arms: list[str], seed: int, extra: list[str], force: bool, parallel: bool):
-    """The arms of one seed, each in `<out>/<arm>_seed<seed>` (a finished run is read, not rerun).
+@dataclass(frozen=True)
+class Arm:
+    """One run's evaluations as the table reads them."""
 
-    `parallel`: all arms at once, one thread each. On a small CPU that is faster than one after the other with
-    every thread each (a 135M model's matrices are too small to keep several threads busy), and trained and
-    control then see the same machine load.
-    """
-    procs = []
-    for arm in arms:
-        run_dir = out / f"{arm}_seed{seed}"
-        if (run_dir / "final_metrics.json").is_file() and not force:
-            print(f"{run_dir.name}: finished before, reading it", flush=True)
-            continue
-        if run_dir.exists():  # an unfinished or forced run: start it over
-            shutil.rmtree(run_dir)
-        cmd = [sys.executable, "-m", "grpo_lightning", f"experiment={experiment}", f"seed={seed}", *ARMS[arm]]
-        cmd += [*extra, f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false"]
-        env = dict(os.environ, OMP_NUM_THREADS="1") if parallel else os.environ.copy()
-        print(f"{run_dir.name}: {' '.join(cmd[1:])}", flush=True)
-        log = open(out / f"{arm}_seed{seed}.log", "w")  # noqa: SIM115 - closed when the run ends
-        procs.append((run_dir, log, time.perf_counter(), subprocess.Popen(cmd, stdout=log, stderr=log, env=env)))
-        if not parallel:
-            procs[-1][3].wait()
-    for run_dir, log, start, proc in procs:
-        if proc.wait() != 0:
-            raise SystemExit(f"{run_dir.name} failed (exit {proc.returncode}); see {log.name}")
-        log.close()
-        (run_dir / "wall_s.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
-        print(f"{run_dir.name}: done in {time.perf_counter() - start:.0f} s", flush=True)
-    return {arm: out / f"{arm}_seed{seed}" for arm in arms}
+    start: EvalPoint
+    end: EvalPoint
+    wall_s: float
 
 
-def summarise(run_dir: Path) -> dict[str, float]:
-    metrics = json.loads((run_dir / "final_metrics.json").read_text())
-    wall = run_dir / "wall_s.txt"
-    metrics["wall_s"] = float(wall.read_text()) if wall.is_file() else float("nan")
-    return metrics
+def arm_of(run_dir: Path) -> Arm:
+    points = eval_points(read_run(run_dir))
+    if not points:
+        raise SystemExit(f"{run_dir}: no evaluation logged (eval.enabled=false?)")
+    return Arm(points[0], points[-1], wall_seconds(run_dir))
 
 
-def table(rows: list[tuple[str, int, dict[str, float]]]) -> str:
-    head = (
-        "| arm | seed | eval format start | end | change | eval accuracy start | end | change "
-        "| train reward first 3 | last 3 | wall min |"
-    )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for arm, seed, m in rows:
-        fs, fe = m["summary/eval_format_rate_start"], m["summary/eval_format_rate_end"]
-        acs, ace = m["summary/eval_gsm8k_accuracy_start"], m["summary/eval_gsm8k_accuracy_end"]
-        rs, re_ = m["summary/train_reward_start"], m["summary/train_reward_end"]
+def control_from_start(trained: Arm) -> Arm:
+    """The lr=0 control's evaluation taken from the trained run's start-of-run evaluation."""
+    if trained.start.tokens != 0:
+        raise SystemExit("--control-from-start needs an evaluation at the start of the run (eval.at_start=true)")
+    return Arm(trained.start, trained.start, math.nan)
+
+
+def num(x: float, digits: int = 3) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def signed(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x:+.3f}"
+
+
+def with_interval(p: EvalPoint) -> str:
+    return f"{num(p.accuracy)} [{num(p.low)}, {num(p.high)}]"
+
+
+def runs_table(arms: dict[str, dict[int, Arm]]) -> str:
+    lines = [
+        "| arm | seed | pass@1 start [95% CI] | strict | format | pass@1 end [95% CI] | strict | format "
+        "| tokens generated | wall min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, by_seed in arms.items():
+        for seed, a in sorted(by_seed.items()):
+            s, e = a.start, a.end
+            lines.append(
+                f"| {name} | {seed} | {with_interval(s)} | {num(s.strict)} | {num(s.format_rate)} "
+                f"| {with_interval(e)} | {num(e.strict)} | {num(e.format_rate)} | {e.tokens:.0f} "
+                f"| {num(a.wall_s / 60, 1)} |"
+            )
+    return "\n".join(lines)
+
+
+def ahead(trained: EvalPoint, control: EvalPoint) -> bool | None:
+    """The stated test (AHEAD_TEST): the trained run's interval low above the control's pass@1 (None: not
+    logged)."""
+    if not (math.isfinite(trained.low) and math.isfinite(control.accuracy)):
+        return None
+    return trained.low > control.accuracy
+
+
+def gap_table(trained: dict[int, Arm], control: dict[int, Arm], control_label: str) -> str:
+    """Trained against its own control at the end, per seed and mean, and whether every seed is ahead."""
+    lines = [
+        f"| seed | trained pass@1 end [95% CI] | {control_label} pass@1 | gain pass@1 | gain strict | gain format "
+        "| ahead |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    gains, verdicts = [], []
+    for seed in sorted(trained):
+        t, c = trained[seed].end, control[seed].end
+        gain = (t.accuracy - c.accuracy, t.strict - c.strict, t.format_rate - c.format_rate)
+        gains.append(gain)
+        verdicts.append(ahead(t, c))
         lines.append(
-            f"| {arm} | {seed} | {fs:.3f} | {fe:.3f} | {fe - fs:+.3f} | {acs:.3f} | {ace:.3f} | {ace - acs:+.3f} "
-            f"| {rs:.3f} | {re_:.3f} | {m['wall_s'] / 60:.1f} |"
+            f"| {seed} | {with_interval(t)} | {num(c.accuracy)} | {signed(gain[0])} | {signed(gain[1])} "
+            f"| {signed(gain[2])} | {YES_NO[verdicts[-1]]} |"
         )
+    mean = [sum(g[i] for g in gains) / len(gains) for i in range(3)]
+    lines.append(f"| mean | | | {signed(mean[0])} | {signed(mean[1])} | {signed(mean[2])} | |")
+    every = None if None in verdicts else all(verdicts)
+    lines += ["", f"every seed ahead of its control: {YES_NO[every]} ({verdicts.count(True)} of {len(verdicts)})"]
+    lines += ["", f"Test: {AHEAD_TEST}."]
     return "\n".join(lines)
 
 
-def gap_report(results: dict[str, dict[int, dict[str, float]]], seeds: list[int]) -> str:
-    """Trained minus control on the final eval format rate and accuracy, per seed and mean."""
-    if "trained" not in results or "control" not in results:
-        return ""
-    lines = ["| seed | format rate: trained - control | accuracy: trained - control |", "|---|---|---|"]
-    gaps_f, gaps_a = [], []
-    for s in seeds:
-        t, c = results["trained"][s], results["control"][s]
-        gf = t["summary/eval_format_rate_end"] - c["summary/eval_format_rate_end"]
-        ga = t["summary/eval_gsm8k_accuracy_end"] - c["summary/eval_gsm8k_accuracy_end"]
-        gaps_f.append(gf)
-        gaps_a.append(ga)
-        lines.append(f"| {s} | {gf:+.3f} | {ga:+.3f} |")
-    mean_f, mean_a = sum(gaps_f) / len(gaps_f), sum(gaps_a) / len(gaps_a)
-    lines.append(f"| mean | {mean_f:+.3f} | {mean_a:+.3f} |")
-    every = all(g > 0 for g in gaps_f)
-    lines.append(f"\nformat-rate gap: mean {mean_f:+.3f} (goal >= +0.30), every seed ahead: {'yes' if every else 'no'}")
-    return "\n".join(lines)
-
-
-def time_to_target_report(runs: dict[str, dict[int, RunData]], target: float) -> str:
+def format_time_to_target(run_dirs: dict[str, dict[int, Path]], target: float) -> str:
+    """Seconds until the training format rate (mean of 3 rounds) first reaches `target` (dynamic sampling's
+    effect, docs/learning.md)."""
     lines = [f"time until rollout/format_rate (mean of 3 rounds) >= {target}:", ""]
     lines += ["| arm | seed | seconds |", "|---|---|---|"]
-    for arm, by_seed in runs.items():
-        for seed, run in sorted(by_seed.items()):
-            t = time_to_target(run, "rollout/format_rate", target)
+    for arm, by_seed in run_dirs.items():
+        for seed, run_dir in sorted(by_seed.items()):
+            t = time_to_target(read_run(run_dir), "rollout/format_rate", target)
             lines.append(f"| {arm} | {seed} | {'not reached' if t is None else f'{t:.0f}'} |")
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, dict[int, RunData]], path: Path) -> None:
+def curves(run_dirs: dict[str, dict[int, Path]], from_start: bool) -> dict[str, list[list[EvalPoint]]]:
+    """Each arm's evaluations per seed; the control from the start: the trained start held over the run."""
+    out = {arm: [eval_points(read_run(d)) for _, d in sorted(by_seed.items())] for arm, by_seed in run_dirs.items()}
+    if from_start:
+        out[FROM_START] = [[p[0], EvalPoint(p[-1].step, p[-1].tokens, *fields(p[0]))] for p in out["trained"]]
+    return out
+
+
+def fields(p: EvalPoint) -> tuple[float, ...]:
+    return p.accuracy, p.low, p.high, p.strict, p.format_rate
+
+
+def plot(arm_curves: dict[str, list[list[EvalPoint]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(ROUND_TAGS), figsize=(11, 3.8), squeeze=False)
-    colors = {"trained": "tab:blue", "control": "tab:gray", "no_ds": "tab:orange"}
-    for ax, tag in zip(axes[0], ROUND_TAGS, strict=True):
-        for arm, by_seed in runs.items():
-            for i, (_, run) in enumerate(sorted(by_seed.items())):
-                values = series(run, tag)
-                label = f"{arm} (lr=0)" if arm == "control" else arm
-                ax.plot(range(len(values)), values, color=colors.get(arm), alpha=0.75, label=label if i == 0 else None)
-        ax.set_title(f"{tag} per round (one line per seed)")
-        ax.set_xlabel("round")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, (field, title) in zip(axes, [("accuracy", "held-out pass@1"), ("format_rate", "format rate")], strict=True):
+        for arm, per_seed in arm_curves.items():
+            x, mean, low, high = band([[(p.tokens, getattr(p, field)) for p in points] for points in per_seed])
+            dashed = arm.startswith("control")
+            label = f"{arm} (lr=0)" if arm == "control" else arm
+            (line,) = ax.plot(x, mean, "--" if dashed else "-", marker="o", label=f"{label}, n={len(per_seed)}")
+            ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{title}: mean over seeds, band min..max")
+        ax.set_xlabel("completion tokens generated")
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def report(experiment: str, seeds: list[int], run_dirs: dict[str, dict[int, Path]], from_start: bool) -> str:
+    arms = {arm: {s: arm_of(d) for s, d in by_seed.items()} for arm, by_seed in run_dirs.items()}
+    parts = [f"experiment={experiment}, seeds {seeds}", runs_table(arms)]
+    if from_start:
+        control = {s: control_from_start(a) for s, a in arms["trained"].items()}
+        parts.append(
+            "control: not run; an lr=0 run never changes its parameters, so its pass@1 is the trained run's own "
+            "start-of-run evaluation (same model, same greedy decode, same problems)"
+        )
+        parts.append(gap_table(arms["trained"], control, FROM_START))
+    elif "trained" in arms and "control" in arms:
+        parts.append(gap_table(arms["trained"], arms["control"], "control (lr=0)"))
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experiment", default="learn_cpu")
+    parser.add_argument("--experiment", default="learn_arith", help="the recipe (default: learn_arith)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=["trained", "control"], choices=sorted(ARMS))
+    parser.add_argument("--arms", nargs="+", default=None, choices=sorted(ARMS), help="default: trained control")
+    parser.add_argument("--control-from-start", action="store_true", help="control = the trained run's start")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/learning"))
-    parser.add_argument("--target", type=float, default=0.5, help="format rate for time-to-target")
+    parser.add_argument("--format-target", type=float, help="also: time until the training format rate reaches it")
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
     parser.add_argument("--sequential", action="store_true", help="one run at a time (default: a seed's arms at once)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args(argv)
+    arms = args.arms or (["trained"] if args.control_from_start else ["trained", "control"])
+    if args.control_from_start and ("control" in arms or "trained" not in arms):
+        parser.error("--control-from-start takes the control from the trained arm: run trained, not control")
+    try:  # a missing recipe or a bad override fails now, not hours later
+        compose([f"experiment={args.experiment}", *args.overrides])
+    except ValueError as e:
+        parser.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, dict[int, Path]] = {arm: {} for arm in args.arms}
+    run_dirs: dict[str, dict[int, Path]] = {arm: {} for arm in arms}
     for seed in args.seeds:
-        dirs = run_arms(args.out, args.experiment, args.arms, seed, args.overrides, args.force, not args.sequential)
-        for arm, run_dir in dirs.items():
-            runs[arm][seed] = run_dir
-    results = {arm: {s: summarise(d) for s, d in by_seed.items()} for arm, by_seed in runs.items()}
-    scalars = {arm: {s: read_run(d) for s, d in by_seed.items()} for arm, by_seed in runs.items()}  # read once
-    rows = [(arm, s, results[arm][s]) for s in args.seeds for arm in args.arms]
-    report = "\n\n".join(
-        part
-        for part in (
-            f"experiment={args.experiment}, seeds {args.seeds}",
-            table(rows),
-            gap_report(results, args.seeds),
-            time_to_target_report(scalars, args.target),
-        )
-        if part
-    )
-    print(report)
-    (args.out / "learning.md").write_text(report + "\n")
-    plot(scalars, args.out / "learning.png")
+        jobs = [
+            Job(f"{arm}_seed{seed}", (f"experiment={args.experiment}", f"seed={seed}", *ARMS[arm], *args.overrides))
+            for arm in arms
+        ]
+        for name, run_dir in run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force).items():
+            run_dirs[name.rsplit("_seed", 1)[0]][seed] = run_dir
+    text = report(args.experiment, args.seeds, run_dirs, args.control_from_start)
+    if args.format_target is not None:
+        text += "\n\n" + format_time_to_target(run_dirs, args.format_target)
+    print(text)
+    (args.out / "learning.md").write_text(text + "\n")
+    plot(curves(run_dirs, args.control_from_start), args.out / "learning.png")
     print(f"wrote {args.out / 'learning.md'} and {args.out / 'learning.png'}")
     return 0
 

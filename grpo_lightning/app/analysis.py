@@ -1,11 +1,13 @@
 """Read the TensorBoard event files of runs and sweeps, and plot metrics per variant with mean and spread.
 
-The code behind `notebooks/compare_runs.ipynb`, importable so tests run it. Needs the `analysis` extra
-(matplotlib) only for plotting; reading uses tensorboard's EventAccumulator, already a dependency.
+The code behind `notebooks/compare_runs.ipynb` and the learning benchmarks (benchmarks/learning.py,
+benchmarks/variants.py; docs/learning.md), importable so tests run it. Needs the `analysis` extra (matplotlib)
+only for plotting; reading uses tensorboard's EventAccumulator, already a dependency.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,16 @@ PLOTTED = (
     "probe/gns/B_simple",
     "probe/entropy/seq_mean",
 )
+TOKENS = "rollout/tokens_generated_total"
+"""Every completion token sampled since the run began, logged with each round's metrics."""
+EVAL_TAGS = {
+    "accuracy": "eval/accuracy",  # greedy pass@1, answer extracted whatever its format (the last number)
+    "low": "eval/accuracy_ci95_low",  # its 95% Wilson interval
+    "high": "eval/accuracy_ci95_high",
+    "strict": "eval/accuracy_strict",  # correct and in the answer format the prompt asks for
+    "format_rate": "eval/format_rate",  # answers in that format
+}
+"""The evaluation metrics every dataset logs, by the `EvalPoint` field that holds them."""
 
 
 @dataclass
@@ -116,3 +128,81 @@ def plot_sweep(runs: list[RunData], tags: tuple[str, ...] = PLOTTED, key: str = 
         ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation of a run (NaN for a metric the run did not log) and the tokens generated before it."""
+
+    step: int
+    tokens: float
+    """`rollout/tokens_generated_total` of the rounds trained before this evaluation (0 at the start)."""
+    accuracy: float
+    low: float
+    high: float
+    strict: float
+    format_rate: float
+
+
+def eval_points(run: RunData) -> list[EvalPoint]:
+    """Every evaluation of the run in step order, each at the generated tokens of the rounds before it.
+
+    The steps say which rounds came before: a round's metrics are logged at its last optimizer step (global step
+    - 1 at its end), the evaluation after it at the global step, the start-of-run evaluation at step 0 before
+    any round. So the evaluation at step s follows exactly the rounds logged at steps below s.
+    """
+    values = {name: dict(run.scalars.get(tag, [])) for name, tag in EVAL_TAGS.items()}  # a resumed step: last wins
+    rounds = sorted(dict(run.scalars.get(TOKENS, [])).items())
+    round_steps = [step for step, _ in rounds]
+    points = []
+    for step in sorted({s for by_step in values.values() for s in by_step}):
+        before = bisect.bisect_left(round_steps, step)
+        tokens = rounds[before - 1][1] if before else 0.0
+        metrics = {name: by_step.get(step, math.nan) for name, by_step in values.items()}
+        points.append(EvalPoint(step, tokens, **metrics))
+    return points
+
+
+def tokens_to_target(points: list[EvalPoint], target: float) -> float | None:
+    """Generated tokens at which pass@1 first reaches `target`, linearly interpolated between the last evaluation
+    below it and the first at or above it (0 if the first evaluation is already there); None if none reaches it.
+
+    Interpolated, because evaluations are several rounds apart: the first evaluation past the target is late by
+    up to that many rounds' tokens, more for the variant whose rounds generate more."""
+    previous = None
+    for point in points:
+        if point.accuracy >= target:
+            if previous is None:
+                return point.tokens
+            share = (target - previous.accuracy) / (point.accuracy - previous.accuracy)
+            return previous.tokens + share * (point.tokens - previous.tokens)
+        if math.isfinite(point.accuracy):
+            previous = point
+    return None
+
+
+def band(curves: list[list[tuple[float, float]]]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Mean, min and max over curves of (x, y) points, each linearly interpolated onto the union of their x
+    values up to the shortest curve's end (beyond it a band would hide that some runs stopped)."""
+    curves = [sorted((x, y) for x, y in c if math.isfinite(y)) for c in curves]
+    curves = [c for c in curves if c]
+    if not curves:
+        return [], [], [], []
+    end = min(c[-1][0] for c in curves)
+    grid = sorted({x for c in curves for x, _ in c if x <= end})
+    at = [[interpolate(c, x) for c in curves] for x in grid]
+    return grid, [sum(v) / len(v) for v in at], [min(v) for v in at], [max(v) for v in at]
+
+
+def interpolate(curve: list[tuple[float, float]], x: float) -> float:
+    """y at x on the piecewise-linear curve through sorted (x, y) points (held flat outside them)."""
+    xs = [p[0] for p in curve]
+    i = bisect.bisect_left(xs, x)
+    if i < len(curve) and xs[i] == x:
+        return curve[i][1]
+    if i == 0:
+        return curve[0][1]
+    if i == len(curve):
+        return curve[-1][1]
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    return y0 + (x - x0) / (x1 - x0) * (y1 - y0)

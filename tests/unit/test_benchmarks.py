@@ -1,0 +1,250 @@
+"""The learning benchmarks (benchmarks/learning.py, benchmarks/variants.py): their pinned configs, composed as a
+run composes them, and their tables on synthetic run folders whose metrics are written here (TensorBoard event
+files), against hand-computed numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from torch.utils.tensorboard import SummaryWriter
+
+from benchmarks import learning, variants
+from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, tokens_to_target
+from grpo_lightning.app.jobs import CONF_DIR, compose, value
+
+RECIPES = ["learn_cpu"] + (["learn_arith"] if (CONF_DIR / "experiment" / "learn_arith.yaml").is_file() else [])
+NAN = math.nan
+
+
+# ---- the pinned configs -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("experiment", RECIPES)
+def test_both_variants_get_the_same_pinned_settings(experiment):
+    shared = variants.pinned(budget=12_345, eval_every=3)
+    configs = {v: compose(variants.variant_overrides(experiment, v, shared, [])) for v in variants.VARIANTS}
+    for name, cfg in configs.items():
+        # by hand, the settings the comparison rests on (the recipe sets some of them otherwise, e.g. eval problems)
+        assert value(cfg, "generator.num_generations") == 8, name
+        assert value(cfg, "generator.temperature") == 0.7, name
+        assert value(cfg, "generator.max_new_tokens") == 96, name
+        assert value(cfg, "data.prompts_per_round") == 2, name
+        assert value(cfg, "max_tokens_generated") == 12_345, name
+        assert value(cfg, "callbacks.rollout_loop.max_tokens_generated") == 12_345, name  # what the loop reads
+        assert value(cfg, "eval.every_n_rounds") == 3, name
+        assert value(cfg, "eval.num_problems") == 128, name
+        assert value(cfg, "eval.max_new_tokens") == 96, name
+        assert value(cfg, "optim.schedule.kind") == "constant", name
+        for key, pinned in shared.items():  # and every other pin, as the script sets it
+            assert value(cfg, key) == pinned, (name, key)
+    assert value(configs["grpo"], "variant._target_").endswith("BaselineGRPO")
+    storpo = configs["storpo"]
+    assert value(storpo, "variant._target_").endswith("STORPO")
+    assert value(storpo, "variant.fallback_generations") == 8  # a prompt sampled plainly: GRPO's G
+    assert (value(storpo, "variant.completions_per_step"), value(storpo, "variant.min_steps")) == (2, 2)
+    assert value(storpo, "variant.max_steps") == 4
+
+
+def test_extra_overrides_reach_both_variants_and_the_printed_settings():
+    shared = variants.pinned(budget=1000, eval_every=5)
+    configs = {
+        v: compose(variants.variant_overrides("learn_cpu", v, shared, ["generator.temperature=0.9"]))
+        for v in variants.VARIANTS
+    }
+    variants.check_equal(configs, list(shared))  # equal on both sides: no exit
+    table = variants.settings_table(configs, ["generator.temperature", "variant.min_steps"])
+    assert table.splitlines()[2:] == [
+        "| `generator.temperature` | `0.9` | `0.9` |",
+        "| `variant.min_steps` | `null` | `2` |",
+    ]
+
+
+def test_check_equal_refuses_a_setting_that_differs():
+    configs = {v: compose(["experiment=learn_cpu", f"variant={v}"]) for v in variants.VARIANTS}
+    configs["storpo"] = compose(["experiment=learn_cpu", "variant=storpo", "generator.num_generations=4"])
+    with pytest.raises(SystemExit, match="generator.num_generations differs"):
+        variants.check_equal(configs, ["generator.num_generations"])
+
+
+def leaves(node, prefix=""):
+    if isinstance(node, dict):
+        return {k: v for key, child in node.items() for k, v in leaves(child, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node}
+
+
+@pytest.mark.parametrize("experiment", RECIPES)
+def test_the_control_differs_from_the_trained_run_in_the_learning_rate_only(experiment):
+    arms = {
+        arm: leaves(OmegaConf.to_container(compose([f"experiment={experiment}", "seed=1", *learning.ARMS[arm]])))
+        for arm in ("trained", "control")
+    }
+    differ = {
+        k for k in arms["trained"].keys() | arms["control"].keys() if arms["trained"].get(k) != arms["control"].get(k)
+    }
+    assert differ == {"optim.optimizer.lr"}
+    assert arms["control"]["optim.optimizer.lr"] == 0
+
+
+def test_a_recipe_that_does_not_exist_fails_in_one_line():
+    with pytest.raises(ValueError, match="experiment=no_such_recipe: .*Could not find 'experiment/no_such_recipe'"):
+        compose(["experiment=no_such_recipe"])
+
+
+# ---- synthetic runs ------------------------------------------------------------------------------------------------
+def write_run(run_dir: Path, round_tokens: dict[int, float], evals: dict[int, dict[str, float]], wall_s=None):
+    """A finished run folder: `rollout/tokens_generated_total` at the given steps, evaluations (EVAL_TAGS names
+    without `eval/`) at theirs. Values are dyadic, exact in TensorBoard's float32."""
+    writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    for step, total in round_tokens.items():
+        writer.add_scalar("rollout/tokens_generated_total", total, step)
+    for step, metrics in evals.items():
+        for name, v in metrics.items():
+            writer.add_scalar(f"eval/{name}", v, step)
+    writer.close()
+    (run_dir / "final_metrics.json").write_text(json.dumps({}))
+    if wall_s is not None:
+        (run_dir / "wall_s.txt").write_text(f"{wall_s}\n")
+
+
+def ev(acc, low, high, strict, fmt):
+    return {"accuracy": acc, "accuracy_ci95_low": low, "accuracy_ci95_high": high,
+            "accuracy_strict": strict, "format_rate": fmt}  # fmt: skip
+
+
+def test_evaluations_sit_at_the_tokens_of_the_rounds_before_them(tmp_path):
+    """Two optimizer steps a round: rounds log at steps 1, 3, 5 (their last step), evaluations at 0 (start),
+    4 (after round 1) and 6 (after round 2)."""
+    write_run(tmp_path, {1: 100.0, 3: 250.0, 5: 500.0}, {0: ev(0.25, 0.125, 0.5, 0.0, 0.5), 4: {"format_rate": 0.75},
+              6: ev(0.5, 0.375, 0.625, 0.25, 1.0)})  # fmt: skip
+    points = eval_points(read_run(tmp_path))
+    assert [(p.step, p.tokens) for p in points] == [(0, 0.0), (4, 250.0), (6, 500.0)]
+    assert (points[0].accuracy, points[0].low, points[0].high, points[0].strict) == (0.25, 0.125, 0.5, 0.0)
+    assert math.isnan(points[1].accuracy) and points[1].format_rate == 0.75  # not logged: NaN, not a hole
+    assert (points[2].accuracy, points[2].strict, points[2].format_rate) == (0.5, 0.25, 1.0)
+
+
+def pts(*pairs):
+    return [EvalPoint(i, t, a, NAN, NAN, NAN, NAN) for i, (t, a) in enumerate(pairs)]
+
+
+def test_tokens_to_target_interpolates_the_first_crossing():
+    points = pts((0, 0.125), (1000, 0.25), (2000, 0.5), (3000, 0.25), (4000, 0.75))
+    assert tokens_to_target(points, 0.375) == 1500.0  # halfway between 1000 (0.25) and 2000 (0.5): first crossing
+    assert tokens_to_target(points, 0.5) == 2000.0  # reached exactly at an evaluation
+    assert tokens_to_target(points, 0.625) == 3750.0  # 3000 (0.25) to 4000 (0.75): 3/4 of the way
+    assert tokens_to_target(points, 0.125) == 0.0  # the start is already there
+    assert tokens_to_target(points, 0.875) is None
+    assert tokens_to_target(pts((0, 0.0), (1000, NAN), (3000, 0.5)), 0.25) == 1500.0  # a missing value is skipped
+
+
+def test_band_interpolates_onto_the_common_tokens():
+    grid, mean, low, high = band([[(0, 0.0), (100, 1.0)], [(0, 0.0), (50, 1.0), (200, 1.0)]])
+    assert grid == [0, 50, 100]  # up to the shorter curve's end
+    assert (mean, low, high) == ([0.0, 0.75, 1.0], [0.0, 0.5, 1.0], [0.0, 1.0, 1.0])
+
+
+def learning_runs(out: Path, with_control: bool) -> None:
+    """Seed 0 clearly ahead of its control; seed 1 gains, but its interval reaches below the control."""
+    start = ev(0.25, 0.125, 0.375, 0.125, 0.5)
+    rounds = {0: 1000.0, 1: 2000.0, 2: 3000.0}
+    write_run(out / "trained_seed0", rounds, {0: start, 3: ev(0.5, 0.375, 0.625, 0.375, 0.875)}, wall_s=120)
+    write_run(out / "trained_seed1", rounds, {0: start, 3: ev(0.375, 0.25, 0.5, 0.25, 0.75)}, wall_s=90)
+    if with_control:
+        write_run(out / "control_seed0", rounds, {0: start, 3: start}, wall_s=60)
+        write_run(out / "control_seed1", rounds, {0: start, 3: start}, wall_s=60)
+
+
+@pytest.mark.parametrize("from_start", [False, True], ids=["control runs", "control from start"])
+def test_learning_tables_by_hand(tmp_path, from_start, capsys):
+    learning_runs(tmp_path, with_control=not from_start)
+    argv = ["--experiment", "learn_cpu", "--seeds", "0", "1", "--out", str(tmp_path)]
+    assert learning.main(argv + (["--control-from-start"] if from_start else [])) == 0
+    assert "trained_seed0: finished before, reading it" in capsys.readouterr().out  # read, not rerun
+    text = (tmp_path / "learning.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert (
+        "| trained | 0 | 0.250 [0.125, 0.375] | 0.125 | 0.500 | 0.500 [0.375, 0.625] | 0.375 | 0.875 | 3000 | 2.0 |"
+        in rows
+    )
+    assert (
+        "| trained | 1 | 0.250 [0.125, 0.375] | 0.125 | 0.500 | 0.375 [0.250, 0.500] | 0.250 | 0.750 | 3000 | 1.5 |"
+        in rows
+    )
+    label = "control (trained run's start)" if from_start else "control (lr=0)"
+    gap_rows = rows[rows.index(next(r for r in rows if label + " pass@1" in r)) + 1 :]
+    assert gap_rows == [
+        "| 0 | 0.500 [0.375, 0.625] | 0.250 | +0.250 | +0.250 | +0.375 | yes |",  # low 0.375 > 0.25
+        "| 1 | 0.375 [0.250, 0.500] | 0.250 | +0.125 | +0.125 | +0.250 | no |",  # low 0.25, not above 0.25
+        "| mean | | | +0.188 | +0.188 | +0.312 | |",
+    ]
+    assert "every seed ahead of its control: no (1 of 2)" in text
+    assert "Test: ahead = the trained run's 95% Wilson interval on its final pass@1 lies wholly above" in text
+    assert ("control: not run" in text) == from_start
+    if not from_start:
+        assert (
+            "| control | 0 | 0.250 [0.125, 0.375] | 0.125 | 0.500 | 0.250 [0.125, 0.375] | 0.125 | 0.500 | 3000 | 1.0 |"
+            in rows
+        )
+    assert (tmp_path / "learning.png").stat().st_size > 0
+
+
+def test_the_control_from_the_start_is_flat_over_the_trained_run(tmp_path):
+    learning_runs(tmp_path, with_control=False)
+    dirs = {"trained": {0: tmp_path / "trained_seed0", 1: tmp_path / "trained_seed1"}}
+    control = learning.curves(dirs, from_start=True)[learning.FROM_START]
+    assert [[(p.tokens, p.accuracy, p.low) for p in seed] for seed in control] == [
+        [(0.0, 0.25, 0.125), (3000.0, 0.25, 0.125)]
+    ] * 2
+
+
+def variants_runs(out: Path) -> None:
+    """Evaluations every few rounds; grpo's rounds cost 1000 tokens, storpo's 750.
+
+    grpo seed 0: 0.125 @0, 0.25 @2000, 0.5 @4000, 0.5 @5000 (end) -> 0.375 at 3000
+    grpo seed 1: 0.125 @0, 0.375 @2000, 0.375 @4000, 0.5 @5000   -> 0.375 at 2000
+    storpo seed 0: 0.125 @0, 0.25 @1500, 0.5 @3000, 0.625 @4500, 0.625 @5250 -> 0.375 at 2250
+    storpo seed 1: 0.125 @0, 0.25 @1500, 0.25 @3000, 0.25 @4500, 0.25 @5250  -> not reached
+    """
+    grpo_rounds = {i: 1000.0 * (i + 1) for i in range(5)}
+    storpo_rounds = {i: 750.0 * (i + 1) for i in range(7)}
+
+    def e(acc, fmt=0.75):
+        return ev(acc, acc - 0.125, acc + 0.125, acc / 2, fmt)
+
+    write_run(out / "grpo_seed0", grpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 5: e(0.5)}, wall_s=600)
+    write_run(out / "grpo_seed1", grpo_rounds, {0: e(0.125), 2: e(0.375), 4: e(0.375), 5: e(0.5)}, wall_s=660)
+    write_run(out / "storpo_seed0", storpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 6: e(0.625), 7: e(0.625)},
+              wall_s=540)  # fmt: skip
+    write_run(out / "storpo_seed1", storpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.25), 6: e(0.25), 7: e(0.25)},
+              wall_s=480)  # fmt: skip
+
+
+def test_variants_tables_by_hand(tmp_path, capsys):
+    variants_runs(tmp_path)
+    argv = ["--experiment", "learn_cpu", "--seeds", "0", "1", "--budget", "5000", "--target", "0.375"]
+    assert variants.main([*argv, "--out", str(tmp_path)]) == 0
+    assert "grpo_seed0: finished before, reading it" in capsys.readouterr().out
+    text = (tmp_path / "variants.md").read_text()
+    assert "| `max_tokens_generated` | `5000` | `5000` |" in text  # the settings, as composed
+    assert "| `generator.num_generations` | `8` | `8` |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| grpo") or line.startswith("| storpo")]
+    assert rows == [
+        # tokens to 0.375: grpo (3000 + 2000) / 2; storpo: seed 1 never; final pass@1 mean, interval envelope
+        "| grpo | 2 | 2500 | 0.500 | [0.375, 0.625] |",
+        "| storpo | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] |",
+        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | 10.0 |",
+        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | 11.0 |",
+        "| storpo | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 9.0 |",
+        "| storpo | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 8.0 |",
+    ]
+    assert "target pass@1: 0.375 (--target); tokens to it: linear interpolation" in text
+    assert (tmp_path / "variants.png").stat().st_size > 0
+
+
+def test_default_target_is_halfway_to_the_lower_mean_final(tmp_path):
+    variants_runs(tmp_path)
+    points = {v: [eval_points(read_run(tmp_path / f"{v}_seed{s}")) for s in (0, 1)] for v in variants.VARIANTS}
+    # start 0.125 everywhere; mean finals grpo 0.5, storpo (0.625 + 0.25) / 2 = 0.4375
+    assert variants.default_target(points) == 0.125 + (0.4375 - 0.125) / 2
