@@ -19,7 +19,7 @@ def test_expected_groups_exist():
     assert GROUPS["loss"] == ["bnpo", "dapo", "dr_grpo", "grpo"]
     assert GROUPS["model"] == ["local", "qwen0.5b", "qwen1.5b", "smollm2_135m", "tiny"]
     assert GROUPS["trainer"] == ["cpu", "ddp", "default", "fsdp", "gpu"]  # default: what the others share
-    assert GROUPS["reward"] == ["gsm8k", "gsm8k_shaped"]
+    assert GROUPS["reward"] == ["gsm8k", "gsm8k_math_verify", "gsm8k_shaped"]
     assert GROUPS["perf"] == ["cpu_fast", "plain"]
     assert {"variant", "generator", "data", "trainer", "logger"} <= set(GROUPS)
 

@@ -1,7 +1,9 @@
-"""Hydra callback that writes a summary table of a multirun sweep (CSV and Markdown) when it ends.
+"""Hydra callback that writes a summary of a multirun sweep when it ends: a table of final metrics (CSV and
+Markdown) and a picture of the main curves of every job (`summary.png`, grpo_lightning/app/sweep_plot.py).
 
 Each job writes `final_metrics.json` into its own output dir (`train.write_final_metrics`), so the summary works
 the same for the in-process launcher and for process-per-job launchers (joblib, submitit): it only reads files.
+The summary never fails a sweep: a picture that cannot be drawn costs one logged line, the jobs' results stay.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _fmt(value: Any) -> str:
 
 
 class SweepSummary(Callback):
-    """`hydra.callbacks.sweep_summary`: after the last job, summarise the sweep directory."""
+    """`hydra.callbacks.sweep_summary`: after the last job, summarise the sweep directory (table and picture)."""
 
     def __init__(self, metrics: list[str] | None = None) -> None:
         self.metrics = tuple(metrics) if metrics else DEFAULT_METRICS
@@ -74,3 +76,15 @@ class SweepSummary(Callback):
         rows = write_summary(sweep_dir, self.metrics)
         log.info("sweep summary of %d jobs: %s", len(rows), sweep_dir / "summary.md")
         print((sweep_dir / "summary.md").read_text())
+        write_picture(sweep_dir)
+
+
+def write_picture(sweep_dir: Path) -> None:
+    """`summary.png` of the sweep's curves; any failure is logged in one line, never raised."""
+    try:
+        from grpo_lightning.app.sweep_plot import plot_sweep_summary
+
+        if plot_sweep_summary(sweep_dir) and (sweep_dir / "summary.png").is_file():
+            print(f"sweep curves: {sweep_dir / 'summary.png'}")
+    except Exception as err:  # noqa: BLE001 - the picture is a convenience; the sweep's results are already written
+        log.warning("summary.png not written: %s: %s", type(err).__name__, err)

@@ -19,6 +19,10 @@ Design choices:
 * Answers are compared as numbers, not strings, so ``18``, ``18.0``, ``18.00``, ``$18`` and ``18.`` are all
   equal, with an absolute tolerance of 1e-6 to absorb float rounding of decimal answers.
 
+Beside the reward, plain checkers `(completion, reference) -> bool` for evaluation: `gsm8k_correct` (this module's
+extraction) and `strict_correct` (the `#### <number>` line only, as verl's GSM8K scorer); math-verify's is in
+`grpo_lightning.rewards.math_verify`. Where they disagree and why: docs/answer_checking.md.
+
 This module deliberately imports neither Lightning nor Hydra, only the standard library (and the stdlib-only
 interfaces in `grpo_lightning.rewards.base`, which also define `RewardResult`).
 """
@@ -50,6 +54,10 @@ _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 
 _ABS_TOL = 1e-6
 
+# verl's strict GSM8K extraction (verl/utils/reward_score/gsm8k.py, method="strict"): "#### " and one space, then
+# digits, dots and commas with an optional minus; the last such line counts.
+_STRICT_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
+
 
 def extract_reference_answer(solution: str) -> str | None:
     """Return the GSM8K reference answer: text after the last ``####``, stripped, commas removed.
@@ -61,19 +69,26 @@ def extract_reference_answer(solution: str) -> str | None:
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 
+def find_predicted_answer(completion: str) -> re.Match[str] | None:
+    """The answer match that starts last in ``completion`` (its number is the group ``num``), or None.
+
+    Recognised formats: ``#### <num>``, ``\\boxed{<num>}`` and ``The answer is <num>`` (case-insensitive).
+    """
+    best: re.Match[str] | None = None
+    for pattern in _ANSWER_PATTERNS:
+        for match in pattern.finditer(completion):
+            if best is None or match.start() > best.start():
+                best = match
+    return best
+
+
 def extract_predicted_answer(completion: str) -> str | None:
     """Return the number string of the answer match that starts last in ``completion``, or None.
 
-    Recognised formats: ``#### <num>``, ``\\boxed{<num>}`` and ``The answer is <num>`` (case-insensitive).
     The returned string is the raw number as written (it may contain thousands commas).
     """
-    best_start = -1
-    best: str | None = None
-    for pattern in _ANSWER_PATTERNS:
-        for match in pattern.finditer(completion):
-            if match.start() > best_start:
-                best_start, best = match.start(), match.group("num")
-    return best
+    match = find_predicted_answer(completion)
+    return None if match is None else match.group("num")
 
 
 def normalize_number(text: str) -> float | None:
@@ -85,6 +100,26 @@ def normalize_number(text: str) -> float | None:
     if not _PLAIN_NUMBER.fullmatch(cleaned):
         return None
     return float(cleaned)
+
+
+def extract_strict_answer(completion: str) -> str | None:
+    """The number of the last ``#### <number>`` in ``completion``, commas removed, or None: verl's strict GSM8K
+    extraction, which also tests the format (exactly one space after ``####``, no ``$``, no words)."""
+    matches = _STRICT_ANSWER.findall(completion)
+    return matches[-1].replace(",", "") if matches else None
+
+
+def strict_correct(completion: str, reference: str) -> bool:
+    """Whether the last ``#### <number>`` is the reference answer as written (verl compares the strings, so
+    ``18.0`` and ``18.`` are wrong against ``18``). ``reference`` is an extracted answer such as ``"18"``."""
+    answer = extract_strict_answer(completion)
+    return answer is not None and answer == reference.replace(",", "").strip()
+
+
+def gsm8k_correct(completion: str, reference: str) -> bool:
+    """Whether `GSM8KReward` finds the reference answer (``####``, ``\\boxed{}`` or "the answer is", compared as
+    numbers). ``reference`` is an extracted answer such as ``"18"``."""
+    return _CHECKER.score_detailed(completion, reference).correct
 
 
 @dataclass(frozen=True)
@@ -120,6 +155,9 @@ class GSM8KReward(RewardTerm):
     def score(self, completion: str, reference: str, **info) -> RewardResult:
         """The reward term: `score_detailed` (the rollout's `info` does not matter to correctness)."""
         return self.score_detailed(completion, reference)
+
+
+_CHECKER = GSM8KReward(format_bonus=0.0)
 
 
 @dataclass(frozen=True)

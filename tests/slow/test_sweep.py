@@ -1,4 +1,5 @@
-"""A Hydra multirun on the tiny model: separate job dirs, a summary with one row per job, and the notebook."""
+"""A Hydra multirun on the tiny model: separate job dirs, a summary with one row per job and its picture, and the
+notebook."""
 
 import csv
 import os
@@ -39,6 +40,7 @@ def test_jobs_have_their_own_dirs_and_the_summary_has_one_row_each(sweep_dir):
     assert [r["job"] for r in rows] == [p.name for p in jobs]
     assert all(r["eval/gsm8k_accuracy"] != "" for r in rows)
     assert (sweep_dir / "summary.md").read_text().count("\n") == 4  # header, rule, two rows
+    assert (sweep_dir / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the curves, seeds pooled
 
 
 def test_notebook_runs_top_to_bottom_on_the_sweep(sweep_dir):
