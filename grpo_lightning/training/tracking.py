@@ -160,7 +160,7 @@ class CSVWriter(Writer):
     no_histograms = "CSV files hold one number per metric and step; a histogram is not one"
 
     def table(self, logger, tag, table, step):
-        path = Path(logger.log_dir) / f"{tag}.csv"
+        path = Path(logger.experiment.log_dir) / f"{tag}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists()
         with path.open("a", newline="", encoding="utf-8") as f:
@@ -170,7 +170,7 @@ class CSVWriter(Writer):
             out.writerows([step, *row] for row in table.rows)
 
     def text(self, logger, tag, text, step):
-        path = Path(logger.log_dir) / f"{tag}.txt"
+        path = Path(logger.experiment.log_dir) / f"{tag}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n", encoding="utf-8")
 
