@@ -62,8 +62,11 @@ def test_tensorboard_and_csv_get_each_kind_in_their_own_type(tmp_path):
     with open(tmp_path / "csv" / "rollout" / "samples.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "group", "reward", "advantage", "question", "completion"]
-    assert rows[1:] == [["2", "0", "0.5", "1.25", "How many | eggs?", "line one\nline | two"],
-                        ["2", "3", "1.0", "-0.5", "Short", "#### 7"], ["4", "3", "1.0", "-0.5", "Short", "#### 7"]]  # fmt: skip
+    assert rows[1:] == [
+        ["2", "0", "0.5", "1.25", "How many | eggs?", "line one\nline | two"],
+        ["2", "3", "1.0", "-0.5", "Short", "#### 7"],
+        ["4", "3", "1.0", "-0.5", "Short", "#### 7"],
+    ]
     assert (tmp_path / "csv" / "summary.txt").read_text() == "run summary:\n  a -> b\n"
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
         metrics = list(csv.DictReader(f))
@@ -112,7 +115,8 @@ def test_dispatch_is_by_logger_class(tmp_path, monkeypatch, caplog):
     for _ in range(2):
         tracking.log_table(loggers, "t", Table(COLUMNS, ROWS), 5)
     tracking.log_histogram(loggers, "h", [1, 2], 5)
-    assert recorder.calls == [("table", "MyTensorBoard", "t", 5)] * 2 + [("histogram", "MyTensorBoard", "h", [1.0, 2.0])]
+    histogram = ("histogram", "MyTensorBoard", "h", [1.0, 2.0])
+    assert recorder.calls == [("table", "MyTensorBoard", "t", 5)] * 2 + [histogram]
     assert no_histograms.calls == [("table", "CSVLogger", "t", 5)] * 2
     assert [r.getMessage() for r in caplog.records if "Quiet" in r.getMessage()] == [
         "Quiet: no writer in grpo_lightning.training.tracking.WRITERS; it gets scalars and hyperparameters only"
