@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,7 +248,7 @@ class SummaryToLoggers(L.Callback):
     """Hands the run's closing summary to the loggers at `teardown`, after the last round and the last evaluation
     and before Lightning finalizes (closes) the loggers; `summarize` computes it (app/train.py passes it)."""
 
-    def __init__(self, summarize) -> None:
+    def __init__(self, summarize: Callable[[], tuple[dict[str, float], str]]) -> None:
         self.summarize = summarize
         """() -> (summary/* metrics, their rendering)."""
 
