@@ -56,7 +56,6 @@ from grpo_lightning.training.checkpointing import (
 from grpo_lightning.training.evaluation import GSM8KEvaluator
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.rollout_loop import RolloutLoop
-from grpo_lightning.training.tracking import SummaryToLoggers
 from grpo_lightning.variants import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -318,7 +317,7 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     run_objects = {"generator": generator, "variant": variant, "reward_fn": reward_fn, "datamodule": datamodule,
                    "tokenizer": tokenizer, "evaluator": evaluator}  # fmt: skip
     callbacks = build_callbacks(cfg.callbacks, run_objects)
-    summary = SummaryToLoggers(functools.partial(closing_summary, callbacks["rollout_loop"], evaluator))
+    summary = tracking.SummaryToLoggers(functools.partial(closing_summary, callbacks["rollout_loop"], evaluator))
     extra = [*generator.callbacks, *([evaluator] if evaluator is not None else []), *probes, summary]
     trainer = build_trainer(cfg, accumulate, [*callbacks.values(), *extra], loggers)
     return Run(
