@@ -25,6 +25,13 @@ SLOW_FILES = {
 }
 
 
+def pytest_configure(config):
+    """No experiment tracker reaches the network or the home directory from a test, whatever a test builds:
+    MLflow's usage telemetry off, W&B offline (tests/test_tracking_runs.py also moves W&B's caches)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("WANDB_MODE", "offline")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), and run the
     real vLLM engines last.

@@ -59,6 +59,20 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         assert "_target_" not in node and set(node) == set(SAMPLING_KEYS)
     elif group == "generator":
         assert get_class(node._target_) is not None  # needs a model; built in test_train
+    elif group == "logger":  # one node per tracker (a multi-select group), built by the run (app/train.py)
+        from grpo_lightning.app.train import build_loggers
+
+        (logger,) = build_loggers(cfg)
+        assert f"{type(logger).__module__.rsplit('.', 1)[0]}.{type(logger).__name__}" == node[option]._target_
+        where = {  # every tracker writes under the run directory by default
+            "tensorboard": lambda: logger.log_dir,
+            "csv": lambda: logger.log_dir,
+            "wandb": lambda: logger.save_dir,
+            "mlflow": lambda: logger.experiment.tracking_uri.removeprefix("sqlite:///"),
+        }[option]()
+        assert Path(where).resolve().is_relative_to(tmp_path.resolve()), where
+        if option == "mlflow":
+            assert Path(node.mlflow.artifact_location).is_relative_to(tmp_path)
     elif group == "perf":  # the speed levers: frozen settings objects, every lever on or every lever off
         forward, generate = instantiate(node.forward), instantiate(node.generate)
         expected = {"cpu_fast": (ForwardSettings(), GenerationSettings()), "plain": PLAIN_PERF}[option]

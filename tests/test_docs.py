@@ -30,6 +30,7 @@ from tests.conftest import CONF_DIR, ROOT, make_cfg
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 PAGE = ROOT / "docs" / "configuration.md"
 EXTENDING = ROOT / "docs" / "extending.md"
+TRACKING = ROOT / "docs" / "tracking.md"
 
 
 # ---- markdown --------------------------------------------------------------------------------------------------------
@@ -131,6 +132,7 @@ NON_DEFAULT = {
     "trainer=fsdp": "the FSDP strategy's keys (docs/multiprocess.md)",
     "reward=gsm8k_shaped": "the shaped reward's terms (docs/rewards.md)",
     "probe=[gns,entropy]": "a probe's keys exist only when it is selected (docs/probes.md)",
+    "logger=[tensorboard,csv,mlflow,wandb]": "a tracker's keys exist only when it is selected (docs/tracking.md)",
 }
 # Mappings whose entries are the user's to name (`reward.terms.<name>`, `+callbacks.mine._target_=...`).
 OPEN_MAPPINGS = {
@@ -592,3 +594,21 @@ def test_the_command_check_rejects_what_the_cli_rejects(tmp_path):
     with pytest.raises(Exception, match="repo_id"):
         hub = ["model.source._target_=grpo_lightning.models.sources.HubSource", "model.source.repo_id=x/y"]
         dry_run_command(hub, tmp_path / "c")
+
+
+# ---- docs/tracking.md ------------------------------------------------------------------------------------------------
+def test_tracking_commands_select_the_loggers_they_name(tmp_path, capsys):
+    """Each command of docs/tracking.md dry-runs as the CLI would (its tracker's package checked, its keys against
+    their declarations) and selects the loggers it names, in its order. Its Python example runs on a real run in
+    tests/test_tracking_runs.py."""
+    commands = read_markdown(TRACKING).commands
+    assert len(commands) >= 6, commands
+    for number, (line, command) in enumerate(commands):
+        args = command_args(command)
+        try:
+            cfg = dry_run_command(args, tmp_path / f"run{number}")
+        except Exception as err:
+            raise AssertionError(f"docs/tracking.md:{line}: {command}\n{type(err).__name__}: {err}") from err
+        chosen = next((a.split("=", 1)[1] for a in args if a.startswith("logger=")), "tensorboard")
+        assert list(cfg.get("logger") or {}) == [n for n in re.split(r"[\[\],]", chosen) if n], (line, command)
+    capsys.readouterr()

@@ -140,6 +140,18 @@ class Group:
         """(file, key prefix inside the group) of an option: the files it extends first, then its own."""
         return _with_bases(self.directory, option, "")
 
+    @property
+    def multi_select(self) -> bool:
+        """Options that can be selected together (`probe=[gns,entropy]`, `logger=[tensorboard,wandb]`): each
+        option's file holds one node named after the option, so selections add up instead of overriding."""
+        if self.default is None:
+            return True
+        for option in self.options:
+            node = OmegaConf.load(self.directory / f"{option}.yaml")
+            if list(node.keys()) != [option]:
+                return False
+        return True
+
 
 def _defaults_entries(path: Path) -> list:
     node = OmegaConf.load(path)
@@ -402,7 +414,7 @@ class Reference:
                       options: bool = True) -> str:  # fmt: skip
         """The options of a group (each file's header) and a table of its keys, one column per option."""
         skip = set(skip)
-        if group.default is None:  # multi-select (probe): every option selected at once, one column
+        if group.multi_select:  # probe, logger: every option selected at once, one column
             everything = f"{group.name}=[{','.join(group.options)}]"
             selections = [(f"`{everything}`", [everything])]
         else:

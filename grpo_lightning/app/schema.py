@@ -1,5 +1,5 @@
 """The declarations of the keys no settings dataclass of a component owns: the top level of conf/config.yaml, and
-the keys of third-party nodes (Lightning's Trainer, torch's optimizer) that this application relies on.
+the keys of third-party nodes (Lightning's Trainer and loggers, torch's optimizer) that this application relies on.
 
 Every other node is declared by the class its `_target_` names (grpo_lightning/schema.py): the generator by its
 sampling and engine settings, the loss by `GRPOLoss`, and so on. app/validation.py walks the composed config
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from lightning.fabric.connector import _PRECISION_INPUT_INT, _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from grpo_lightning.models.lora import LoraSettings
 from grpo_lightning.models.sources import DTYPES
@@ -19,6 +20,7 @@ from grpo_lightning.schema import (
     SEED_MAX,
     boolean,
     choice,
+    configures,
     integer,
     is_int,
     is_number,
@@ -48,6 +50,14 @@ def devices(value) -> str | None:
     if isinstance(value, list | tuple) and value and all(is_int(v) and v >= 0 for v in value):
         return None
     return "must be a count >= 1, -1, auto, or a list of device ids"
+
+
+def log_version(value) -> str | None:
+    return None if isinstance(value, str) or (is_int(value) and value >= 0) else 'must be "", a name or a number >= 0'
+
+
+def log_model(value) -> str | None:
+    return None if value is True or value is False or value == "all" else "must be true, false or all"
 
 
 def betas(value) -> str | None:
@@ -126,6 +136,52 @@ class TrainerKeys:
     accelerator: str = setting("cpu", choice(*ACCELERATORS), "cpu | gpu | auto")
     devices: int | str | list[int] = setting(1, devices, "a count, -1, auto or a list of device ids")
     num_nodes: int = setting(1, integer(1), "machines (docs/multiprocess.md)")
+
+
+@dataclass(frozen=True)
+class TensorBoardKeys:
+    """`logger.tensorboard`: the `lightning.pytorch.loggers.TensorBoardLogger` arguments the application sets."""
+
+    save_dir: str = setting("", text, "the run directory")
+    name: str = setting("tensorboard", text, "subdirectory of save_dir")
+    version: str | int = setting("", log_version, '"": no version_N subdirectory')
+    default_hp_metric: bool = setting(False, boolean, "a placeholder hp_metric scalar")
+
+
+@dataclass(frozen=True)
+class CSVKeys:
+    """`logger.csv`: the `lightning.pytorch.loggers.CSVLogger` arguments the application sets."""
+
+    save_dir: str = setting("", text, "the run directory")
+    name: str = setting("csv", text, "subdirectory of save_dir")
+    version: str | int = setting("", log_version, '"": no version_N subdirectory')
+
+
+@dataclass(frozen=True)
+class WandbKeys:
+    """`logger.wandb`: the `lightning.pytorch.loggers.WandbLogger` arguments the application sets."""
+
+    save_dir: str = setting("", text, "the run directory (W&B adds wandb/)")
+    offline: bool = setting(True, boolean, "true: no network, `wandb sync` uploads later")
+    project: str = setting("grpo_lightning", text, "the W&B project")
+    name: str | None = setting(None, optional(text), "the run's display name")
+    log_model: bool | str = setting(False, log_model, "upload checkpoints as artifacts (needs offline=false)")
+
+
+@dataclass(frozen=True)
+class MLflowKeys:
+    """`logger.mlflow`: the `lightning.pytorch.loggers.MLFlowLogger` arguments the application sets."""
+
+    tracking_uri: str = setting("", text, "where runs are recorded: sqlite:///..., http://host:port, file:<dir>")
+    artifact_location: str | None = setting(None, optional(text), "where a new experiment keeps its runs' files")
+    experiment_name: str = setting("grpo_lightning", text, "the MLflow experiment")
+    run_name: str | None = setting(None, optional(text), "the run's display name")
+
+
+configures(TensorBoardLogger, TensorBoardKeys)
+configures(CSVLogger, CSVKeys)
+configures(WandbLogger, WandbKeys)
+configures(MLFlowLogger, MLflowKeys)
 
 
 @dataclass(frozen=True)

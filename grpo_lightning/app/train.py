@@ -7,6 +7,7 @@ them without a traceback); `instantiate` wraps constructor errors, so `build` un
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -41,6 +42,7 @@ from grpo_lightning.errors import RunInterrupted, TrainingStopped
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from grpo_lightning.models.sources import resolve_dtype
 from grpo_lightning.rewards.pipeline import build_reward
+from grpo_lightning.training import tracking
 from grpo_lightning.training.callbacks import SavePolicy
 from grpo_lightning.training.checkpointing import (
     AtomicCheckpointIO,
@@ -155,25 +157,25 @@ class Run:
         try:
             return self._fit()
         finally:
+            tracking.close(self.trainer.loggers)  # e.g. the W&B run, which would outlive this one in the process
             if self.lock is not None:
                 self.lock.release()
 
     def _fit(self) -> dict[str, float]:
-        for lg in self.trainer.loggers:
-            lg.log_hyperparams(OmegaConf.to_container(self.cfg, resolve=True))
+        tracking.log_hparams(self.trainer.loggers, OmegaConf.to_container(self.cfg, resolve=True))
         if self.ckpt_path is not None:
             rank_zero_print(f"resuming from {self.ckpt_path}")
         self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=self.ckpt_path, weights_only=False)
         output_dir = Path(self.cfg.paths.output_dir).resolve()
-        rank_zero_print(f"TensorBoard logs: tensorboard --logdir {output_dir}")
+        if self.trainer.is_global_zero:  # where each tracker keeps the run, and how to open it
+            for line in tracking.describe(self.trainer.loggers):
+                print(line)
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
-        evals = self.evaluator.history if self.evaluator is not None else []
         if self.evaluator is not None:  # it logs to the loggers directly, outside Lightning's metric store
             metrics.update(self.evaluator.final_metrics)
-        rounds = self.rollout_loop.history
-        summary = summary_metrics(rounds, evals)
+        summary, text = closing_summary(self.rollout_loop, self.evaluator)
         metrics.update(summary)
-        rank_zero_print(render_summary(summary, len(rounds), len(evals)))
+        rank_zero_print(text)
         if self.trainer.is_global_zero:
             write_final_metrics(output_dir, metrics)
             saver = self.callbacks.get("save_policy")
@@ -210,6 +212,13 @@ class Run:
             "saved). Resume: python -m grpo_lightning <same overrides> optim.optimizer.lr=<lower> "
             f"ckpt_path={candidate}"
         )
+
+
+def closing_summary(rollout_loop: RolloutLoop, evaluator: GSM8KEvaluator | None) -> tuple[dict[str, float], str]:
+    """The run's `summary/*` metrics and their rendering (app/summary.py), from every round and evaluation so far."""
+    rounds, evals = rollout_loop.history, evaluator.history if evaluator is not None else []
+    summary = summary_metrics(rounds, evals)
+    return summary, render_summary(summary, len(rounds), len(evals))
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -273,6 +282,7 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     rank_zero_print(f"grpo_lightning plan:\n{plan.render()}")
     plan.check_fits()  # before the model loads: a run that cannot fit is refused in one line
     probes = build_probes(cfg, plan)
+    loggers = build_loggers(cfg)  # before the model loads: a tracker's setting that its constructor refuses fails now
 
     with torch.random.fork_rng():  # loading (and a first-run GGUF conversion) must not move the seeded RNG
         model, tokenizer = load_model(source, cfg)
@@ -307,8 +317,9 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     run_objects = {"generator": generator, "variant": variant, "reward_fn": reward_fn, "datamodule": datamodule,
                    "tokenizer": tokenizer, "evaluator": evaluator}  # fmt: skip
     callbacks = build_callbacks(cfg.callbacks, run_objects)
-    extra = [*generator.callbacks, *([evaluator] if evaluator is not None else []), *probes]
-    trainer = build_trainer(cfg, accumulate, [*callbacks.values(), *extra])
+    summary = tracking.SummaryToLoggers(functools.partial(closing_summary, callbacks["rollout_loop"], evaluator))
+    extra = [*generator.callbacks, *([evaluator] if evaluator is not None else []), *probes, summary]
+    trainer = build_trainer(cfg, accumulate, [*callbacks.values(), *extra], loggers)
     return Run(
         cfg=cfg,
         plan=plan,
@@ -436,15 +447,21 @@ def build_callbacks(node: DictConfig, run_objects: dict) -> dict[str, L.Callback
     return built
 
 
-def build_trainer(cfg: DictConfig, accumulate: int, callbacks: list[L.Callback]) -> L.Trainer:
-    """The `trainer` node with the run's callbacks, the `logger` node and the atomic checkpoint writer."""
+def build_trainer(cfg: DictConfig, accumulate: int, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
+    """The `trainer` node with the run's callbacks, the `logger` group's loggers and the atomic checkpoint writer."""
     return build(
         cfg.trainer,
         callbacks=callbacks,
-        logger=build(cfg.logger),
+        logger=loggers or False,
         accumulate_grad_batches=accumulate,
         plugins=[AtomicCheckpointIO()],
     )
+
+
+def build_loggers(cfg: DictConfig) -> list:
+    """The `logger` multi-select group's loggers, in the order selected (`logger=[tensorboard,wandb]`); none with
+    `logger=[]`. Lightning writes scalars to each; training/tracking.py fans tables, histograms and the summary out."""
+    return [build(node) for node in (cfg.get("logger") or {}).values()]
 
 
 def write_final_metrics(output_dir: Path, metrics: dict[str, float]) -> None:

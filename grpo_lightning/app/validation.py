@@ -13,6 +13,7 @@ joined with "; "). Values that are legal but probably not meant (a near-zero tem
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import fields
@@ -28,6 +29,7 @@ from grpo_lightning.app.schema import RunSettings
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.rewards.pipeline import check_moved_keys
 from grpo_lightning.schema import declared, mapping, nested_schema, problems, schemas_of
+from grpo_lightning.training.tracking import writer_for
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ def validate(cfg: DictConfig) -> None:
             "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
         )
     check_vllm(cfg)
+    check_logger_packages(cfg)
     check_accelerator(cfg)
     check_data_files(cfg)
     check_cache_dir(cfg.paths.cache_dir)
@@ -153,6 +156,22 @@ def check_combinations(cfg: DictConfig) -> None:
             "eval.dataset.path must be set when data.dataset.source=path (evaluation reads its test split): give "
             "the test split's JSONL file, or turn evaluation off with eval.enabled=false"
         )
+
+
+def check_logger_packages(cfg: DictConfig) -> None:
+    """Each selected tracker's package is installed (its writer in training/tracking.py names it), decided from
+    the import system without importing it; a `_target_` that does not import is build()'s to report."""
+    for name, node in (cfg.get("logger") or {}).items():
+        try:
+            writer = writer_for(get_class(node.get("_target_")))
+        except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
+            continue
+        package = writer.package if writer is not None else None
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"logger.{name} needs the {package} package: pip install 'grpo_lightning[{package}]' (from a "
+                f"checkout: pip install -e '.[{package}]'), or leave {name} out of logger=[...]"
+            )
 
 
 def is_vllm(cfg: DictConfig) -> bool:

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from torchmetrics import MeanMetric
 
-from grpo_lightning.algorithm.round_metrics import markdown_cell
 from grpo_lightning.data.datamodule import encode_prompt
 from grpo_lightning.data.gsm8k import GSM8K
 from grpo_lightning.distributed import gather_objects, rank_and_world
 from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
+from grpo_lightning.training import tracking
 
 log = logging.getLogger(__name__)
 
@@ -218,14 +217,12 @@ class GSM8KEvaluator(L.Callback):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _log_table(self, trainer: L.Trainer, texts: list[str], answers: list[str]) -> None:
-        writer = next((lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-        if writer is None:
-            return
-        rows = ["| answer | correct | completion |", "|---|---|---|"]
+        columns = (tracking.Column("answer"), tracking.Column("correct"), tracking.Column("completion", max_chars=1500))
+        rows = []
         for answer, text in list(zip(answers, texts, strict=True))[: self.num_samples_logged]:
             ok = self.reward_fn.score_detailed(text, answer).correct
-            rows.append(f"| {answer} | {'yes' if ok else 'no'} | {markdown_cell(text, 1500)} |")
-        writer.add_text("eval/samples", "\n".join(rows), trainer.global_step)
+            rows.append((answer, "yes" if ok else "no", text))
+        tracking.log_table(trainer.loggers, "eval/samples", tracking.Table(columns, tuple(rows)), trainer.global_step)
 
 
 configures(GSM8KEvaluator, EvalSettings)

@@ -34,12 +34,11 @@ import time
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from grpo_lightning.accel.heap_trim import release_freed_memory
 from grpo_lightning.algorithm.dynamic_sampling import groups_in_order, is_informative, renumbered
 from grpo_lightning.algorithm.rollouts import collate_rollouts
-from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, markdown_cell, round_metrics
+from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, round_metrics
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.distributed import (
     derive_seed,
@@ -50,6 +49,7 @@ from grpo_lightning.distributed import (
     sum_across_ranks,
 )
 from grpo_lightning.rng import capture_rng, restore_rng
+from grpo_lightning.training import tracking
 from grpo_lightning.types import Prompt, Rollout, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
@@ -368,21 +368,18 @@ class RolloutLoop(L.Callback):
 
     def log_samples(self, trainer: L.Trainer, prompts: list[Prompt], rollouts: list[Rollout]) -> None:
         """Text table of a few completions and reward / advantage histograms, at the round's first step."""
-        writer = next((lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-        if writer is None:
-            return
         step = trainer.global_step
-        rows = ["| group | reward | advantage | question | completion |", "|---|---|---|---|---|"]
+        columns = (
+            tracking.Column("group"),
+            tracking.Column("reward", ".2f"),
+            tracking.Column("advantage", "+.2f"),
+            tracking.Column("question", max_chars=200),
+            tracking.Column("completion", max_chars=1500),
+        )
+        rows = []
         for r in rollouts[: self.num_samples_logged]:
             question = prompts[r.group_id].question if r.group_id < len(prompts) else ""
-            cells = [
-                str(r.group_id),
-                f"{r.reward:.2f}",
-                f"{r.advantage:+.2f}",
-                markdown_cell(question, 200),
-                markdown_cell(r.text, 1500),
-            ]
-            rows.append("| " + " | ".join(cells) + " |")
-        writer.add_text("rollout/samples", "\n".join(rows), step)
-        writer.add_histogram("rollout/reward_hist", torch.tensor([r.reward for r in rollouts]), step)
-        writer.add_histogram("rollout/advantage_hist", torch.tensor([r.advantage for r in rollouts]), step)
+            rows.append((r.group_id, r.reward, r.advantage, question, r.text))
+        tracking.log_table(trainer.loggers, "rollout/samples", tracking.Table(columns, tuple(rows)), step)
+        tracking.log_histogram(trainer.loggers, "rollout/reward_hist", [r.reward for r in rollouts], step)
+        tracking.log_histogram(trainer.loggers, "rollout/advantage_hist", [r.advantage for r in rollouts], step)

@@ -135,6 +135,24 @@ OPTION_KEYS = {
         "model.source.seed",
     ],
     "model=local": ["model.source.path"],
+    "logger=[tensorboard,csv,mlflow,wandb]": [
+        "logger.tensorboard.save_dir",
+        "logger.tensorboard.name",
+        "logger.tensorboard.version",
+        "logger.tensorboard.default_hp_metric",
+        "logger.csv.save_dir",
+        "logger.csv.name",
+        "logger.csv.version",
+        "logger.mlflow.tracking_uri",
+        "logger.mlflow.artifact_location",
+        "logger.mlflow.experiment_name",
+        "logger.mlflow.run_name",
+        "logger.wandb.save_dir",
+        "logger.wandb.offline",
+        "logger.wandb.project",
+        "logger.wandb.name",
+        "logger.wandb.log_model",
+    ],
     "model=qwen0.5b": ["model.source.repo_id", "model.source.revision"],
 }
 NO_RULE_TAKES = [[1]]  # a list of lists: no integer, number, choice, string, mapping or device rule accepts it
@@ -204,7 +222,7 @@ def test_the_declared_defaults_are_the_default_config(tmp_path):
                 if plain != (list(default) if isinstance(default, tuple) else default):
                     differ.append(f"{path}{key}: config {plain!r}, declared {default!r}")
 
-    cfg = make_cfg(tmp_path, ["generator=vllm", "variant=storpo"])
+    cfg = make_cfg(tmp_path, ["generator=vllm", "variant=storpo", "logger=[tensorboard,csv,mlflow,wandb]"])
     with open_dict(cfg):
         cfg.paths.output_dir = ""  # the run directory: Hydra's, per run
     walk(cfg, "", (RunSettings,))
