@@ -27,6 +27,7 @@ from grpo_lightning.schema import (
     setting,
     text,
 )
+from grpo_lightning.training.overlap import RolloutSettings
 
 PRECISIONS = {str(p) for p in get_args(_PRECISION_INPUT_STR) + get_args(_PRECISION_INPUT_STR_ALIAS)} | {
     str(p) for p in get_args(_PRECISION_INPUT_INT)
@@ -136,6 +137,7 @@ class RunSettings:
     dry_run: bool = setting(False, boolean, "validate, load the data, print the plan; load no model")
     ckpt_path: str | None = setting(None, checkpoint_path, "resume: null, last, a run directory or a .ckpt file")
     paths: PathsSettings = setting(factory=PathsSettings, help="where the run writes")
+    rollout: RolloutSettings = setting(factory=RolloutSettings, help="generate and train at the same time")
     checkpoint: CheckpointSettings = setting(factory=CheckpointSettings, help="checkpoint cadence")
     guard: GuardSettings = setting(factory=GuardSettings, help="non-finite and divergence guards")
     logging: LoggingSettings = setting(factory=LoggingSettings, help="sample tables and histograms")
