@@ -272,7 +272,10 @@ class RolloutLoop(L.Callback):
         keeps it: no later checkpoint holds the weights it was sampled from)."""
         self.background.all_threads()
         if self.background.in_flight:
+            start = time.perf_counter()
             sampled = self.background.join()
+            wait_s = time.perf_counter() - start  # > 0: sampling is the longer side
+            pl_module.log("time/rollout_wait_s", wait_s, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
             self.finish(trainer, pl_module, sampled, next_round, trainer.global_step - self.background.snapshot_step)
 
     def finish(
