@@ -25,6 +25,7 @@ Who does what:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,9 +101,12 @@ class ThreadShare:
 class BackgroundSampling:
     """One engine copy sampling one round at a time in a worker thread."""
 
-    def __init__(self, engine: BackgroundEngine, share: ThreadShare | None) -> None:
+    def __init__(self, engine: BackgroundEngine, share: ThreadShare | None, device: torch.device | None = None) -> None:
         self.engine = engine
         self.share = share
+        self.device = device if device is not None else torch.device("cpu")
+        """Where the engine copy computes; on a CUDA device the worker enqueues its kernels on a stream of its own."""
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.group = dist.new_group(backend="gloo") if is_distributed() else None
         """The worker's process group (every rank builds it, in the same order: at the run's start)."""
         self.snapshot_step = 0
@@ -129,6 +133,8 @@ class BackgroundSampling:
         self.engine.reseed(round_seed)
         self.engine.cancel.clear()
         self._result, self._error = None, None
+        if self._stream is not None:  # the snapshot's copies, enqueued on this thread's stream, come first
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._thread = threading.Thread(target=self._run, args=(work,), name="rollout-sampler", daemon=True)
         self._thread.start()
 
@@ -136,7 +142,8 @@ class BackgroundSampling:
         if self.share is not None:
             torch.set_num_threads(self.share.sampler)  # this thread's own OpenMP count
         try:
-            self._result = work(self.engine, self.group)
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                self._result = work(self.engine, self.group)
         except BaseException as err:  # noqa: BLE001 - re-raised in the trainer's thread by join()
             self._error = err
 
@@ -146,6 +153,8 @@ class BackgroundSampling:
         if thread is None:
             raise RuntimeError("no round is being sampled")
         thread.join()
+        if self._stream is not None:  # the next snapshot overwrites what the worker's kernels read
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
         if self._error is not None:
             raise self._error
         return self._result
@@ -185,6 +194,6 @@ class BackgroundSampling:
 
 def background_sampling(generator: Generator, policy: nn.Module, sampler_threads: int | None) -> BackgroundSampling:
     """The engine copy and its worker for this run; the thread share on the CPU only."""
-    on_cpu = next(policy.parameters()).device.type == "cpu"
-    share = ThreadShare.of(torch.get_num_threads(), sampler_threads) if on_cpu else None
-    return BackgroundSampling(generator.background_copy(), share)
+    device = next(policy.parameters()).device
+    share = ThreadShare.of(torch.get_num_threads(), sampler_threads) if device.type == "cpu" else None
+    return BackgroundSampling(generator.background_copy(), share, device)
