@@ -3,9 +3,10 @@
 One round's path from prompts to optimizer step reads top to bottom in three files:
 
 1. `grpo_lightning/training/rollout_loop.py` (this file): `produce` syncs the generator's weights, samples the round
-   (the variant, with dynamic sampling when on), lays the rollouts out in micro-batches (`layout`), scores the
-   old log-probs, counts each optimizer step's tokens over all ranks, computes the round's metrics and hands
-   the data module a read-only `Round`; `on_train_epoch_end` runs the end of a round, phase by phase.
+   (round_sampling.py: the variant, with dynamic sampling when on), and `finish` lays the rollouts out in
+   micro-batches (round_layout.py), scores the old log-probs, counts each optimizer step's tokens over all
+   ranks, computes the round's metrics and hands the data module a read-only `Round`; `on_train_epoch_end`
+   runs the end of a round, phase by phase.
 2. `grpo_lightning/training/module.py`: `GRPOModule.training_step`, one micro-batch's log-probs, loss and guards.
 3. `grpo_lightning/algorithm/losses.py`: `GRPOLoss`, the clipped surrogate, the KL term and the loss type's aggregation.
 
@@ -20,6 +21,12 @@ Exact resume: Lightning saves checkpoints at the end of a round AFTER this loop 
 at that moment. A resumed run installs those rollouts instead of sampling again and restores the RNGs, so it
 continues bit for bit. A checkpoint written without a next round (a graceful stop) resumes by generating it
 from the saved RNG states, which is what the uninterrupted run did at that point.
+
+Overlapped rounds (`rollout.max_staleness` >= 1, overlap.py, docs/overlap.md): round k+1 is sampled by an engine
+copy in a worker thread while round k trains, from the weights round k started with; `on_train_epoch_start`
+starts it and `on_train_epoch_end` joins it and `finish`es it as a sequential round, before the checkpoint, so
+the checkpoint still holds the next round's rollouts; the round after is started from the checkpoint's weights
+with its own seed, and a resumed run samples it again, identically.
 
 Several processes (DDP): each rank generates the rollouts of its block of the round's prompts with its own RNG
 stream (seeded from (seed, rank)), so the run is reproducible for a given number of processes; round metrics
