@@ -33,12 +33,14 @@ def shard(items: list[T], rank: int, world_size: int) -> list[T]:
     return items[rank * size : (rank + 1) * size]
 
 
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (a one-element list on one process). Picklable objects only."""
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, in rank order (a one-element list on one process). Picklable objects only.
+
+    `group`: the process group (None: the default one); a thread that runs beside the trainer passes its own."""
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

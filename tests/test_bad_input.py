@@ -134,6 +134,22 @@ CONFIG_MISTAKES = [
         ["generator=vllm", "trainer=ddp", "trainer.devices=2"],
         ["generator=vllm", "several training processes", "trainer.devices"],
     ),
+    (
+        "staleness bound below a round's steps",
+        ["rollout.max_staleness=1", "data.num_iterations=2"],
+        ["rollout.max_staleness=1 is below the 2 optimizer steps a round takes"],
+    ),
+    ("negative staleness bound", ["rollout.max_staleness=-1"], ["rollout.max_staleness must be >= 0"]),
+    (
+        "overlap with vLLM",
+        ["generator=vllm", "rollout.max_staleness=1"],
+        ["rollout.max_staleness=1: generator=vllm cannot sample the next round beside the trainer"],
+    ),
+    (
+        "overlap with HF generate",
+        ["perf=plain", "rollout.max_staleness=1"],
+        ["rollout.max_staleness=1 needs perf.generate.custom_decode=true"],
+    ),
     ("moved lever", ["forward.share_prefix=false"], ["forward.share_prefix has moved: use perf.forward.share_prefix"]),
     (
         "moved generator lever",

@@ -135,3 +135,38 @@ def test_ddp_resume_continues_exactly(tmp_path):
     a = torch.load(straight["dir"] / "rank1.pt")
     b = torch.load(resumed["dir"] / "rank1.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.fixture(scope="module")
+def overlapped(tmp_path_factory):
+    """Overlapped rounds (docs/overlap.md), 3 rounds: one process, two processes, and two processes run for 2
+    rounds then extended to 3 from the checkpoint (which keeps the engine copy's weights for the next round).
+    Dynamic sampling is on (the default), so every round's stop decision is a collective from each rank's
+    sampler thread, through the sampler's own gloo group, while the trainer all-reduces gradients."""
+    root = tmp_path_factory.mktemp("overlap")
+    common = ["rollout.max_staleness=1", "trainer.max_epochs=3"]
+    runs = {"single": run(root / "single", 1, *common), "ddp": run(root / "ddp", 2, *common)}
+    split = run(root / "split", 2, *common, "trainer.max_epochs=2")
+    runs["resumed"] = run(root / "resumed", 2, *common, f"ckpt_path={split['dir']}")
+    return runs
+
+
+def test_overlapped_ddp_ranks_equal_one_overlapped_process(overlapped):
+    rank0, rank1 = (torch.load(overlapped["ddp"]["dir"] / f"rank{r}.pt") for r in (0, 1))
+    reference = torch.load(overlapped["single"]["dir"] / "rank0.pt")
+    assert rank0.keys() == rank1.keys() == reference.keys()
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    for name in reference:
+        torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert scalars(overlapped["ddp"]["dir"], "rollout/staleness") == [0.0, 1.0, 1.0]
+    assert scalars(overlapped["ddp"]["dir"], "train/reward_mean") == pytest.approx(
+        scalars(overlapped["single"]["dir"], "train/reward_mean"), rel=1e-6
+    )  # the same rollouts, sampled by two processes' threads
+
+
+def test_overlapped_ddp_extended_run_continues_exactly(overlapped):
+    assert "resuming from" in overlapped["resumed"]["stdout"]
+    for rank in (0, 1):
+        a = torch.load(overlapped["ddp"]["dir"] / f"rank{rank}.pt")
+        b = torch.load(overlapped["resumed"]["dir"] / f"rank{rank}.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -78,3 +78,18 @@ def test_evaluation_in_a_one_process_nccl_group(tiny_cfg, tmp_path):
     finally:
         dist.destroy_process_group()
     assert 0.0 <= metrics["eval/gsm8k_accuracy"] <= 1.0
+
+
+@needs_cuda
+def test_overlapped_rounds_on_gpu_sample_the_sequential_rollouts_at_lr0(tiny_cfg):
+    """rollout.max_staleness=1 on a GPU: the engine copy samples on a CUDA stream of its own beside training and,
+    at lr=0, samples exactly what sequential rounds sample (tests/test_overlap.py's truth on the CPU)."""
+    from tests.test_overlap import run_and_record
+
+    sequential, _, _ = run_and_record(tiny_cfg, "trainer=gpu", "data.dynamic_sampling.enabled=false")
+    overlapped, _, run = run_and_record(
+        tiny_cfg, "trainer=gpu", "data.dynamic_sampling.enabled=false", "rollout.max_staleness=1"
+    )
+    assert run.rollout_loop.background.device.type == "cuda"
+    assert overlapped.rounds == sequential.rounds
+    assert overlapped.staleness[1:] == [1.0] * (len(overlapped.staleness) - 1)

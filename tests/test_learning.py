@@ -122,3 +122,12 @@ def test_storpo_learns_what_its_lr0_control_does_not(tiny_cfg):
     trained = rewards_per_round(tiny_cfg, *storpo)
     control = rewards_per_round(tiny_cfg, *storpo, "optim.optimizer.lr=0")
     assert gain(trained) > gain(control) + MARGIN, (trained, control)
+
+
+def test_overlapped_rounds_learn_what_their_lr0_control_does_not(tiny_cfg):
+    """Round k+1 sampled beside round k's training, from the weights round k started with (one optimizer step
+    stale, docs/overlap.md): the policy still learns. The control overlaps too, so both sample alike."""
+    overlap = ["rollout.max_staleness=1"]
+    trained = rewards_per_round(tiny_cfg, *overlap)
+    control = rewards_per_round(tiny_cfg, *overlap, "optim.optimizer.lr=0")
+    assert gain(trained) > gain(control) + MARGIN, (trained, control)

@@ -34,17 +34,24 @@ BASE = [
     "eval.every_n_rounds=2",
     "checkpoint.every_n_rounds=2",
 ]
+STORPO_TWO_PASSES = ["variant=storpo", "data.num_iterations=2", "trainer.accumulate_grad_batches=1"]
+DYNAMIC_SAMPLING = [
+    "~reward.terms.vowels",
+    "+reward.terms.even._target_=tests.helpers.VowelFractionOnEvenAnswers",
+    "data.dynamic_sampling.enabled=true",
+]
 SETUPS = {
     "grpo": [],
     # STORPO branches, and two passes over each round: old log-probs are scored before the round's first update.
-    "storpo_two_passes": ["variant=storpo", "data.num_iterations=2", "trainer.accumulate_grad_batches=1"],
+    "storpo_two_passes": STORPO_TWO_PASSES,
     # Dynamic sampling: odd-answer problems score 0 everywhere, so rounds draw extra batches and the prompt
     # stream position (checkpointed) moves by a varying amount per round.
-    "dynamic_sampling": [
-        "~reward.terms.vowels",
-        "+reward.terms.even._target_=tests.helpers.VowelFractionOnEvenAnswers",
-        "data.dynamic_sampling.enabled=true",
-    ],
+    "dynamic_sampling": DYNAMIC_SAMPLING,
+    # Overlapped rounds (docs/overlap.md): a kill can land while round k+1 is sampled beside round k's training;
+    # the checkpoint holds round k+1 and theta_{k+1}, and round k+2 is sampled again from them.
+    "overlap": ["rollout.max_staleness=1"],
+    "overlap_storpo_two_passes": [*STORPO_TWO_PASSES, "rollout.max_staleness=4"],  # 2 micro-batches x 2 passes
+    "overlap_dynamic_sampling": [*DYNAMIC_SAMPLING, "rollout.max_staleness=1"],
 }
 
 
@@ -132,9 +139,10 @@ def test_sigkill_at_a_random_point_then_resume_is_bitwise_equal(tmp_path, uninte
     assert_bitwise_equal(uninterrupted[setup], final_state(run_dir), context=f"RESUME_TEST_SEED={seed}")
 
 
-def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterrupted):
+@pytest.mark.parametrize("setup", ["grpo", "overlap"])
+def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterrupted, setup):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, *BASE)
+    proc = start(run_dir, *BASE, *SETUPS[setup])
     wait_for(run_dir / "checkpoints" / "last.ckpt", proc)  # round 0 done; round 1 is being generated or trained
     proc.send_signal(signal.SIGINT)
     err = finish(proc, expect=128 + signal.SIGINT)
@@ -142,8 +150,17 @@ def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterru
     assert "stopped after round" in err and "ckpt_path=" in err and "Traceback" not in err
     stopped = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert 1 <= stopped["epoch"] < ROUNDS - 1  # stopped early, at a round boundary
-    finish(start(run_dir, *BASE, "ckpt_path=last"))
-    assert_bitwise_equal(uninterrupted["grpo"], final_state(run_dir))
+    finish(start(run_dir, *BASE, *SETUPS[setup], "ckpt_path=last"))
+    assert_bitwise_equal(uninterrupted[setup], final_state(run_dir))
+
+
+def test_an_overlapped_run_extended_past_its_last_round_continues_as_the_longer_run(tmp_path, uninterrupted):
+    """Its last checkpoint holds no next round, only the weights that round would be sampled from (the engine
+    copy's snapshot): the extended run samples it from them, as the longer run did beside its training."""
+    run_dir = tmp_path / "run"
+    finish(start(run_dir, *BASE, *SETUPS["overlap"], f"trainer.max_epochs={ROUNDS - 2}"))
+    finish(start(run_dir, *BASE, *SETUPS["overlap"], "ckpt_path=last"))
+    assert_bitwise_equal(uninterrupted["overlap"], final_state(run_dir))
 
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_file(tmp_path, monkeypatch):

@@ -209,9 +209,10 @@ def test_cli_follows_hydra_conventions(tmp_path):
     assert "loss_type: dr_grpo" in result.stdout and "scale: auto" in result.stdout
 
 
-def test_tokens_generated_total_adds_up_every_sampled_token(tiny_cfg):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_tokens_generated_total_adds_up_every_sampled_token(tiny_cfg, max_staleness):
     """Independent count: the completion tokens of every rollout sampled in each round, dynamic sampling's
-    dropped groups included (its `sampled` list), summed round by round."""
+    dropped groups included (its `sampled` list), summed round by round; sequential and overlapped rounds."""
     import lightning as L
 
     seen = []
@@ -220,17 +221,24 @@ def test_tokens_generated_total_adds_up_every_sampled_token(tiny_cfg):
         def on_train_epoch_start(self, trainer, pl_module):
             seen.append(dict(loop.round_metrics))
 
-    run = build_run(tiny_cfg("trainer.max_epochs=3", "data.dynamic_sampling.enabled=true", "eval.enabled=false"))
+    run = build_run(
+        tiny_cfg(
+            "trainer.max_epochs=3",
+            "data.dynamic_sampling.enabled=true",
+            "eval.enabled=false",
+            f"rollout.max_staleness={max_staleness}",
+        )
+    )
     loop = run.rollout_loop
-    real_sample = loop.sample_informative
+    real_sample = loop.sampler.sample_informative
     sampled_tokens = []
 
-    def counting_sample(rank, world_size):
-        prompts, rollouts, sampled, metrics = real_sample(rank, world_size)
+    def counting_sample(engine, cursor, rank, world_size, group=None):
+        prompts, rollouts, sampled, metrics, cursor = real_sample(engine, cursor, rank, world_size, group)
         sampled_tokens.append(sum(len(r.completion_ids) for r in sampled))
-        return prompts, rollouts, sampled, metrics
+        return prompts, rollouts, sampled, metrics, cursor
 
-    loop.sample_informative = counting_sample
+    loop.sampler.sample_informative = counting_sample
     run.trainer.callbacks.append(Counter())
     run.fit()
     totals = [m["rollout/tokens_generated_total"] for m in seen]

@@ -92,15 +92,18 @@ def new_cache(model: nn.Module, capacity: int) -> Cache:
     return DynamicCache(config=model.config)
 
 
-def sample_inverse_cdf(probs: Tensor, uniform: Tensor | None = None) -> Tensor:  # [N, V], [N] -> [N] long
+def sample_inverse_cdf(
+    probs: Tensor, uniform: Tensor | None = None, rng: torch.Generator | None = None
+) -> Tensor:  # [N, V], [N] -> [N] long
     """Index i with probability probs[i]: the first i whose cumulative probability exceeds u * total.
 
     Cumulated in float64 so rounding moves no visible probability mass; zero-probability entries are never
-    chosen (their cumulative value equals the previous one, which u * total already reached).
+    chosen (their cumulative value equals the previous one, which u * total already reached). `rng`: where the
+    uniforms come from (None: the global RNG).
     """
     cdf = probs.double().cumsum(dim=-1)  # [N, V]
     if uniform is None:
-        uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
+        uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device, generator=rng)
     target = uniform.double().unsqueeze(-1) * cdf[:, -1:]  # [N, 1]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return index.clamp_(max=probs.shape[-1] - 1)
@@ -130,8 +133,12 @@ def sample_loop(
     top_p: float = 1.0,
     greedy: bool = False,
     sampler: str = "inverse_cdf",
+    rng: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:  # tokens [N, T_new] long, log-probs [N, T_new] float32
-    """Sample up to `max_new_tokens` per row; the log-prob of each token is under log_softmax(logits / T)."""
+    """Sample up to `max_new_tokens` per row; the log-prob of each token is under log_softmax(logits / T).
+
+    `rng`: the generator every draw comes from; None draws from the global RNG. An explicit one is what lets
+    a background thread sample without touching the trainer's RNG (training/overlap.py)."""
     check_sampler(sampler)
     n, width = input_ids.shape
     device = input_ids.device
@@ -162,7 +169,10 @@ def sample_loop(
             for processor in processors:
                 warped = processor(None, warped)
             probs = torch.softmax(warped, dim=-1)  # [N, V]
-            token = torch.multinomial(probs, 1).squeeze(1) if sampler == "multinomial" else sample_inverse_cdf(probs)
+            if sampler == "multinomial":
+                token = torch.multinomial(probs, 1, generator=rng).squeeze(1)
+            else:
+                token = sample_inverse_cdf(probs, rng=rng)
         token = torch.where(unfinished, token, pad_token_id)  # [N]
         logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, token[:, None]))  # [N, 1]
         tokens.append(token[:, None])

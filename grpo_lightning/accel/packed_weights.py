@@ -62,8 +62,11 @@ def _best_time(fn: Callable[[], Tensor], calls: int, repeats: int = 3) -> float:
 
 
 @functools.cache
-def packing_trial(out_features: int, in_features: int, rows: int) -> PackingTrial:
-    """Measure the packed product once per process for this shape (tens of ms; ~0.3 s for a 49k-row LM head)."""
+def packing_trial(out_features: int, in_features: int, rows: int, threads: int = 0) -> PackingTrial:
+    """Measure the packed product once per process for this shape (tens of ms; ~0.3 s for a 49k-row LM head).
+
+    `threads`: the calling thread's torch thread count, a key only: MKL's blocking (and so exactness) can depend on
+    it, and a sampler thread beside the trainer runs with fewer threads than the trainer (training/overlap.py)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)  # [out, in]
     x = torch.randn(rows, in_features, generator=generator)  # [rows, in]
@@ -99,7 +102,7 @@ def _packed_forward(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | No
 
 
 def _trial_pays(layer: nn.Linear, rows: int) -> bool:
-    return packing_trial(layer.out_features, layer.in_features, rows).pays()
+    return packing_trial(layer.out_features, layer.in_features, rows, torch.get_num_threads()).pays()
 
 
 @functools.cache

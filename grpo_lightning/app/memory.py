@@ -156,6 +156,8 @@ class RunShape:
     kv_cache_gib: float | None = None
     engine_gpu_bytes: int | None = None
     """The engine GPU's total memory when a GPU is visible (vLLM takes gpu_memory_utilization of it)."""
+    overlap: bool = False
+    """rollout.max_staleness >= 1: the HF engine's copy samples beside training (docs/overlap.md)."""
 
 
 def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
@@ -194,7 +196,11 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     else:
         generation = Term("generation", 0, "")
     rollouts = Term("rollouts", run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN, "data.prompts_per_round")
-    peak_work = activations if activations.bytes >= generation.bytes else generation  # never both at once
+    if run.overlap:  # sampling beside training: both at once, and the sampler's copy of the trainable weights
+        terms.append(Term("sampler copy", trainable * state_bytes, "rollout.max_staleness"))
+        peak_work = [activations, generation]
+    else:  # never both at once
+        peak_work = [activations if activations.bytes >= generation.bytes else generation]
 
     result = MemoryEstimate()
     process = Term("process", PROCESS_BASELINE, "")
@@ -203,7 +209,7 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
         engine_weights = shape.parameters * DTYPE_BYTES.get(run.engine_dtype, weight_bytes)
         engine_terms.append(Term("vLLM engine", engine_weights + int(kv_gib * GIB), "generator.kv_cache_gib"))
     if not run.trainer_on_gpu:
-        result.cpu = [process, *terms, peak_work, rollouts, *engine_terms]
+        result.cpu = [process, *terms, *peak_work, rollouts, *engine_terms]
         return result
 
     # The trainer is on a GPU: the CPU keeps the process, the rollouts, the model while it loads, and a sleeping
@@ -212,7 +218,7 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     if run.engine == "vllm" and run.sleep_mode and not run.engine_separate:
         engine_weights = shape.parameters * DTYPE_BYTES.get(run.engine_dtype, weight_bytes)
         result.cpu.append(Term("sleeping engine's weights", engine_weights, "generator.sleep_level"))
-    training = [*terms, peak_work]
+    training = [*terms, *peak_work]
     if run.engine == "vllm":
         share = run.gpu_memory_utilization
         engine_bytes = int(share * run.engine_gpu_bytes) if run.engine_gpu_bytes else 0
@@ -296,6 +302,7 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         engine="vllm" if is_vllm(cfg) else "hf",
         hf_batch_rows=max(cfg.generator.get("batch_size", 16), cfg.eval.batch_size if cfg.eval.enabled else 0),
         trainer_on_gpu=bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda"),
+        overlap=bool(cfg.get("rollout", {}).get("max_staleness", 0)),
     )
     if shape["engine"] == "vllm":
         settings = vllm_settings(cfg)

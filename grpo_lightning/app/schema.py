@@ -29,6 +29,7 @@ from grpo_lightning.schema import (
     setting,
     text,
 )
+from grpo_lightning.training.overlap import RolloutSettings
 
 PRECISIONS = {str(p) for p in get_args(_PRECISION_INPUT_STR) + get_args(_PRECISION_INPUT_STR_ALIAS)} | {
     str(p) for p in get_args(_PRECISION_INPUT_INT)
@@ -195,6 +196,7 @@ class RunSettings:
         None, optional(integer(1)), "end at the first round end with this many tokens generated; null: off"
     )
     paths: PathsSettings = setting(factory=PathsSettings, help="where the run writes")
+    rollout: RolloutSettings = setting(factory=RolloutSettings, help="generate and train at the same time")
     checkpoint: CheckpointSettings = setting(factory=CheckpointSettings, help="checkpoint cadence")
     guard: GuardSettings = setting(factory=GuardSettings, help="non-finite and divergence guards")
     logging: LoggingSettings = setting(factory=LoggingSettings, help="sample tables and histograms")

@@ -30,6 +30,7 @@ from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.rewards.pipeline import check_moved_keys
 from grpo_lightning.schema import declared, mapping, nested_schema, problems, schemas_of
 from grpo_lightning.training.tracking import writer_for
+from grpo_lightning.training.overlap import optimizer_steps_per_round, staleness_problem
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ def validate(cfg: DictConfig) -> None:
     if found:
         raise ValueError("; ".join(found))
     check_combinations(cfg)
+    check_overlap(cfg)
     target = cfg.optim.optimizer.get("_target_")
     try:
         get_class(target)
@@ -225,6 +227,35 @@ def check_vllm(cfg: DictConfig) -> None:
                 f"generator.device={settings.device!r} places the engine on cuda:{index}, but only "
                 f"{torch.cuda.device_count()} CUDA devices are visible"
             )
+
+
+def check_overlap(cfg: DictConfig) -> None:
+    """rollout.max_staleness >= 1 (training/overlap.py): an engine and a strategy that can sample beside the
+    trainer, and rounds that take no more optimizer steps than the bound, known from data.* and
+    trainer.accumulate_grad_batches before anything loads."""
+    bound = lookup(cfg, "rollout.max_staleness")
+    if bound is ABSENT or not bound:
+        return
+    key = f"rollout.max_staleness={bound}"
+    if is_vllm(cfg):
+        raise ValueError(
+            f"{key}: generator=vllm cannot sample the next round beside the trainer yet; use generator=hf or set "
+            "rollout.max_staleness=0"
+        )
+    if not cfg.perf.generate.custom_decode:
+        raise ValueError(
+            f"{key} needs perf.generate.custom_decode=true: HF generate draws from the global RNG, which the trainer's "
+            "thread owns, and so cannot sample beside it"
+        )
+    if "fsdp" in str(cfg.trainer.get("strategy", "")).lower():
+        raise ValueError(f"{key}: trainer=fsdp shards the weights the sampler would copy; use trainer=ddp or gpu")
+    data, accumulate = cfg.data, cfg.trainer.get("accumulate_grad_batches")
+    steps = optimizer_steps_per_round(
+        data.prompts_per_round, data.groups_per_micro_batch, data.num_iterations, accumulate, world_size(cfg)
+    )
+    problem = staleness_problem(steps, bound) if steps is not None else None  # None: another check names it
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def check_accelerator(cfg: DictConfig) -> None:

@@ -9,12 +9,13 @@ trainer compares against its own (`rollout/logp_diff_*`) to catch stale weights.
 from __future__ import annotations
 
 import contextlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torch import nn
+from torch import Tensor, nn
 
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.schema import check_settings, integer, number, setting
@@ -92,12 +93,47 @@ class Generator(ABC):
 
         No-op: an engine that samples from the policy module itself holds no copy to refresh."""
 
+    def background_copy(self) -> BackgroundEngine:
+        """An engine that samples from a snapshot of the policy's weights beside the trainer
+        (`rollout.max_staleness` >= 1, training/overlap.py).
+
+        Default: this engine cannot (one line naming the key)."""
+        raise ValueError(
+            f"rollout.max_staleness >= 1 samples the next round beside the trainer, which {type(self).__name__} "
+            "cannot do yet; set rollout.max_staleness=0 or use generator=hf"
+        )
+
     @contextlib.contextmanager
     def rows_per_call(self, rows: int) -> Iterator[None]:
         """Decode up to `rows` rows per call while the block runs (the evaluator: many short greedy prompts).
 
         No-op: an engine that schedules its own batches (vLLM) has no row count to set."""
         yield
+
+
+class SamplingCancelled(Exception):
+    """The run stopped while a round was being sampled beside the trainer (that round is dropped)."""
+
+
+class BackgroundEngine(Generator):
+    """An engine copy that samples beside the trainer (`Generator.background_copy`; docs/overlap.md).
+
+    `sync_weights(policy)` copies the policy's current weights into the copy (the trainer then goes on changing
+    the policy; the copy keeps what it got), `reseed` seeds random streams of the copy's own (it never draws from
+    the global RNG, which the trainer's thread owns), and a checkpoint keeps the snapshot (`weights`) when no
+    sampled round goes with it, so a resumed run samples that round again from the same weights.
+    """
+
+    cancel: threading.Event
+    """Set when the run stops: the copy's next generate call raises `SamplingCancelled`."""
+
+    @abstractmethod
+    def weights(self) -> dict[str, Tensor]:
+        """The snapshot's trainable weights by parameter name (CPU copies), for a checkpoint."""
+
+    @abstractmethod
+    def load_weights(self, weights: dict[str, Tensor]) -> None:
+        """`weights()` of an earlier run back into the snapshot."""
 
 
 def per_prefix_budgets(max_new_tokens: int | Sequence[int] | None, default: int, num_prefixes: int) -> list[int]:

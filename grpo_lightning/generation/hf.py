@@ -24,7 +24,7 @@ from grpo_lightning.accel.decode_loop import new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
-from grpo_lightning.generation.base import Generator, SamplingConfig, request_budgets, truncate
+from grpo_lightning.generation.base import BackgroundEngine, Generator, SamplingConfig, request_budgets, truncate
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
 from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
 from grpo_lightning.types import Completion
@@ -87,6 +87,9 @@ class HFGenerator(Generator):
         # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
         self.seed_per_prefix = seed_per_prefix
         self.round_seed = 0
+        self.draws: torch.Generator | None = None
+        """Where the decode loop draws its random numbers; None: the global RNG (this engine). The copy that samples
+        beside the trainer (hf_snapshot.py) draws from generators of its own."""
 
     def reseed(self, round_seed: int) -> None:
         """Base of the per-prefix seeds (the rollout loop passes one derived from (seed, round))."""
@@ -116,6 +119,12 @@ class HFGenerator(Generator):
         """Nothing to copy: this engine samples from the policy module itself."""
         if policy is not self.model:
             raise RuntimeError("HFGenerator was built for another model than the one being trained")
+
+    def background_copy(self) -> BackgroundEngine:
+        """An engine on a snapshot of the policy (generation/hf_snapshot.py), for sampling beside the trainer."""
+        from grpo_lightning.generation.hf_snapshot import SnapshotHFGenerator
+
+        return SnapshotHFGenerator(self)
 
     @torch.inference_mode()
     def generate(
@@ -191,6 +200,7 @@ class HFGenerator(Generator):
             self.sampling.top_p,
             greedy=greedy,
             sampler=self.generation_settings.sampler,
+            rng=self.draws,
         )
 
     def _sample_with_generate(

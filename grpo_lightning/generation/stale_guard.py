@@ -10,8 +10,9 @@ rollout loop hands it to this guard at the end of each round (`check`), which co
 
 Only the mean is guarded: `rollout/logp_diff_max` is one token, and a single low-probability token can differ
 by more than a nat between bf16 kernels while the policy is right. Rounds whose rollouts came from
-deliberately old weights (`generator.sync_every` > 1) are not judged: the generator says whether its last
-sync pushed (`is_fresh`).
+deliberately old weights (`generator.sync_every` > 1, or `rollout.max_staleness` >= 1: sampled beside the
+previous round's training) are not judged: the generator says whether its last sync pushed (`is_fresh`), the
+rollout loop whether the round is stale.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class StaleWeightGuard:
         """(round, logp_diff_mean) of every round over the threshold."""
         self._fresh = True
 
-    def round_sampled(self) -> None:
-        """The rollout loop, right after sampling a round: remember whether it came from freshly pushed weights."""
-        self._fresh = self.is_fresh() if self.is_fresh is not None else True
+    def round_sampled(self, stale: bool = False) -> None:
+        """The rollout loop, right after sampling a round: remember whether it came from freshly pushed weights
+        (`stale`: it was sampled from older weights on purpose, beside the previous round's training)."""
+        self._fresh = not stale and (self.is_fresh() if self.is_fresh is not None else True)
 
     def check(self, round_index: int, value: float | None) -> None:
         """The rollout loop, at the end of round `round_index`: judge its `rollout/logp_diff_mean` (over all ranks)."""

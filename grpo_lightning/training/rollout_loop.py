@@ -3,9 +3,10 @@
 One round's path from prompts to optimizer step reads top to bottom in three files:
 
 1. `grpo_lightning/training/rollout_loop.py` (this file): `produce` syncs the generator's weights, samples the round
-   (the variant, with dynamic sampling when on), lays the rollouts out in micro-batches (`layout`), scores the
-   old log-probs, counts each optimizer step's tokens over all ranks, computes the round's metrics and hands
-   the data module a read-only `Round`; `on_train_epoch_end` runs the end of a round, phase by phase.
+   (round_sampling.py: the variant, with dynamic sampling when on), and `finish` lays the rollouts out in
+   micro-batches (round_layout.py), scores the old log-probs, counts each optimizer step's tokens over all
+   ranks, computes the round's metrics and hands the data module a read-only `Round`; `on_train_epoch_end`
+   runs the end of a round, phase by phase.
 2. `grpo_lightning/training/module.py`: `GRPOModule.training_step`, one micro-batch's log-probs, loss and guards.
 3. `grpo_lightning/algorithm/losses.py`: `GRPOLoss`, the clipped surrogate, the KL term and the loss type's aggregation.
 
@@ -20,6 +21,12 @@ Exact resume: Lightning saves checkpoints at the end of a round AFTER this loop 
 at that moment. A resumed run installs those rollouts instead of sampling again and restores the RNGs, so it
 continues bit for bit. A checkpoint written without a next round (a graceful stop) resumes by generating it
 from the saved RNG states, which is what the uninterrupted run did at that point.
+
+Overlapped rounds (`rollout.max_staleness` >= 1, overlap.py, docs/overlap.md): round k+1 is sampled by an engine
+copy in a worker thread while round k trains, from the weights round k started with; `on_train_epoch_start`
+starts it and `on_train_epoch_end` joins it and `finish`es it as a sequential round, before the checkpoint, so
+the checkpoint still holds the next round's rollouts; the round after is started from the checkpoint's weights
+with its own seed, and a resumed run samples it again, identically.
 
 Several processes (DDP): each rank generates the rollouts of its block of the round's prompts with its own RNG
 stream (seeded from (seed, rank)), so the run is reproducible for a given number of processes; round metrics
@@ -36,69 +43,17 @@ import lightning as L
 import torch
 
 from grpo_lightning.accel.heap_trim import release_freed_memory
-from grpo_lightning.algorithm.dynamic_sampling import groups_in_order, is_informative, renumbered
-from grpo_lightning.algorithm.rollouts import collate_rollouts
 from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, round_metrics
 from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.distributed import (
-    derive_seed,
-    full_parameters,
-    gather_objects,
-    rank_and_world,
-    shard,
-    sum_across_ranks,
-)
+from grpo_lightning.distributed import derive_seed, full_parameters, gather_objects, rank_and_world
 from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.training import tracking
+from grpo_lightning.training.overlap import BackgroundSampling, RolloutSettings, background_sampling, staleness_problem
+from grpo_lightning.training.round_layout import micro_batches_of, pass_order, step_schedule
+from grpo_lightning.training.round_sampling import RoundSampler, SampledRound
 from grpo_lightning.types import Prompt, Rollout, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
-
-
-def micro_batches_of(rollouts: list[Rollout], groups_per_micro_batch: int, pad_token_id: int) -> list[RolloutBatch]:
-    """Collate the round's rollouts into micro-batches of `groups_per_micro_batch` whole advantage groups."""
-    groups: dict[int, list[Rollout]] = {}
-    for r in rollouts:
-        groups.setdefault(r.group_id, []).append(r)
-    group_list = list(groups.values())
-    if len(group_list) % groups_per_micro_batch:
-        raise ValueError(
-            f"the round has {len(group_list)} groups, not a multiple of data.groups_per_micro_batch "
-            f"({groups_per_micro_batch})"
-        )
-    k = groups_per_micro_batch
-    return [
-        collate_rollouts([r for g in group_list[i : i + k] for r in g], pad_token_id)
-        for i in range(0, len(group_list), k)
-    ]
-
-
-def pass_order(num_micro_batches: int, num_iterations: int, seed: int, round_index: int) -> list[int]:
-    """Micro-batch indices in training order: pass 0 in order, later passes shuffled (seeded by round and pass)."""
-    order: list[int] = []
-    for it in range(num_iterations):
-        ids = list(range(num_micro_batches))
-        if it > 0:
-            gen = torch.Generator().manual_seed(seed * 7919 + round_index * 31 + it)
-            ids = torch.randperm(len(ids), generator=gen).tolist()
-        order.extend(ids)
-    return order
-
-
-def step_schedule(micro_batches: list[RolloutBatch], order: list[int], accumulate: int) -> list[RolloutBatch]:
-    """The micro-batches in `order`, each told the trained tokens of its optimizer step summed over all ranks
-    (a collective: every rank calls it with the same number of steps)."""
-    steps = [order[start : start + accumulate] for start in range(0, len(order), accumulate)]
-    local = torch.tensor(  # [num_steps] trained tokens of each optimizer step on this rank
-        [sum(float(micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
-        dtype=torch.float64,
-    )
-    tokens = sum_across_ranks(local).tolist()  # dapo: the whole step, all ranks (docs/algorithm.md)
-    return [
-        dataclasses.replace(micro_batches[i], num_tokens_in_step=n)
-        for step, n in zip(steps, tokens, strict=True)
-        for i in step
-    ]
 
 
 class RolloutLoop(L.Callback):
@@ -115,12 +70,17 @@ class RolloutLoop(L.Callback):
         stop=None,
         evaluator=None,
         max_tokens_generated: int | None = None,
+        max_staleness: int = RolloutSettings.max_staleness,
+        sampler_threads: int | None = RolloutSettings.sampler_threads,
     ) -> None:
+        RolloutSettings(max_staleness, sampler_threads)  # the keys' rules (one declaration)
         self.generator = generator
         self.variant = variant
         self.reward_fn = reward_fn
         self.datamodule = datamodule
         self.tokenizer = tokenizer
+        self.sampler = RoundSampler(variant, reward_fn, datamodule, tokenizer)
+        """Sampling a round (round_sampling.py): what the overlap worker runs."""
         self.samples_every_n_rounds = samples_every_n_rounds
         self.num_samples_logged = num_samples_logged
         self.seed = seed
@@ -133,6 +93,10 @@ class RolloutLoop(L.Callback):
         self.max_tokens_generated = max_tokens_generated
         """The token budget (`max_tokens_generated`): the run ends at the first round end at which
         `tokens_generated_total` reaches it; None: `trainer.max_epochs` rounds."""
+        self.max_staleness = max_staleness
+        self.sampler_threads = sampler_threads
+        self.background: BackgroundSampling | None = None
+        """With `rollout.max_staleness` >= 1: the engine copy that samples the next round beside the trainer."""
         self.prompt_cursor = 0
         """Dynamic sampling: the prompt stream position of the next unused prompt."""
         self.history: list[tuple[int, float, float]] = []
@@ -158,16 +122,19 @@ class RolloutLoop(L.Callback):
         return "RolloutCallback"
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.sampler.decode(ids)
 
     # ---- checkpoint state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Called on every rank when a checkpoint is written; rank 0 writes everybody's part."""
+        """Called on every rank when a checkpoint is written; rank 0 writes everybody's part. With overlap and no
+        next round (the last round), the engine copy's snapshot too: a run extended from this checkpoint samples
+        that round from the weights the longer run sampled it from."""
         local = {
             "pending": None if self.pending is None else [dataclasses.asdict(r) for r in self.pending],
             "rng": capture_rng(),
             "reward": self.reward_fn.state_dict(),  # e.g. an EMA baseline across rounds
         }
+        sampler = self.background.state_dict() if self.background is not None and self.pending is None else None
         return {
             "next_round": self.next_round,
             "round_metrics": dict(self.round_metrics),
@@ -175,6 +142,7 @@ class RolloutLoop(L.Callback):
             "tokens_generated_total": self.tokens_generated_total,
             "history": list(self.history),
             "ranks": gather_objects(local),
+            "sampler": sampler,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -183,19 +151,24 @@ class RolloutLoop(L.Callback):
     # ---- the run's start, a round's start and end ----------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Round 0 (or the checkpoint's next round), then the evaluation at the start."""
+        if self.max_staleness > 0:  # every rank, in the same order: the worker's process group
+            self.background = background_sampling(self.generator, pl_module.policy, self.sampler_threads)
         self.start_or_resume(trainer, pl_module)
         if self.evaluator is not None:
             self.evaluator.at_fit_start(trainer)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The round's metrics, logged at the round's own steps (it was sampled at the end of the previous
-        epoch, because Lightning builds an epoch's data loader before this hook runs)."""
+        epoch, because Lightning builds an epoch's data loader before this hook runs); with overlap, the next
+        round's sampling starts beside this round's training."""
         # Round metrics are already over all ranks (identical everywhere); sync_dist only averages equal values.
         pl_module.log_dict(self.round_metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
         reward = self.round_metrics["train/reward_mean"]
         pl_module.log("reward", reward, prog_bar=True, logger=False, batch_size=1, sync_dist=True)
-        self._train_start = time.perf_counter()
         self.next_round, self.pending = trainer.current_epoch + 1, None  # this round is being consumed
+        if self.background is not None:
+            self.start_next(trainer, pl_module)
+        self._train_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if not self.scored:  # one optimizer step per round: the step's own log-probs are the pre-update ones
@@ -218,8 +191,10 @@ class RolloutLoop(L.Callback):
             log.info("token budget reached: %.0f tokens generated", self.tokens_generated_total)
             trainer.should_stop = True
         next_round = trainer.current_epoch + 1
-        more = trainer.max_epochs is None or next_round < trainer.max_epochs
-        if more and not trainer.should_stop:  # a graceful stop, the token budget or the non-finite guard ends here
+        more = self.has_round(trainer, next_round)
+        if self.background is not None:
+            self.finish_next(trainer, pl_module, next_round)
+        elif more and not trainer.should_stop:  # a graceful stop, the token budget or the non-finite guard ends here
             self.produce(trainer, pl_module, next_round)
         if self.evaluator is not None:
             if not more or trainer.should_stop:  # no next round synced the engine: give it the weights just trained
@@ -233,13 +208,22 @@ class RolloutLoop(L.Callback):
         every rank (it is summed over all of them), so all ranks decide alike."""
         return self.max_tokens_generated is not None and self.tokens_generated_total >= self.max_tokens_generated
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.background is not None:
+            self.background.abandon()
+            self.background.all_threads()
+
+    @staticmethod
+    def has_round(trainer: L.Trainer, round_index: int) -> bool:
+        return trainer.max_epochs is None or round_index < trainer.max_epochs
+
     def start_or_resume(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         state, self._resume_state = self._resume_state, None
         rank, world_size = rank_and_world()
         if state is None:
             if world_size > 1:  # one RNG stream per rank, reproducible for this number of processes
                 torch.manual_seed(derive_seed(self.seed, "rank", rank))
-            self.produce(trainer, pl_module, 0)
+            self.produce_now(trainer, pl_module, 0)
             return
         if len(state["ranks"]) != world_size:
             raise ValueError(
@@ -254,7 +238,7 @@ class RolloutLoop(L.Callback):
             self.reward_fn.load_state_dict(mine["reward"])
         if mine["pending"] is None:
             restore_rng(mine["rng"])
-            self.produce(trainer, pl_module, state["next_round"])
+            self.produce_now(trainer, pl_module, state["next_round"], state.get("sampler"))
             return
         rollouts = [Rollout(**r) for r in mine["pending"]]
         self.install(trainer, pl_module, rollouts, state["next_round"])
@@ -267,29 +251,78 @@ class RolloutLoop(L.Callback):
         """Sync, sample, score, gather: the next round's rollouts, installed, and its metrics."""
         self.generator.sync_weights(pl_module.policy)
         self.generator.reseed(derive_seed(self.seed, "round", round_index))  # engines that seed per prefix (HF)
-        rank, world_size = rank_and_world()
         start = time.perf_counter()
         release_freed_memory()  # the training phase's freed activations, before generation adds its own
         with full_parameters(trainer):  # FSDP: sample from gathered weights
-            if self.datamodule.dynamic_sampling.enabled:
-                prompts, rollouts, sampled, sampling_metrics = self.sample_informative(rank, world_size)
-            else:
-                prompts = shard(self.datamodule.prompts_for_round(round_index, self.tokenizer), rank, world_size)
-                rollouts = self.variant.generate_rollouts(self.generator, prompts, self.reward_fn, self.decode)
-                sampled, sampling_metrics = rollouts, {}
+            sampled = self.sampler.sample(self.generator, round_index, self.prompt_cursor)
         release_freed_memory()  # generation's merged / packed weights and KV cache, before training
-        self.guard.round_sampled()
-        rollout_s = time.perf_counter() - start
+        sampled.rollout_s = time.perf_counter() - start
+        self.finish(trainer, pl_module, sampled, round_index, staleness=0)
+
+    def produce_now(self, trainer: L.Trainer, pl_module: L.LightningModule, round_index: int, snapshot=None) -> None:
+        """A round with nothing to overlap (the first, or one a checkpoint does not hold): `produce`; with overlap
+        the engine copy samples it in its worker from the current weights, or from a checkpoint's `snapshot`."""
+        if self.background is None:
+            self.produce(trainer, pl_module, round_index)
+            return
+        if snapshot is not None:
+            self.background.load_state_dict(snapshot)
+        else:
+            self.background.snapshot(pl_module.policy, trainer.global_step)
+        sampled = self.background.run_now(*self.sampling_job(round_index))
+        self.finish(trainer, pl_module, sampled, round_index, trainer.global_step - self.background.snapshot_step)
+
+    def start_next(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Overlap, as round k starts training: its weights into the engine copy, round k+1 sampled beside it."""
+        self.background.snapshot(pl_module.policy, trainer.global_step)  # also for the last round (state_dict)
+        next_round = trainer.current_epoch + 1
+        if self.has_round(trainer, next_round):
+            self.background.start(*self.sampling_job(next_round))
+        self.background.trainer_threads()
+
+    def sampling_job(self, round_index: int):
+        """The overlap worker's job for a round: its seed, and the sampling from the stream position now."""
+        cursor = self.prompt_cursor
+
+        def work(engine, group):
+            return self.sampler.sample(engine, round_index, cursor, group)
+
+        return derive_seed(self.seed, "round", round_index), work
+
+    def finish_next(self, trainer: L.Trainer, pl_module: L.LightningModule, next_round: int) -> None:
+        """Overlap, as round k ends: round k+1 joined and installed, even when the run stops here (the checkpoint
+        keeps it: no later checkpoint holds the weights it was sampled from)."""
+        self.background.all_threads()
+        if self.background.in_flight:
+            start = time.perf_counter()
+            sampled = self.background.join()
+            wait_s = time.perf_counter() - start  # > 0: sampling is the longer side
+            pl_module.log("time/rollout_wait_s", wait_s, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
+            self.finish(trainer, pl_module, sampled, next_round, trainer.global_step - self.background.snapshot_step)
+
+    def finish(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, sampled: SampledRound, round_index: int, staleness: int
+    ) -> None:
+        """Install a sampled round and compute its metrics over all ranks (`staleness`: the optimizer steps between
+        the weights that sampled it and those it trains first)."""
+        problem = staleness_problem(staleness, self.max_staleness)
+        if problem is not None:
+            raise ValueError(problem)
+        self.prompt_cursor = sampled.prompt_cursor
+        self.guard.round_sampled(stale=staleness > 0)
+        rank, _ = rank_and_world()
         local = {
-            "stats": [RolloutStats.of(r, rank) for r in sampled],
-            "rollout_s": rollout_s,
-            "variant": dict(self.variant.metrics),
-            "reward_errors": self.reward_fn.pop_errors(),  # failing reward term calls
-            "sampling": sampling_metrics,
+            "stats": [RolloutStats.of(r, rank) for r in sampled.sampled],
+            "rollout_s": sampled.rollout_s,
+            "variant": sampled.variant_metrics,
+            "reward_errors": sampled.reward_errors,
+            "sampling": sampled.sampling_metrics,
         }
         self.round_metrics = round_metrics(gather_objects(local))
+        self.round_metrics["rollout/staleness"] = float(staleness)
         self.tokens_generated_total += self.round_metrics["rollout/tokens_generated"]
         self.round_metrics["rollout/tokens_generated_total"] = self.tokens_generated_total
+        rollouts = sampled.rollouts
         self.install(trainer, pl_module, rollouts, round_index)
         self.history.append(
             (round_index, self.round_metrics["train/reward_mean"], self.round_metrics["rollout/format_rate"])
@@ -299,46 +332,10 @@ class RolloutLoop(L.Callback):
             round_index,
             self.round_metrics["train/reward_mean"],
             len(rollouts),
-            rollout_s,
+            sampled.rollout_s,
         )
         if trainer.is_global_zero and round_index % self.samples_every_n_rounds == 0:
-            self.log_samples(trainer, prompts, rollouts)
-
-    def sample_informative(self, rank: int, world_size: int):
-        """Dynamic sampling (algorithm/dynamic_sampling.py): batches of fresh prompts until this round has
-        `prompts_per_round` groups whose rewards differ, or the cap on extra batches is reached.
-
-        Every rank draws the same number of batches (the stop decision is taken over all ranks), each from its
-        block of the same stream positions. Returns the round's prompts and rollouts (group ids 0..n-1, with
-        advantages), every rollout sampled on the way (for the round's reward metrics) and the sampling metrics.
-        """
-        per_round = self.datamodule.prompts_per_round
-        needed = per_round // world_size
-        kept: list[tuple[Prompt, list[Rollout]]] = []
-        dropped: list[tuple[Prompt, list[Rollout]]] = []
-        sampled: list[Rollout] = []
-        batches = 0
-        while True:
-            prompts = shard(self.datamodule.prompts_at(self.prompt_cursor, per_round, self.tokenizer), rank, world_size)
-            self.prompt_cursor += per_round
-            batches += 1
-            rollouts = self.variant.sample_rollouts(self.generator, prompts, self.reward_fn, self.decode)
-            sampled.extend(dataclasses.replace(r, group_id=r.group_id + (batches - 1) * len(prompts)) for r in rollouts)
-            for prompt, group in zip(prompts, groups_in_order(rollouts, len(prompts)), strict=True):
-                (kept if is_informative(group) else dropped).append((prompt, group))
-            still_short = max(gather_objects(needed - len(kept)))
-            if still_short <= 0 or batches > self.datamodule.dynamic_sampling.max_extra_batches:
-                break
-        chosen = kept[:needed] + dropped[: max(0, needed - len(kept))]
-        rollouts = renumbered([group for _, group in chosen])
-        self.variant.assign_advantages(rollouts, self.reward_fn)
-        metrics = {
-            "rollout/ds_groups_filtered": float(len(dropped)),
-            "rollout/ds_groups_short": float(max(0, needed - len(kept))),
-            "rollout/ds_extra_batches": float(batches - 1),
-            "rollout/ds_prompts_consumed": float(batches * len(prompts)),
-        }
-        return [prompt for prompt, _ in chosen], rollouts, sampled, metrics
+            self.log_samples(trainer, sampled.prompts, rollouts)
 
     def install(self, trainer: L.Trainer, pl_module: L.LightningModule, rollouts: list[Rollout], round_index: int):
         """Lay the round out, score its old log-probs when several optimizer steps use it (before any update:

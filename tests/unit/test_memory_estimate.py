@@ -61,6 +61,17 @@ def test_cpu_run_terms_by_hand():
     }  # generation (2 rows x 15 x 2 x 2 layers x 4 x 4 B + logits) is smaller than the activations: not added
 
 
+@pytest.mark.parametrize("lora", [True, False])
+def test_overlap_holds_generation_beside_the_activations_and_a_copy_of_the_trainable_weights(lora):
+    """rollout.max_staleness >= 1: the sampler's KV cache and logits exist while training's activations do, and
+    the engine copy owns its trainable weights (a LoRA adapter in float32, or every weight)."""
+    plain = _terms(estimate(SHAPE, _run(lora=lora)).cpu)
+    overlapped = _terms(estimate(SHAPE, _run(lora=lora, overlap=True)).cpu)
+    kv = 2 * 15 * 2 * 2 * 4 * 4  # 2 rows x 15 positions x (k, v) x 2 layers x kv width 4 x float32
+    step_logits = 2 * 50 * 4 * 2
+    assert overlapped == plain | {"generation": kv + step_logits, "sampler copy": (500 if lora else 10_000) * 4}
+
+
 def test_prefix_sharing_chunked_logits_full_finetuning_and_reference():
     run = _run(share_prefix=True, logits_chunk_tokens=7, lora=False, reference_copy=True, dtype="bfloat16")
     terms = _terms(estimate(SHAPE, run).cpu)

@@ -81,6 +81,8 @@ KEYS = [
     "perf.generate.sampler",
     "perf.generate.share_prefill",
     "perf.generate.stream_logprobs",
+    "rollout.max_staleness",
+    "rollout.sampler_threads",
     "seed",
     "trainer.accelerator",
     "trainer.accumulate_grad_batches",
