@@ -151,4 +151,3 @@ def parse_rows(rows: Iterable[dict], origin: str) -> list[Problem]:
     if skipped:
         log.warning("skipped %d malformed GSM8K rows (no question or no '#### <number>') in %s", skipped, origin)
     return problems
-
