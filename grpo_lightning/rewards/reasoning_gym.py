@@ -52,20 +52,31 @@ def task_record(record: Any, who: str) -> TaskRecord:
     return record
 
 
+@dataclass(frozen=True)
 class ReasoningGymReward(RewardTerm):
     """The task's verifier on the answer in the asked format: its score in [0, 1]; 0 when there is none.
 
-    Reports the answer (`extracted`: the asked format held one, `rollout/format_rate`) and `correct` (a score of 1).
+    `partial_credit: false` counts full marks only (1 or 0). Why offer it: several verifiers give a wrong answer
+    that CONTAINS the right one partial credit (reasoning-gym's default and chain_sum's: "17" for 7 scores
+    len("7") / len("17") = 0.5), which on arithmetic rewards a wrong number. Reports the answer (`extracted`: the
+    asked format held one, `rollout/format_rate`) and `correct` (a score of 1).
     """
 
     reports_answer: ClassVar[bool] = True
     needs_record: ClassVar[bool] = True
+    partial_credit: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.partial_credit, bool):
+            raise ValueError(f"partial_credit must be true or false (got {self.partial_credit!r})")
 
     def score(self, completion: str, reference: str, record: Any = None, **info: Any) -> RewardResult:
         task = task_record(record, type(self).__name__)
         extracted = extract_answer(completion, task.answer_format)
         value = task.score(extracted)
-        return RewardResult(reward=value, extracted=extracted, correct=extracted is not None and value >= 1.0)
+        correct = extracted is not None and value >= 1.0
+        return RewardResult(reward=value if self.partial_credit else float(correct), extracted=extracted,
+                            correct=correct)  # fmt: skip
 
 
 class AskedFormat(RewardTerm):
