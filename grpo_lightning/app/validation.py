@@ -103,6 +103,11 @@ def validate(cfg: DictConfig) -> None:
     """Check every key's type and range, then the combinations, before anything is loaded (each error names
     its key; all of them are reported at once)."""
     check_moved_keys(cfg)  # reward.format_bonus, loss.scale_rewards: a one-line message naming the new key
+    if "dataset" not in cfg.data:
+        raise ValueError(
+            "data=rounds is the shape of a round every data source shares (data/rounds.yaml), not a source: choose "
+            "data=gsm8k or data=reasoning_gym"
+        )
     if "_target_" not in cfg.generator:
         raise ValueError(
             "generator=sampling is the sampling every engine shares (generator/sampling.yaml), not an engine: choose "

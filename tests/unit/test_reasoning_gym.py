@@ -107,7 +107,7 @@ def test_a_dry_run_refuses_before_it_loads_anything(tmp_path, monkeypatch):
 
 
 def test_a_record_reward_on_gsm8k_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"reward.terms.correctness \(ReasoningGymReward\) .* use data=reasoning_gym"):
+    with pytest.raises(ValueError, match=r"reward.terms.verifier \(ReasoningGymReward\) .* use data=reasoning_gym"):
         validate(make_cfg(tmp_path, ["reward=reasoning_gym"]))
 
 
@@ -150,7 +150,7 @@ def test_the_shaped_reward_composes_with_format_and_overlong_terms(tmp_path):
         assert score(f"#### {a}", a, record=p.record, num_tokens=90).reward == pytest.approx(1.1 - 0.5)
         result = score(f"#### {a}", a, **info)
         assert (result.extracted, result.correct) == (a, True)
-        assert result.terms == {"correctness": 1.0, "format": 1.0, "overlong": 0.0}
+        assert result.terms == {"verifier": 1.0, "format": 1.0, "overlong": 0.0}
         assert AskedFormat().score("#### x", a, record=p.record).reward == 1.0
 
 

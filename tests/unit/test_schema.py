@@ -28,6 +28,7 @@ KEYS = [
     "eval.at_start",
     "eval.batch_size",
     "eval.dataset.path",
+    "eval.dataset.num_problems",
     "eval.enabled",
     "eval.every_n_rounds",
     "eval.max_new_tokens",
@@ -135,6 +136,17 @@ OPTION_KEYS = {
         "model.source.seed",
     ],
     "model=local": ["model.source.path"],
+    "data=reasoning_gym": [
+        "data.dataset.task",
+        "data.dataset.task_config",
+        "data.dataset.size",
+        "data.dataset.seed",
+        "data.dataset.eval_seed",
+        "data.dataset.split",
+        "data.dataset.answer_format",
+        "data.dataset.system_prompt",
+        "data.dataset.prompt_template",
+    ],
     "model=qwen0.5b": ["model.source.repo_id", "model.source.revision"],
 }
 NO_RULE_TAKES = [[1]]  # a list of lists: no integer, number, choice, string, mapping or device rule accepts it
