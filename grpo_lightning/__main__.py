@@ -92,13 +92,25 @@ def check_run_dir(argv: list[str]) -> str | None:
     return None
 
 
+OPEN_MAPPINGS = ("data.dataset.task_config.",)
+"""Nodes whose keys are the user's to name (a reasoning-gym task's own keys): `key=value` under one adds the key."""
+
+
+def with_open_mappings(argv: list[str]) -> list[str]:
+    """The overrides with `++` before a plain `key=value` under an open mapping: Hydra refuses a key its config
+    does not have yet without `+`, and `++` adds it or replaces what a recipe set (`experiment=learn_arith`)."""
+    return [f"++{arg}" if arg.startswith(OPEN_MAPPINGS) and "=" in arg else arg for arg in argv]
+
+
 def cli() -> None:
     """`main`, after two checks Hydra would otherwise answer with a traceback or a message that names no key: an
-    override of a moved key (`reward.format_bonus=...`) and a `hydra.run.dir` that cannot be created."""
+    override of a moved key (`reward.format_bonus=...`) and a `hydra.run.dir` that cannot be created; a plain
+    override under an open mapping becomes the `++` override Hydra needs (`with_open_mappings`)."""
     problem = check_moved_overrides(sys.argv[1:]) or check_run_dir(sys.argv[1:])
     if problem is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+    sys.argv[1:] = with_open_mappings(sys.argv[1:])
     main()
 
 

@@ -66,7 +66,12 @@ def nested_schema(schemas: tuple[type, ...], key: str) -> type | None:
 
 
 def problems(values: Mapping[str, Any], schema: type, prefix: str) -> list[str]:
-    """Every declared key present in `values` whose value breaks its rule, as '<prefix>.<key> <rule> (got v)'."""
+    """Every declared key present in `values` whose value breaks its rule, as '<prefix>.<key> <rule> (got v)'.
+
+    When every key passes, a schema's own `joint_problems(values, prefix) -> list[str]` (a staticmethod, where
+    declared) checks what spans several of its keys (a reasoning-gym task and that task's keys), so the config
+    check and the constructor say the same there too.
+    """
     found = []
     for name, f in declared(schema).items():
         rule = f.metadata["rule"]
@@ -76,6 +81,9 @@ def problems(values: Mapping[str, Any], schema: type, prefix: str) -> list[str]:
         if problem is not None:
             key = f"{prefix}.{name}" if prefix else name
             found.append(f"{key} {problem} (got {values[name]!r})")
+    joint = getattr(schema, "joint_problems", None)
+    if not found and joint is not None:
+        found += joint(values, prefix)
     return found
 
 
@@ -154,8 +162,17 @@ def optional(inner: Rule) -> Rule:
     return rule
 
 
-def mapping(value) -> str | None:
-    return None if isinstance(value, Mapping) else "must be a mapping, e.g. {enforce_eager: true}"
+def mapping_of(example: str) -> Rule:
+    """A mapping-valued key (its value is a node, checked as one value); `example` shows one in the message."""
+
+    def rule(value):
+        return None if isinstance(value, Mapping) else f"must be a mapping, e.g. {example}"
+
+    rule.takes_mapping = True
+    return rule
+
+
+mapping = mapping_of("{enforce_eager: true}")
 
 
 def strings(value) -> str | None:

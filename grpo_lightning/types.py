@@ -25,6 +25,10 @@ class Prompt:
     problem_index: int
     full_length: int = 0
     """Tokens before cutting to `max_prompt_tokens` (more than len(prompt_ids) when the prompt was cut)."""
+    record: object = None
+    """Opaque per-problem record from the data source, handed to reward terms as `info["record"]` and to the
+    evaluation's answer checker (data=reasoning_gym: the task's entry, its verifier and the asked answer format;
+    None for GSM8K)."""
 
 
 @dataclass

@@ -19,7 +19,8 @@ def test_expected_groups_exist():
     assert GROUPS["loss"] == ["bnpo", "dapo", "dr_grpo", "grpo"]
     assert GROUPS["model"] == ["local", "qwen0.5b", "qwen1.5b", "smollm2_135m", "tiny"]
     assert GROUPS["trainer"] == ["cpu", "ddp", "default", "fsdp", "gpu"]  # default: what the others share
-    assert GROUPS["reward"] == ["gsm8k", "gsm8k_math_verify", "gsm8k_shaped"]
+    assert GROUPS["reward"] == ["gsm8k", "gsm8k_math_verify", "gsm8k_shaped", "reasoning_gym", "reasoning_gym_shaped"]
+    assert GROUPS["data"] == ["gsm8k", "reasoning_gym", "rounds"]  # rounds: what the sources share
     assert GROUPS["perf"] == ["cpu_fast", "plain"]
     assert {"variant", "generator", "data", "trainer", "logger"} <= set(GROUPS)
 
@@ -45,8 +46,15 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         assert type(instantiate(node.strategy)).__name__ == "FSDPStrategy"  # the Trainer itself needs CUDA
     elif group == "trainer" and option != "cpu":
         assert get_class(node._target_) is not None  # a GPU trainer cannot be built on a CPU machine
+    elif group == "reward" and option.startswith("reasoning_gym"):  # the task's verifier, given by the record
+        from grpo_lightning.rewards.reasoning_gym import TaskRecord
+
+        record = TaskRecord({"answer": "3"}, lambda answer, entry: float(answer == entry["answer"]), "hash")
+        assert build_reward(node, loss_type="grpo", max_new_tokens=16)("#### 3", "3", record=record) >= 1.0
     elif group == "reward":  # a pipeline of terms and transforms, built by grpo_lightning.rewards.pipeline
         assert build_reward(node, loss_type="grpo", max_new_tokens=16)("#### 3", "3") >= 1.0
+    elif group == "data" and option == "rounds":  # the round's shape every source extends, not a source
+        assert "dataset" not in node and node.prompts_per_round == 2
     elif group == "callbacks":  # built by the run with its objects (app/train.py build_callbacks)
         from grpo_lightning.app.train import REQUIRED_CALLBACKS, callback_parameters
 

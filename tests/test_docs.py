@@ -131,6 +131,9 @@ NON_DEFAULT = {
     "trainer=ddp": "trainer.num_nodes and trainer.strategy (docs/multiprocess.md)",
     "trainer=fsdp": "the FSDP strategy's keys (docs/multiprocess.md)",
     "reward=gsm8k_shaped": "the shaped reward's terms (docs/rewards.md)",
+    "data=reasoning_gym": "the reasoning-gym source's keys (docs/data.md)",
+    "reward=reasoning_gym_shaped": "the shaped reasoning-gym reward's terms (docs/data.md)",
+    "experiment=learn_arith": "a reasoning-gym task's own keys as the recipe sets them (docs/data.md)",
     "probe=[gns,entropy]": "a probe's keys exist only when it is selected (docs/probes.md)",
     "logger=[tensorboard,csv,mlflow,wandb]": "a tracker's keys exist only when it is selected (docs/tracking.md)",
 }
@@ -142,6 +145,8 @@ OPEN_MAPPINGS = {
     "reward.group_transforms",
     "callbacks",
     "generator.engine_kwargs",  # anything vllm.LLM takes
+    "data.dataset.task_config",  # a reasoning-gym task's own keys
+    "eval.checker",  # null, or the user's answer checker with its own keys
 }
 # Dotted names in the docs that are not config keys of this project.
 NOT_CONFIG_KEYS = {

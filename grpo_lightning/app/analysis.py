@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 PLOTTED = (
     "train/reward_mean",
+    "eval/accuracy",
     "eval/gsm8k_accuracy",
     "train/kl",
     "rollout/completion_len_mean",

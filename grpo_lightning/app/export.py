@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MERGED = "merged"
 CARD_METRICS = (
+    "eval/accuracy",
     "eval/gsm8k_accuracy",
     "eval/format_rate",
     "eval/completion_len_mean",
@@ -86,6 +87,14 @@ def reward_terms(cfg: DictConfig) -> str:
     return f"terms {terms or 'none'}" + (f"; group transforms {groups}" if groups else "")
 
 
+def data_description(cfg: DictConfig) -> str:
+    """The training data in words: GSM8K (Cobbe et al. 2021) with its source, or a reasoning-gym task."""
+    dataset = cfg.data.dataset
+    if "task" in dataset:
+        return f"reasoning-gym task `{dataset.task}` {dict(dataset.task_config)}, {dataset.size} problems"
+    return f"`{dataset.source}` GSM8K, split `{dataset.split}` (Cobbe et al. 2021)"
+
+
 def model_card(
     cfg: DictConfig,
     metrics: dict[str, float],
@@ -104,7 +113,7 @@ def model_card(
         "---",
         "library_name: " + ("peft" if is_adapter else "transformers"),
         *([f"base_model: {base}"] if base and "/" in base and not base.startswith("/") else []),
-        "tags: [grpo, gsm8k, grpo_lightning]",
+        f"tags: [grpo, {'reasoning-gym' if 'task' in cfg.data.dataset else 'gsm8k'}, grpo_lightning]",
         "---",
         "",
         "# GRPO policy trained with grpo_lightning",
@@ -113,7 +122,7 @@ def model_card(
         "|---|---|",
         f"| base model | `{model}`" + (f" (`{base}`)" if base and base != model else "") + " |",
         f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
-        f"| data | `{cfg.data.dataset.source}` GSM8K, split `{cfg.data.dataset.split}` (Cobbe et al. 2021) |",
+        f"| data | {data_description(cfg)} |",
         f"| variant | `{variant}` |",
         f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high} |",
         f"| reward | {reward_terms(cfg)} (docs/rewards.md) |",
@@ -128,7 +137,8 @@ def model_card(
         "|---|---|",
         *(f"| `{k}` | {metrics[k]:.4g} |" for k in CARD_METRICS if k in metrics),
         "",
-        f"Evaluation: greedy pass@1 on {cfg.eval.num_problems} GSM8K test problems (seed {cfg.eval.seed}). "
+        f"Evaluation: greedy pass@1 on {cfg.eval.num_problems} test problems (seed {cfg.eval.seed}); "
+        "`eval/accuracy` reads the answer whatever its format (docs/data.md). "
         "All metrics: `final_metrics.json` in the run directory.",
         "",
         "## The command that made it",

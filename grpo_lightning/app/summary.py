@@ -31,15 +31,20 @@ def summary_metrics(
             out[f"summary/train_{name}_start"], out[f"summary/train_{name}_end"] = start, end
     if evals:
         first, last = evals[0][1], evals[-1][1]
-        for name in ("format_rate", "gsm8k_accuracy"):
+        for name in EVAL_NAMES:
             key = f"eval/{name}"
             if key in first and key in last:
                 out[f"summary/eval_{name}_start"], out[f"summary/eval_{name}_end"] = first[key], last[key]
-        for bound in ("low", "high"):  # the last evaluation's 95% interval (training/evaluation.py)
-            key = f"eval/gsm8k_accuracy_ci95_{bound}"
-            if key in last:
-                out[f"summary/eval_gsm8k_accuracy_end_ci95_{bound}"] = last[key]
+            for bound in ("low", "high"):  # the last evaluation's 95% interval (training/evaluation.py)
+                if f"{key}_ci95_{bound}" in last:
+                    out[f"summary/eval_{name}_end_ci95_{bound}"] = last[f"{key}_ci95_{bound}"]
     return out
+
+
+EVAL_NAMES = ("format_rate", "gsm8k_accuracy", "accuracy", "accuracy_strict")
+"""The evaluation metrics the summary compares (eval/<name>; docs/data.md, "Evaluation"): `accuracy` reads the
+answer without regard to its format, `accuracy_strict` only in the asked format, `gsm8k_accuracy` is GSM8K's
+own."""
 
 
 def render(metrics: dict[str, float], num_rounds: int, num_evals: int, window: int = 3) -> str:
@@ -50,6 +55,8 @@ def render(metrics: dict[str, float], num_rounds: int, num_evals: int, window: i
         ("train_format_rate", f"rollout/format_rate (first {window} -> last {window} rounds)"),
         ("eval_format_rate", f"eval/format_rate (first -> last of {num_evals} evaluations)"),
         ("eval_gsm8k_accuracy", f"eval/gsm8k_accuracy (first -> last of {num_evals} evaluations)"),
+        ("eval_accuracy", f"eval/accuracy (first -> last of {num_evals} evaluations)"),
+        ("eval_accuracy_strict", f"eval/accuracy_strict (first -> last of {num_evals} evaluations)"),
     ]
     for key, label in labels:
         start, end = metrics.get(f"summary/{key}_start"), metrics.get(f"summary/{key}_end")

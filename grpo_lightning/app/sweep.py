@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_METRICS = (
     "train/reward_mean",
+    "eval/accuracy",
     "eval/gsm8k_accuracy",
     "eval/format_rate",
     "train/kl",

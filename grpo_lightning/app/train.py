@@ -53,7 +53,7 @@ from grpo_lightning.training.checkpointing import (
     read_checkpoint,
     resolve_ckpt_path,
 )
-from grpo_lightning.training.evaluation import GSM8KEvaluator
+from grpo_lightning.training.evaluation import Evaluator
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.variants import VARIANTS
@@ -145,7 +145,7 @@ class Run:
     callbacks: dict[str, L.Callback]
     """The `callbacks` group's callbacks by name (conf/callbacks/default.yaml); the trainer runs these and the
     engine's, the evaluator and the probes."""
-    evaluator: GSM8KEvaluator | None = None
+    evaluator: Evaluator | None = None
     """The `eval` node's evaluator, None with eval.enabled=false (the rollout loop runs it)."""
     ckpt_path: Path | None = None
     """The checkpoint this run resumes from (`ckpt_path` config key), None for a fresh run."""
@@ -214,7 +214,7 @@ class Run:
         )
 
 
-def closing_summary(rollout_loop: RolloutLoop, evaluator: GSM8KEvaluator | None) -> tuple[dict[str, float], str]:
+def closing_summary(rollout_loop: RolloutLoop, evaluator: Evaluator | None) -> tuple[dict[str, float], str]:
     """The run's `summary/*` metrics and their rendering (app/summary.py), from every round and evaluation so far."""
     rounds, evals = rollout_loop.history, evaluator.history if evaluator is not None else []
     summary = summary_metrics(rounds, evals)
@@ -525,7 +525,7 @@ def memory_estimate(cfg: DictConfig, source, rollouts_per_round: int, group_size
 
 def score_references(dm: RolloutDataModule, reward_fn) -> float:
     """Mean reward of the reference solutions against their own answers: 1.0 when data and reward agree."""
-    scores = [reward_fn(p.solution, p.answer) for p in dm.problems]
+    scores = [reward_fn(p.solution, p.answer, record=p.record) for p in dm.problems]
     mean = sum(scores) / len(scores)
     print(f"reference solutions score {mean:.4f} on {len(scores)} problems")
     if mean < 1.0:

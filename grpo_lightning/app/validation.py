@@ -28,9 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 from grpo_lightning.app.schema import RunSettings
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.rewards.pipeline import check_moved_keys
-from grpo_lightning.schema import declared, mapping, nested_schema, problems, schemas_of
-from grpo_lightning.training.tracking import writer_for
+from grpo_lightning.schema import declared, nested_schema, problems, schemas_of
 from grpo_lightning.training.overlap import optimizer_steps_per_round, staleness_problem
+from grpo_lightning.training.tracking import writer_for
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> lis
     if isinstance(target, str):
         schemas = target_schemas(target) or schemas
     values, children = {}, {}
+    mappings = values_with_mappings(schemas)  # a mapping-valued key (engine_kwargs): its rule checks it
     for key in node:
         if not isinstance(key, str) or key.startswith("_") or OmegaConf.is_missing(node, key):
             continue
@@ -69,23 +70,27 @@ def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> lis
             value = node[key]
         except OmegaConfBaseException:  # an interpolation that resolves only in a Hydra run (${hydra:...})
             continue
-        if isinstance(value, DictConfig):
+        if isinstance(value, DictConfig) and OmegaConf.is_interpolation(node, key):
+            continue  # a whole node wired from elsewhere (eval.dataset.train: ${data.dataset}): checked there
+        if isinstance(value, DictConfig) and key not in mappings:
             children[key] = value
         else:
             values[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     found = [problem for schema in schemas for problem in problems(values, schema, path)]
     for key, child in children.items():
         child_path = f"{path}.{key}" if path else key
-        if key in values_with_mappings(schemas):  # a mapping-valued key (engine_kwargs): its rule checks it
-            found += [p for schema in schemas for p in problems({key: OmegaConf.to_container(child)}, schema, path)]
-            continue
         found += node_problems(child, child_path, tuple(s for s in [nested_schema(schemas, key)] if s))
     return found
 
 
 def values_with_mappings(schemas: tuple[type, ...]) -> set[str]:
-    """Keys declared with the `mapping` rule: their value is a node, checked as one value."""
-    return {name for schema in schemas for name, f in declared(schema).items() if f.metadata["rule"] is mapping}
+    """Keys declared with a mapping rule (`mapping_of`): their value is a node, checked as one value."""
+    return {
+        name
+        for schema in schemas
+        for name, f in declared(schema).items()
+        if getattr(f.metadata["rule"], "takes_mapping", False)
+    }
 
 
 def target_schemas(target: str) -> tuple[type, ...]:
@@ -101,6 +106,11 @@ def validate(cfg: DictConfig) -> None:
     """Check every key's type and range, then the combinations, before anything is loaded (each error names
     its key; all of them are reported at once)."""
     check_moved_keys(cfg)  # reward.format_bonus, loss.scale_rewards: a one-line message naming the new key
+    if "dataset" not in cfg.data:
+        raise ValueError(
+            "data=rounds is the shape of a round every data source shares (data/rounds.yaml), not a source: choose "
+            "data=gsm8k or data=reasoning_gym"
+        )
     if "_target_" not in cfg.generator:
         raise ValueError(
             "generator=sampling is the sampling every engine shares (generator/sampling.yaml), not an engine: choose "
@@ -111,6 +121,7 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError("; ".join(found))
     check_combinations(cfg)
     check_overlap(cfg)
+    check_reward_fits_data(cfg)
     target = cfg.optim.optimizer.get("_target_")
     try:
         get_class(target)
@@ -151,9 +162,9 @@ def check_combinations(cfg: DictConfig) -> None:
     if "min_steps" in variant and "max_steps" in variant and variant.max_steps < variant.min_steps:
         raise ValueError(f"variant.max_steps ({variant.max_steps}) must be >= variant.min_steps ({variant.min_steps})")
     dataset = cfg.data.dataset
-    if dataset.source == "path" and not dataset.path:
+    if dataset.get("source") == "path" and not dataset.path:
         raise ValueError("data.dataset.path must be set when data.dataset.source=path")
-    if cfg.eval.enabled and dataset.source == "path" and not cfg.eval.dataset.path:
+    if cfg.eval.enabled and dataset.get("source") == "path" and not cfg.eval.dataset.path:
         raise ValueError(
             "eval.dataset.path must be set when data.dataset.source=path (evaluation reads its test split): give "
             "the test split's JSONL file, or turn evaluation off with eval.enabled=false"
@@ -174,6 +185,31 @@ def check_logger_packages(cfg: DictConfig) -> None:
                 f"logger.{name} needs the {package} package: pip install 'grpo_lightning[{package}]' (from a "
                 f"checkout: pip install -e '.[{package}]'), or leave {name} out of logger=[...]"
             )
+
+
+def check_reward_fits_data(cfg: DictConfig) -> None:
+    """A reward term that scores with the problem's record (`needs_record`, e.g. reward=reasoning_gym) needs a data
+    source whose problems carry one (`gives_records`, data=reasoning_gym)."""
+    source = target_class(cfg.data.dataset.get("_target_"))
+    if source is None or getattr(source, "gives_records", False):
+        return
+    for name, spec in (cfg.reward.get("terms") or {}).items():
+        term = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
+        if getattr(term, "needs_record", False):
+            raise ValueError(
+                f"reward.terms.{name} ({term.__name__}) scores with each problem's reasoning-gym record, which "
+                f"data.dataset ({source.__name__}) does not give: use data=reasoning_gym, or another reward "
+                "(reward=gsm8k)"
+            )
+
+
+def target_class(target) -> type | None:
+    """The class a `_target_` names; None when it names none (or does not import: build() reports that)."""
+    try:
+        obj = get_object(str(target))
+    except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
+        return None
+    return obj if isinstance(obj, type) else None
 
 
 def is_vllm(cfg: DictConfig) -> bool:
@@ -270,9 +306,9 @@ def check_accelerator(cfg: DictConfig) -> None:
 def check_data_files(cfg: DictConfig) -> None:
     """Each JSONL file the run will read: present, a file, and UTF-8 text (not compressed, not UTF-16)."""
     files = []
-    if cfg.data.dataset.source == "path":
+    if cfg.data.dataset.get("source") == "path":
         files.append(("data.dataset.path", cfg.data.dataset.path))
-    if cfg.eval.enabled and cfg.data.dataset.source == "path":
+    if cfg.eval.enabled and cfg.data.dataset.get("source") == "path":
         files.append(("eval.dataset.path", cfg.eval.dataset.path))
     for key, value in files:
         check_text_file(key, Path(str(value)).expanduser())

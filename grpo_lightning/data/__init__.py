@@ -1,1 +1,1 @@
-"""Prompt data (GSM8K) and the data module that serves each round's rollouts."""
+"""Prompt data (GSM8K, reasoning-gym's procedural tasks) and the data module that serves each round's rollouts."""

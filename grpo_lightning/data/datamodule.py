@@ -23,7 +23,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from grpo_lightning.algorithm.dynamic_sampling import DynamicSampling
-from grpo_lightning.data.gsm8k import GSM8K, Problem
+from grpo_lightning.data.gsm8k import GSM8K
+from grpo_lightning.data.source import Problem
 from grpo_lightning.schema import check_settings, configures, integer, setting
 from grpo_lightning.types import Prompt, RolloutBatch, Round
 
@@ -31,7 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def encode_prompt(tokenizer, dataset: GSM8K, problem: Problem, index: int, max_prompt_tokens: int) -> Prompt:
-    """Chat-format and tokenise one problem; an over-long prompt keeps its last `max_prompt_tokens` tokens."""
+    """Chat-format and tokenise one problem; an over-long prompt keeps its last `max_prompt_tokens` tokens.
+
+    `dataset` is any data source (data/source.py); the problem's `record` travels with the prompt."""
     text = tokenizer.apply_chat_template(dataset.messages(problem.question), tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return Prompt(
@@ -40,6 +43,7 @@ def encode_prompt(tokenizer, dataset: GSM8K, problem: Problem, index: int, max_p
         question=problem.question,
         problem_index=index,
         full_length=len(ids),
+        record=problem.record,
     )
 
 

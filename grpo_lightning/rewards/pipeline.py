@@ -12,7 +12,8 @@ Built from the `reward` config group (conf/reward/*.yaml; docs/rewards.md):
 
 A term is a `RewardTerm` or any callable `(completion, reference, **info) -> float`, a class (instantiated with
 the node's other keys) or a plain function (its other keys are bound as keyword arguments). `info` holds
-`truncated`, `num_tokens`, `max_new_tokens` and `branch_point`; a callable that takes no `**info` gets only the
+`truncated`, `num_tokens`, `max_new_tokens`, `branch_point` and `record` (the problem's record from its data
+source, None for GSM8K); a callable that takes no `**info` gets only the
 keys it names. The builder wraps a callable that is not a `RewardTerm` (or, for a transform, not a `Transform`)
 into one (`CallableTerm`, `CallableTransform`), so the pipeline calls every stage through the interfaces of
 `grpo_lightning.rewards.base`.
@@ -215,6 +216,7 @@ class RewardPipeline:
         info.setdefault("num_tokens", None)
         info.setdefault("max_new_tokens", self.max_new_tokens)
         info.setdefault("branch_point", 0)
+        info.setdefault("record", None)
         values: dict[str, float] = {}
         detail: RewardResult | None = None
         total: float | None = None

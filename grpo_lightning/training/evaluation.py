@@ -1,5 +1,13 @@
-"""GSM8K evaluation during training: greedy pass@1 with its 95% Wilson interval, and optionally the unbiased
-pass@k from n samples per problem (Chen et al. 2021), on a fixed test subset.
+"""Evaluation during training, on any data source: greedy pass@1 with its 95% Wilson interval, and optionally the
+unbiased pass@k from n samples per problem (Chen et al. 2021), on a fixed test subset.
+
+What is scored (docs/data.md, "Evaluation"): an answer checker (`eval.checker`; null: the data source's own,
+data/source.py) judges each reply. `eval/accuracy` reads the answer without regard to the format the prompt
+asked for (the reply's last number for a numeric answer; for reasoning-gym, the task's verifier on that
+reading), so a gain in it is a gain in answers, not in formatting; `eval/accuracy_strict` reads only the asked
+format and `eval/format_rate` says how often the training reward found an answer. pass@k uses the
+format-independent reading. A data source may keep accuracies of its own (GSM8K: `eval/gsm8k_accuracy`, its
+reward's three formats, as logged before the checker existed), each with its interval.
 
 The subset is a seeded permutation's first `num_problems` problems of the test split, so every evaluation of a
 run (and every run of a sweep with the same `eval.seed`) scores the same problems. Evaluation uses the training
@@ -17,11 +25,11 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-from torchmetrics import MeanMetric
 
 from grpo_lightning.data.datamodule import encode_prompt
-from grpo_lightning.data.gsm8k import GSM8K
 from grpo_lightning.distributed import gather_objects, rank_and_world
+from grpo_lightning.rewards.base import AnswerChecker, Verdict
+from grpo_lightning.rewards.checkers import GSM8KChecker
 from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
 from grpo_lightning.training import tracking
 
@@ -36,20 +44,32 @@ class EvalResult:
 
 
 def score_completions(texts: list[str], lengths: list[int], answers: list[str], reward_fn) -> EvalResult:
-    """Accuracy (answer correct), format rate (an answer was extracted) and mean length, via torchmetrics.
+    """A GSM8K-style reward's own accuracy (`correct`) and format rate (an answer extracted), and the mean length:
+    what `eval/gsm8k_accuracy` and `eval/format_rate` count on GSM8K (through `GSM8KChecker`).
 
-    The metrics never synchronise across processes (`sync_on_compute=False`): `evaluate` has already gathered
-    every rank's completions, so each rank holds all of them. torchmetrics would otherwise all-gather its CPU
-    state whenever torch.distributed is initialised, even in one process, and fail where the default group is
-    NCCL: vLLM's engine on CUDA creates one (world size 1), and so does trainer=ddp on GPUs.
+    Plain means over the replies `evaluate` has already gathered from every rank: nothing synchronises again
+    (a torchmetrics metric would all-gather its CPU state where the default group is NCCL, and fail).
     """
-    accuracy, fmt, length = (MeanMetric(sync_on_compute=False) for _ in range(3))
-    for text, n, answer in zip(texts, lengths, answers, strict=True):
-        result = reward_fn.score_detailed(text, answer)
-        accuracy.update(float(result.correct))
-        fmt.update(float(result.extracted is not None))
-        length.update(float(n))
-    return EvalResult(float(accuracy.compute()), float(fmt.compute()), float(length.compute()))
+    checker = GSM8KChecker(reward_fn)
+    verdicts = [checker.check(text, answer) for text, answer in zip(texts, answers, strict=True)]
+    n = max(len(verdicts), 1)
+    accuracy = sum(v.extras["gsm8k_accuracy"] for v in verdicts) / n
+    return EvalResult(accuracy, sum(v.formatted for v in verdicts) / n, sum(lengths) / n)
+
+
+def verdict_metrics(verdicts: list[Verdict]) -> dict[str, float]:
+    """`eval/accuracy` with its Wilson interval, `eval/accuracy_strict`, `eval/format_rate`, and each of the
+    verdicts' extra accuracies (`eval/<name>`) with its interval; every mean is over all replies."""
+    n = max(len(verdicts), 1)
+    metrics: dict[str, float] = {}
+    columns = {"accuracy": [v.correct for v in verdicts]}
+    columns |= {name: [v.extras[name] for v in verdicts] for name in (verdicts[0].extras if verdicts else {})}
+    for name, column in columns.items():
+        low, high = wilson_interval(sum(column), len(column))
+        metrics |= {f"eval/{name}": sum(column) / n, f"eval/{name}_ci95_low": low, f"eval/{name}_ci95_high": high}
+    metrics["eval/accuracy_strict"] = sum(v.strict for v in verdicts) / n
+    metrics["eval/format_rate"] = sum(v.formatted for v in verdicts) / n
+    return metrics
 
 
 def pass_at_k_estimate(n: int, c: int, k: int) -> float:
@@ -104,11 +124,19 @@ class EvalSettings:
             raise ValueError(f"eval.num_samples ({self.num_samples}) must be >= eval.pass_k ({self.pass_k}) or 0")
 
 
-class GSM8KEvaluator(L.Callback):
+def default_checker(dataset, reward=None) -> AnswerChecker:
+    """The data source's own checker (`dataset.checker(reward)`); GSM8K's when there is no data source."""
+    if dataset is not None:
+        return dataset.checker(reward)
+    return GSM8KChecker(reward) if reward is not None else GSM8KChecker()
+
+
+class Evaluator(L.Callback):
     def __init__(
         self,
-        dataset: GSM8K,
-        reward,
+        dataset,
+        reward=None,
+        checker: AnswerChecker | None = None,
         enabled: bool = EvalSettings.enabled,
         every_n_rounds: int = EvalSettings.every_n_rounds,
         num_problems: int = EvalSettings.num_problems,
@@ -123,13 +151,15 @@ class GSM8KEvaluator(L.Callback):
         generator=None,
         tokenizer=None,
     ) -> None:
-        """`generator` and `tokenizer` are the run's (train.py passes them with the config's keys); a dry run
-        builds the evaluator without them, to check its keys."""
+        """`dataset`: the test split (`eval.dataset`, any data source). `checker` judges a reply; None: the
+        source's own, `dataset.checker(reward)` (GSM8K's keeps `reward`'s correctness as eval/gsm8k_accuracy),
+        or GSM8K's without a dataset. `generator` and `tokenizer` are the run's (train.py passes them with the
+        config's keys); a dry run builds the evaluator without them, to check its keys."""
         EvalSettings(enabled, every_n_rounds, num_problems, pass_k, num_samples, max_new_tokens, max_prompt_tokens,
                      num_samples_logged, at_start, seed, batch_size)  # fmt: skip
         self.num_samples = num_samples or pass_k
         """n, the samples drawn per problem for pass@k (Chen et al.'s estimator needs n >= k)."""
-        self.dataset, self.reward_fn, self.enabled = dataset, reward, enabled
+        self.dataset, self.checker, self.enabled = dataset, checker or default_checker(dataset, reward), enabled
         self.every_n_rounds, self.num_problems, self.pass_k = every_n_rounds, num_problems, pass_k
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
         self.num_samples_logged, self.at_start, self.seed = num_samples_logged, at_start, seed
@@ -139,6 +169,9 @@ class GSM8KEvaluator(L.Callback):
         self.final_metrics: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
         """(optimizer step, metrics) of every evaluation of this run, a resumed run's earlier ones included."""
+        self.last_replies: list[dict] = []
+        """The latest evaluation's greedy replies, every rank's, in problem order: question, answer, completion
+        and the verdict, for a researcher to read or re-score."""
 
     def state_dict(self) -> dict:
         return {"history": list(self.history)}
@@ -171,7 +204,7 @@ class GSM8KEvaluator(L.Callback):
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer) -> dict[str, float]:
-        """Each rank scores every W-th problem; the metrics are computed over all of them on every rank."""
+        """Each rank judges its every W-th problem; the metrics are computed over all of them on every rank."""
         start = time.perf_counter()
         rank, world_size = rank_and_world()
         mine = self.prompts[rank::world_size]
@@ -179,50 +212,59 @@ class GSM8KEvaluator(L.Callback):
         with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves the training RNG
             greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.max_new_tokens, greedy=True)]
             sampled = self.generator.generate(prefixes, self.num_samples, self.max_new_tokens) if self.pass_k else []
-        part = {
-            "texts": [self._decode(c.token_ids) for c in greedy],
+        texts = [self._decode(c.token_ids) for c in greedy]
+        part = {  # judged here: a problem's record (a reasoning-gym verifier) never crosses processes
+            "replies": [
+                {"question": p.question, "answer": p.answer, "completion": text,
+                 "verdict": self.checker.check(text, p.answer, p.record)}
+                for p, text in zip(mine, texts, strict=True)
+            ],
             "lengths": [len(c.token_ids) for c in greedy],
-            "answers": [p.answer for p in mine],
             "sampled_correct": [
-                [self.reward_fn.score_detailed(self._decode(c.token_ids), p.answer).correct for c in samples]
+                [self.checker.check(self._decode(c.token_ids), p.answer, p.record).correct for c in samples]
                 for samples, p in zip(sampled, mine, strict=True)
             ]
             if self.pass_k
             else [],
-        }
+        }  # fmt: skip
         parts = gather_objects(part)
-        texts, lengths, answers, correct = ([x for q in parts for x in q[key]] for key in part)
-        result = score_completions(texts, lengths, answers, self.reward_fn)
-        low, high = wilson_interval(round(result.accuracy * len(texts)), len(texts))
-        metrics = {
-            "eval/gsm8k_accuracy": result.accuracy,
-            "eval/gsm8k_accuracy_ci95_low": low,
-            "eval/gsm8k_accuracy_ci95_high": high,
-            "eval/format_rate": result.format_rate,
-            "eval/completion_len_mean": result.completion_len_mean,
-        }
+        replies, lengths, correct = ([x for q in parts for x in q[key]] for key in part)
+        metrics = verdict_metrics([r["verdict"] for r in replies])
+        metrics["eval/completion_len_mean"] = sum(lengths) / max(len(lengths), 1)
         if self.pass_k:
             metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct, self.pass_k)
         metrics["time/eval_s"] = max(gather_objects(time.perf_counter() - start))  # ranks decode in parallel
         if trainer.is_global_zero:
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=trainer.global_step)
-            self._log_table(trainer, texts, answers)
-        log.info("eval at step %d: accuracy %.3f on %d problems", trainer.global_step, result.accuracy, len(texts))
-        self.final_metrics = metrics
+            self._log_table(trainer, replies)
+        log.info("eval at step %d: accuracy %.3f on %d problems", trainer.global_step, metrics["eval/accuracy"],
+                 len(replies))  # fmt: skip
+        self.final_metrics, self.last_replies = metrics, replies
         self.history.append((trainer.global_step, metrics))
         return metrics
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _log_table(self, trainer: L.Trainer, texts: list[str], answers: list[str]) -> None:
-        columns = (tracking.Column("answer"), tracking.Column("correct"), tracking.Column("completion", max_chars=1500))
-        rows = []
-        for answer, text in list(zip(answers, texts, strict=True))[: self.num_samples_logged]:
-            ok = self.reward_fn.score_detailed(text, answer).correct
-            rows.append((answer, "yes" if ok else "no", text))
+    def _log_table(self, trainer: L.Trainer, replies: list[dict]) -> None:
+        def yes_no(flag: bool) -> str:
+            return "yes" if flag else "no"
+
+        columns = (
+            tracking.Column("answer", max_chars=200),
+            tracking.Column("correct"),
+            tracking.Column("strict"),
+            tracking.Column("completion", max_chars=1500),
+        )
+        rows = [
+            (r["answer"], yes_no(r["verdict"].correct), yes_no(r["verdict"].strict), r["completion"])
+            for r in replies[: self.num_samples_logged]
+        ]
         tracking.log_table(trainer.loggers, "eval/samples", tracking.Table(columns, tuple(rows)), trainer.global_step)
 
 
-configures(GSM8KEvaluator, EvalSettings)
+GSM8KEvaluator = Evaluator
+"""The evaluator's name before it judged any data source (`eval._target_` of older configs)."""
+
+configures(Evaluator, EvalSettings)

@@ -90,6 +90,7 @@ class GRPOVariant(ABC):
             "truncated": not completion.finished,
             "num_tokens": len(completion.token_ids),
             "branch_point": branch_point,
+            "record": prompt.record,
             **self.step_info(text, completion, branch_point, decode),
         }
         result = reward_fn.score_completion(text, prompt.answer, **info)

@@ -216,3 +216,90 @@ def test_evaluation_reports_the_interval_and_unbiased_pass_at_k():
     assert (metrics["eval/gsm8k_accuracy_ci95_low"], metrics["eval/gsm8k_accuracy_ci95_high"]) == wilson_interval(2, 4)
     # pass@2 from 4 samples: 1 correct -> 1/2, 0 -> 0, 2 -> 1 - C(2,2)/C(4,2) = 5/6, 4 -> 1
     assert metrics["eval/pass@2"] == pytest.approx((0.5 + 0 + 5 / 6 + 1) / 4)
+
+
+# ---- any data source: the format-independent accuracy, the strict one, the format rate ----------------------------
+def scripted_evaluation(prompts, greedy_reply, sampled_replies=None, **settings):
+    """An Evaluator over `prompts` whose engine answers prompt i greedily with greedy_reply[i] and samples
+    sampled_replies[i] (a list) for pass@k."""
+    from types import SimpleNamespace
+
+    from grpo_lightning.training.evaluation import Evaluator
+    from grpo_lightning.types import Completion
+
+    texts = {}
+
+    class ScriptedEngine(StubGenerator):
+        def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
+            out = []
+            for p in prefixes:
+                replies = [greedy_reply[p[0]]] if greedy else sampled_replies[p[0]][:num_samples]
+                for r in replies:
+                    texts[len(texts) + 1000] = r
+                out.append([Completion([k], [0.0], True) for k in list(texts)[-len(replies) :]])
+            return out
+
+    trainer = SimpleNamespace(is_global_zero=True, global_step=5, loggers=[])
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: texts[ids[0]])
+    evaluator = Evaluator(dataset=None, generator=ScriptedEngine(), tokenizer=tokenizer, num_samples_logged=0,
+                          **settings)  # fmt: skip
+    evaluator.prompts = prompts
+    return evaluator, evaluator.evaluate(trainer)
+
+
+def test_reasoning_gym_evaluation_by_hand():
+    """Four problems, tag format. Greedy replies: right in the asked format; right but untagged; tagged right but
+    ending in another number; wrong. eval/accuracy (last number) 2/4, strict 2/4, format rate 3/4; pass@2 from
+    3 samples of which 1, 0, 3, 2 are right by the format-independent reading."""
+    from grpo_lightning.rewards.reasoning_gym import ReasoningGymChecker
+    from grpo_lightning.training.evaluation import wilson_interval
+    from grpo_lightning.types import Prompt
+    from tests.unit.test_answers import record
+
+    answers = {0: "7", 1: "12", 2: "3", 3: "-4"}
+    greedy = {0: "3 + 4 = 7\n<answer>7</answer>", 1: "5 + 7 = 12", 2: "<answer>3</answer> from 1 and 2",
+              3: "<answer>4</answer>"}  # fmt: skip
+    sampled = {0: ["7", "8", "9"], 1: ["11", "13", "<answer>1</answer>"], 2: ["3", "so 3", "<answer>3</answer>"],
+               3: ["-4", "#### -4", "4"]}  # fmt: skip
+    prompts = [Prompt([i], a, f"q{i}", i, record=record(a)) for i, a in answers.items()]
+    evaluator, metrics = scripted_evaluation(prompts, greedy, sampled, checker=ReasoningGymChecker(), pass_k=2,
+                                             num_samples=3)  # fmt: skip
+    assert metrics["eval/accuracy"] == 0.5
+    assert (metrics["eval/accuracy_ci95_low"], metrics["eval/accuracy_ci95_high"]) == wilson_interval(2, 4)
+    assert metrics["eval/accuracy_strict"] == 0.5 and metrics["eval/format_rate"] == 0.75
+    # pass@2 of 3 samples: c=1 -> 1 - C(2,2)/C(3,2) = 2/3; c=0 -> 0; c=3 -> 1; c=2 -> 1
+    assert metrics["eval/pass@2"] == pytest.approx((2 / 3 + 0 + 1 + 1) / 4)
+    assert "eval/gsm8k_accuracy" not in metrics
+    assert [r["completion"] for r in evaluator.last_replies] == list(greedy.values())
+    assert [r["verdict"].correct for r in evaluator.last_replies] == [True, True, False, False]
+
+
+def test_gsm8k_evaluation_keeps_its_accuracy_and_adds_the_new_ones():
+    """GSM8K replies: eval/gsm8k_accuracy is the reward's own (any of its formats), eval/accuracy the last number,
+    eval/accuracy_strict the `####` line only."""
+    from grpo_lightning.training.evaluation import wilson_interval
+    from grpo_lightning.types import Prompt
+
+    greedy = {0: "#### 9", 1: "The answer is 18.", 2: "I get 5", 3: "#### 6\nsince 2 x 3"}
+    prompts = [Prompt([i], a, f"q{i}", i) for i, a in enumerate(["9", "18", "5", "6"])]
+    _, metrics = scripted_evaluation(prompts, greedy, reward=GSM8KReward(format_bonus=0.0))
+    assert metrics["eval/gsm8k_accuracy"] == 0.75  # 9, 18, 6 in a recognised format; "I get 5" has none
+    assert (metrics["eval/gsm8k_accuracy_ci95_low"], metrics["eval/gsm8k_accuracy_ci95_high"]) == wilson_interval(3, 4)
+    assert metrics["eval/accuracy"] == 0.75  # last numbers 9, 18, 5 right; 3 wrong
+    assert metrics["eval/accuracy_strict"] == 0.5  # `#### 9`, `#### 6`
+    assert metrics["eval/format_rate"] == 0.75
+
+
+def test_the_checker_comes_from_the_data_source():
+    from grpo_lightning.data.gsm8k import GSM8K
+    from grpo_lightning.data.reasoning_gym import ReasoningGym
+    from grpo_lightning.rewards.checkers import GSM8KChecker
+    from grpo_lightning.rewards.reasoning_gym import ReasoningGymChecker
+    from grpo_lightning.training.evaluation import Evaluator, GSM8KEvaluator
+
+    reward = GSM8KReward(format_bonus=0.0)
+    assert Evaluator(dataset=GSM8K().test_split(), reward=reward).checker == GSM8KChecker(reward)
+    assert isinstance(Evaluator(dataset=ReasoningGym().test_split(num_problems=4)).checker, ReasoningGymChecker)
+    mine = ReasoningGymChecker()
+    assert Evaluator(dataset=GSM8K(), checker=mine).checker is mine
+    assert GSM8KEvaluator is Evaluator  # the old `_target_` still builds it

@@ -1,0 +1,53 @@
+"""What every data source (`data.dataset`) gives: problems, the chat messages of a prompt, its test split and the
+answer checker its evaluation uses. Sources: GSM8K (data/gsm8k.py, the default) and reasoning-gym's procedural
+tasks (data/reasoning_gym.py); docs/data.md.
+
+A source is a settings dataclass with:
+
+- `load() -> list[Problem]` and `describe() -> str`;
+- `messages(question) -> list[dict]`, the chat the model's template turns into the prompt;
+- `test_split(path, num_problems)`, the same source with its test split (`eval.dataset`);
+- `checker(reward) -> AnswerChecker`, how evaluation judges a reply (`eval.checker: null`);
+- the class attribute `gives_records`: whether its problems carry a `record` for reward terms that need one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpo_lightning.schema import configures, integer, optional, setting, text
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    solution: str
+    """A reference solution that scores 1 (GSM8K: the full solution, ending with `#### <answer>`; generated
+    tasks: the answer written in the asked format)."""
+    answer: str
+    """The reference answer (GSM8K: the text after the last `####`, commas removed)."""
+    record: object = field(default=None, compare=False)
+    """Opaque per-problem record for reward terms and the answer checker (`Prompt.record`); None for GSM8K."""
+
+
+@dataclass(frozen=True)
+class TestSplitSettings:
+    """`eval.dataset`: the training data's test split; its file when the training data is a local JSONL."""
+
+    path: str | None = setting(None, optional(text), "data.dataset.source=path: the test split's JSONL file")
+    num_problems: int | None = setting(
+        None, optional(integer(1)), "problems a generated source makes for its test split (eval.num_problems)"
+    )
+
+
+def test_split_of(train, path: str | None = None, num_problems: int | None = None):
+    """`eval.dataset`: the training data (`data.dataset`) with its test split.
+
+    Why a function of the training data: evaluation must ask the questions the way training does, so every key
+    but the split (a local file's path, a generated source's count) is the training data's, stated once in
+    `data.dataset`.
+    """
+    return train.test_split(path=path, num_problems=num_problems)
+
+
+configures(test_split_of, TestSplitSettings)
