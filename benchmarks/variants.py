@@ -34,8 +34,8 @@ PINNED = {
     "generator.temperature": 0.7,
     "generator.top_p": 1.0,
     "generator.top_k": 0,
-    "generator.max_new_tokens": 96,  # STORPO's continuations get what the branch point leaves of it
-    "data.prompts_per_round": 2,
+    "generator.max_new_tokens": 48,  # STORPO's continuations get what the branch point leaves of it
+    "data.prompts_per_round": 4,
     "data.groups_per_micro_batch": 1,
     "data.num_iterations": 1,
     "data.dynamic_sampling.enabled": True,  # a STORPO group is one prompt's tree: filtered alike
@@ -45,7 +45,7 @@ PINNED = {
     "loss.beta": 0.0,
     "loss.epsilon_low": 0.2,
     "loss.epsilon_high": 0.28,
-    "optim.optimizer.lr": 5.0e-4,
+    "optim.optimizer.lr": 1.0e-3,
     "optim.schedule.kind": "constant",  # a decaying schedule would depend on the round cap, not the budget
     "optim.schedule.warmup_steps": 1,
     "trainer.max_epochs": 1000,  # a cap only: the token budget ends every run first

@@ -26,6 +26,10 @@ from grpo_lightning.rewards.answers import extract_answer, extract_any, is_numer
 from grpo_lightning.rewards.base import AnswerChecker, RewardResult, RewardTerm, Verdict
 
 
+READINGS = ("asked", "any")
+"""How `ReasoningGymReward` reads a reply's answer: in the asked format only, or as evaluation reads it."""
+
+
 @dataclass(frozen=True)
 class TaskRecord:
     """What a reasoning-gym problem carries to the reward and the evaluation (`Prompt.record`)."""
@@ -60,21 +64,33 @@ class ReasoningGymReward(RewardTerm):
     that CONTAINS the right one partial credit (reasoning-gym's default and chain_sum's: "17" for 7 scores
     len("7") / len("17") = 0.5), which on arithmetic rewards a wrong number. Reports the answer (`extracted`: the
     asked format held one, `rollout/format_rate`) and `correct` (a score of 1).
+
+    `reading: any` scores the answer read as evaluation's `eval/accuracy` reads it (`format_free_answer`: the
+    last number of a numeric answer) instead of the one in the asked format. Why offer it: a small model that
+    rarely writes the asked format gets almost no correctness signal from the strict reading at first (on
+    chain_sum the embedded model writes a right answer in `\\boxed{}` in 0.5% of its samples but ends on the
+    right number in 11%, docs/data.md), so the correctness reward reaches it from the first round; the format is
+    then taught by a format term beside it (`experiment=learn_arith`). `extracted` still reports the asked
+    format, so `rollout/format_rate` means the same under either reading.
     """
 
     reports_answer: ClassVar[bool] = True
     needs_record: ClassVar[bool] = True
     partial_credit: bool = True
+    reading: str = "asked"
 
     def __post_init__(self) -> None:
         if not isinstance(self.partial_credit, bool):
             raise ValueError(f"partial_credit must be true or false (got {self.partial_credit!r})")
+        if self.reading not in READINGS:
+            raise ValueError(f"reading must be one of {', '.join(READINGS)} (got {self.reading!r})")
 
     def score(self, completion: str, reference: str, record: Any = None, **info: Any) -> RewardResult:
         task = task_record(record, type(self).__name__)
         extracted = extract_answer(completion, task.answer_format)
-        value = task.score(extracted)
-        correct = extracted is not None and value >= 1.0
+        answer = extracted if self.reading == "asked" else format_free_answer(completion, reference)
+        value = task.score(answer)
+        correct = answer is not None and value >= 1.0
         return RewardResult(reward=value if self.partial_credit else float(correct), extracted=extracted,
                             correct=correct)  # fmt: skip
 

@@ -29,13 +29,13 @@ def test_both_variants_get_the_same_pinned_settings(experiment):
         # by hand, the settings the comparison rests on (the recipe sets some of them otherwise, e.g. eval problems)
         assert value(cfg, "generator.num_generations") == 8, name
         assert value(cfg, "generator.temperature") == 0.7, name
-        assert value(cfg, "generator.max_new_tokens") == 96, name
-        assert value(cfg, "data.prompts_per_round") == 2, name
+        assert value(cfg, "generator.max_new_tokens") == 48, name
+        assert value(cfg, "data.prompts_per_round") == 4, name
         assert value(cfg, "max_tokens_generated") == 12_345, name
         assert value(cfg, "callbacks.rollout_loop.max_tokens_generated") == 12_345, name  # what the loop reads
         assert value(cfg, "eval.every_n_rounds") == 3, name
         assert value(cfg, "eval.num_problems") == 128, name
-        assert value(cfg, "eval.max_new_tokens") == 96, name
+        assert value(cfg, "eval.max_new_tokens") == 48, name
         assert value(cfg, "optim.schedule.kind") == "constant", name
         for key, pinned in shared.items():  # and every other pin, as the script sets it
             assert value(cfg, key) == pinned, (name, key)

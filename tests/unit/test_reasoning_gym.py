@@ -146,6 +146,25 @@ def test_partial_credit_by_hand():
         ReasoningGymReward(partial_credit="no")
 
 
+def test_reading_any_scores_the_answer_evaluation_reads(tmp_path):
+    """`reading: any` scores the last number whatever the format (as eval/accuracy does); the asked format is still
+    what `extracted` reports, so the format rate means the same under both readings."""
+    p = next(p for p in source(task="chain_sum", task_config={"max_digits": 1}, size=50).load() if p.answer == "7")
+    term = ReasoningGymReward(partial_credit=False, reading="any")
+    cases = {  # reply -> (reward, extracted in the asked format <answer>)
+        "3 + 4 = 7": (1.0, None),
+        "3 + 4 = 7, so <answer>7</answer>": (1.0, "7"),
+        "<answer>7</answer> no wait, 8": (0.0, "7"),
+        "seven": (0.0, None),
+    }
+    for reply, (reward, extracted) in cases.items():
+        got = term.score(reply, "7", record=p.record)
+        assert (got.reward, got.extracted, got.correct) == (reward, extracted, reward == 1.0), reply
+    assert ReasoningGymReward(partial_credit=False).score("3 + 4 = 7", "7", record=p.record).reward == 0.0
+    with pytest.raises(ValueError, match="reading must be one of asked, any"):
+        ReasoningGymReward(reading="last")
+
+
 def test_the_shaped_reward_composes_with_format_and_overlong_terms(tmp_path):
     """reward=reasoning_gym_shaped by hand: right 1.1, wrong but formatted 0.1, no answer 0, and DAPO's overlong
     penalty (max_new_tokens 100, buffer 20: 90 tokens cost (80 - 90) / 20 = -0.5)."""
@@ -187,7 +206,7 @@ def test_learn_arith_composes_and_dry_runs(tmp_path, capsys):
     assert cfg.model.source._target_.endswith("PackagedGGUFSource")  # the embedded default
     assert (cfg.data.dataset.task, cfg.data.dataset.answer_format) == ("chain_sum", "boxed")
     assert (cfg.generator.num_generations, cfg.generator.temperature, cfg.generator.max_new_tokens) == (8, 0.7, 48)
-    assert (cfg.loss.beta, cfg.loss.epsilon_high, cfg.optim.optimizer.lr) == (0.0, 0.28, 5e-4)
+    assert (cfg.loss.beta, cfg.loss.epsilon_high, cfg.optim.optimizer.lr) == (0.0, 0.28, 1e-3)
     assert cfg.data.dynamic_sampling.enabled and cfg.eval.num_problems == 128
     assert dry_run(tmp_path / "run", ["experiment=learn_arith"]) == pytest.approx(1.1)  # right and formatted
     assert "reasoning-gym chain_sum (train: 1000 problems of seed 0)" in capsys.readouterr().out
