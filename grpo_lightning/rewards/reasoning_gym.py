@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 from grpo_lightning.rewards.answers import extract_answer, extract_any, is_numeric, last_number
 from grpo_lightning.rewards.base import AnswerChecker, RewardResult, RewardTerm, Verdict
 
-
 READINGS = ("asked", "any")
 """How `ReasoningGymReward` reads a reply's answer: in the asked format only, or as evaluation reads it."""
 
