@@ -144,9 +144,10 @@ def test_cispo_is_normalised_by_the_step_like_dapo():
     logp, old = -torch.rand(6, 4, generator=gen), -torch.rand(6, 4, generator=gen)
     adv, mask = torch.randn(6, generator=gen), torch.ones(6, 4)
     full = loss_fn(logp, old, None, adv, mask, 24).loss
-    parts = loss_fn(logp[:2], old[:2], None, adv[:2], mask[:2], 24).loss + loss_fn(
-        logp[2:], old[2:], None, adv[2:], mask[2:], 24
-    ).loss
+    parts = (
+        loss_fn(logp[:2], old[:2], None, adv[:2], mask[:2], 24).loss
+        + loss_fn(logp[2:], old[2:], None, adv[2:], mask[2:], 24).loss
+    )
     assert parts.item() == pytest.approx(full.item(), rel=1e-6)
 
 
