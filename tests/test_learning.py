@@ -111,7 +111,7 @@ def control_gain(tmp_path_factory):
     return gain([reward for _, reward, _ in history])
 
 
-@pytest.mark.parametrize("loss", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss", ["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"])
 def test_each_loss_type_learns_what_the_lr0_control_does_not(tiny_cfg, control_gain, loss):
     rewards = rewards_per_round(tiny_cfg, f"loss={loss}")
     assert gain(rewards) > control_gain + MARGIN, (loss, rewards, control_gain)
