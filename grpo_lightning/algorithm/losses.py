@@ -172,6 +172,14 @@ class GRPOLoss:
                 f"convention; ScaleRL: 5.0) (got {self.epsilon_high!r})"
             )
 
+    def describe(self) -> str:
+        """One line for the run's plan and the model card: the loss type, its ratio level, beta, the correction."""
+        level = ", sequence-level ratio (GSPO)" if self.importance_sampling_level == "sequence" else ""
+        c = self.rollout_correction
+        correction = f"rollout correction {c.level} {c.mode}" if c.active else "no rollout correction"
+        clip = f"epsilon {self.epsilon_low}/{self.epsilon_high}"
+        return f"{self.loss_type}{level} (beta={self.beta}, {clip}; {correction})"
+
     @property
     def needs_reference(self) -> bool:
         """Whether reference-model log-probs are needed (beta > 0)."""

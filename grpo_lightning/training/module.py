@@ -6,7 +6,9 @@ business (`GRPOLoss.step_loss`: `dapo` undoes it, TRL issue #3021).
 
 Old log-probs: when one optimizer step consumes a round, old_logp = logp.detach() (ratio 1, gradient intact);
 otherwise the rollout loop stores policy log-probs computed once before the round's first update
-(`score_old_logprobs`), because "detached current" is wrong after the first update.
+(`score_old_logprobs`), because "detached current" is wrong after the first update. The generator's log-probs go
+to the loss as well: where the engine samples from another policy, `loss.rollout_correction` weighs the
+policy-gradient term by pi_old / pi_gen (algorithm/rollout_correction.py, docs/algorithm.md).
 
 Positions are derived from the attention mask so left-padded rows score exactly as HF `generate` sampled them;
 `rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens, grpo_lightning/training/rollout_loop.py) checks
