@@ -67,22 +67,29 @@ class Pin:
     trl_value: Any
 
 
-def pins(loss: str = "grpo", steps: int = 4, micro: int = MICRO, bf16: bool = False) -> list[Pin]:
+def pins(
+    loss: str = "grpo",
+    steps: int = 4,
+    micro: int = MICRO,
+    bf16: bool = False,
+    prompts: int = PROMPTS_PER_STEP,
+    max_new: int = MAX_NEW,
+) -> list[Pin]:
     """Every setting the comparison depends on, for both systems (`micro`: completions per forward/backward)."""
     spec = LOSSES[loss]
     dtype = "bfloat16" if bf16 else "float32"
     return [
         Pin("optimizer steps", "trainer.max_epochs", steps, "max_steps", steps),
         Pin("prompts per optimizer step (TRL: batch x accumulation / G)", "data.prompts_per_round",
-            PROMPTS_PER_STEP, None, None),
+            prompts, None, None),
         Pin("completions per prompt (G)", "generator.num_generations", GROUP, "num_generations", GROUP),
         Pin("completions per micro-batch (ours: whole groups)", "data.groups_per_micro_batch", micro // GROUP,
             "per_device_train_batch_size", micro),
         Pin("micro-batches per optimizer step (ours: the whole round)", "trainer.accumulate_grad_batches", None,
-            "gradient_accumulation_steps", PROMPTS_PER_STEP * GROUP // micro),
+            "gradient_accumulation_steps", prompts * GROUP // micro),
         Pin("passes over a round (mu)", "data.num_iterations", 1, "num_iterations", 1),
         Pin("dynamic sampling (TRL samples once)", "data.dynamic_sampling.enabled", False, None, None),
-        Pin("max new tokens", "generator.max_new_tokens", MAX_NEW, "max_completion_length", MAX_NEW),
+        Pin("max new tokens", "generator.max_new_tokens", max_new, "max_completion_length", max_new),
         Pin("prompt tokens kept (TRL 1.16 keeps all; no prompt here is longer)", "data.max_prompt_tokens",
             MAX_PROMPT, None, None),
         Pin("temperature", "generator.temperature", 1.0, "temperature", 1.0),
@@ -97,7 +104,7 @@ def pins(loss: str = "grpo", steps: int = 4, micro: int = MICRO, bf16: bool = Fa
         Pin("clip epsilon low", "loss.epsilon_low", spec["epsilon_low"], "epsilon", spec["epsilon_low"]),
         Pin("clip epsilon high (cispo: the weight's cap)", "loss.epsilon_high", spec["epsilon_high"],
             "epsilon_high", spec["epsilon_high"]),
-        Pin("dr_grpo's constant (TRL: max_completion_length)", "loss.max_completion_length", MAX_NEW, None, None),
+        Pin("dr_grpo's constant (TRL: max_completion_length)", "loss.max_completion_length", max_new, None, None),
         Pin("KL weight beta", "loss.beta", BETA, "beta", BETA),
         Pin("KL times the ratio (ours: never)", None, None, "use_bias_correction_kl", False),
         Pin("rollout correction (TRL: vLLM only)", "loss.rollout_correction.enabled", False,
@@ -338,7 +345,14 @@ def run_trl(pinned: list[Pin], gc: bool) -> dict:
 
 
 # ---- same batch through both losses ----------------------------------------------------------------------------
-CHECK_MICRO = PROMPTS_PER_STEP * GROUP  # the whole batch in one forward/backward on both sides
+# One batch of 2 prompts x G, 64 new tokens, in one forward/backward on both sides: TRL's loss keeps the full
+# [B, T, vocab] logits and their entropy in its graph, so the timing benchmark's 16 x 128 would need ~15 GB.
+CHECK_PROMPTS, CHECK_NEW = 2, 64
+CHECK_MICRO = CHECK_PROMPTS * GROUP
+
+
+def check_pins(loss: str) -> list[Pin]:
+    return pins(loss, steps=1, micro=CHECK_MICRO, prompts=CHECK_PROMPTS, max_new=CHECK_NEW)
 
 
 def off_policy(logp, mask):  # [B, C] -> [B, C]
@@ -364,7 +378,7 @@ def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
 
     from grpo_lightning.training.module import GRPOModule, LRSchedule
 
-    pinned = pins(name, steps=1, micro=CHECK_MICRO)
+    pinned = check_pins(name)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose(tmp, pinned)
         torch.manual_seed(0)
@@ -443,11 +457,44 @@ def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
     return result
 
 
-def check(losses: list[str]) -> dict:
-    """One batch of 16 completions (sampled once, at the pinned sampling), scored by our module and by TRL's
-    `_compute_loss` for each loss type. Each starts from the same LoRA initialisation (same seed), with the
-    adapters perturbed so the KL is non-zero, and old log-probs that move the ratios (`off_policy`). Compared:
-    loss, mean KL (TRL's `kl` metric) and the gradient of every LoRA parameter."""
+def vary_lengths(batch, pad_id: int):
+    """Row i cut after at most C - 3 i tokens, so completion lengths differ and `grpo`, `bnpo` and `dr_grpo` give
+    different losses (a random model never stops early, so all its completions run to the limit)."""
+    import dataclasses
+
+    import torch
+
+    p, c = batch.prompt_len, batch.completion_mask.shape[1]
+    keep = torch.arange(c)[None, :] < (c - 3 * torch.arange(len(batch)))[:, None]  # [B, C]
+    input_ids, attention_mask = batch.input_ids.clone(), batch.attention_mask.clone()
+    input_ids[:, p:] = torch.where(keep, input_ids[:, p:], pad_id)
+    attention_mask[:, p:] *= keep
+    return dataclasses.replace(
+        batch,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=batch.completion_mask * keep,
+        gen_logprobs=batch.gen_logprobs * keep,
+    )
+
+
+def tiny_model_dir(cfg, folder: str) -> str:
+    """`model=tiny` (the tests' random 2-layer Llama with the embedded tokenizer), saved where TRL can load it."""
+    import torch
+    from hydra.utils import instantiate
+
+    model, tokenizer = instantiate(cfg.model.source).load(torch.float32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def check(losses: list[str], tiny: bool = False) -> dict:
+    """One batch of CHECK_PROMPTS x G completions (sampled once, at the pinned sampling), scored by our module and
+    by TRL's `_compute_loss` for each loss type. Each starts from the same LoRA initialisation (same seed), with
+    the adapters perturbed so the KL is non-zero, and old log-probs that move the ratios (`off_policy`). Compared:
+    loss, mean KL (TRL's `kl` metric) and the gradient of every LoRA parameter. `tiny`: the random tiny model
+    instead of the embedded SmolLM2 (seconds instead of minutes; the same code on both sides)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -457,10 +504,11 @@ def check(losses: list[str]) -> dict:
     from grpo_lightning.types import Prompt
     from grpo_lightning.variants.baseline import BaselineGRPO
 
+    keep = tempfile.TemporaryDirectory()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(tmp, pins(steps=1, micro=CHECK_MICRO))
+        cfg = compose(tmp, check_pins(losses[0]), ["model=tiny"] if tiny else [])
         rows = bench_prompts(cfg, 1)
-        folder = model_dir(cfg)
+        folder = tiny_model_dir(cfg, keep.name) if tiny else model_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     check_prompt_lengths(rows, tokenizer)
     sampled = []
@@ -483,10 +531,11 @@ def check(losses: list[str]) -> dict:
             pipeline_from_function(lambda t, a: 0.1 if "#" in t else len(t) % 7 / 7.0),  # dense: non-zero advantages
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
-        sampled.append(collate_rollouts(rollouts, tokenizer.pad_token_id))
+        sampled.append(vary_lengths(collate_rollouts(rollouts, tokenizer.pad_token_id), tokenizer.pad_token_id))
         return sampled[0]
 
-    return {name: check_one(name, rows, folder, tokenizer, batch_of) for name in losses}
+    with keep:
+        return {name: check_one(name, rows, folder, tokenizer, batch_of) for name in losses}
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------
@@ -499,7 +548,7 @@ def child(args) -> None:
     elif args.child == "trl":
         result = run_trl(pinned, gc=not args.trl_no_gc)
     else:
-        result = check(args.check_losses)
+        result = check(args.check_losses, tiny=args.tiny)
     result["peak_rss_gb"] = peak_rss_gb()
     Path(args.out).write_text(json.dumps(result))
 
@@ -518,6 +567,7 @@ def main() -> None:
     parser.add_argument(
         "--check-losses", nargs="+", choices=list(LOSSES), default=list(LOSSES), help="the losses --check compares"
     )
+    parser.add_argument("--tiny", action="store_true", help="--check on the random tiny model (seconds)")
     parser.add_argument("--trl-no-gc", action="store_true", help="TRL without its default gradient checkpointing")
     parser.add_argument("--bf16", action="store_true", help="bf16 for both (TRL: bf16 autocast; ours: model.dtype)")
     parser.add_argument("--ours-override", action="append", default=[], help="extra Hydra override for our side")
@@ -532,7 +582,7 @@ def main() -> None:
 
     if args.check:
         print(f"Pinned on both sides (--check: one micro-batch of {CHECK_MICRO}, one step):\n")
-        print_pins(pins(args.check_losses[0], 1, CHECK_MICRO))
+        print_pins(check_pins(args.check_losses[0]))
         print_loss_pins(args.check_losses)
     else:
         print(f"Pinned on both sides (--loss {args.loss}):\n")
@@ -548,7 +598,7 @@ def main() -> None:
             out = f.name
         cmd = [sys.executable, __file__, "--child", system, "--steps", str(args.steps), "--out", out]
         cmd += ["--loss", args.loss, "--check-losses", *args.check_losses]
-        cmd += ["--trl-no-gc"] * args.trl_no_gc + ["--bf16"] * args.bf16
+        cmd += ["--trl-no-gc"] * args.trl_no_gc + ["--bf16"] * args.bf16 + ["--tiny"] * args.tiny
         for o in args.ours_override:
             cmd += ["--ours-override", o]
         print(f"running {system} ...", file=sys.stderr, flush=True)

@@ -25,7 +25,9 @@ def load_benchmark():
 
 
 BENCH = load_benchmark()
-CASES = [(loss, micro) for loss in BENCH.LOSSES for micro in (BENCH.MICRO, BENCH.CHECK_MICRO)]
+PIN_SETS = {"timing": lambda loss: BENCH.pins(loss, steps=3), "check": BENCH.check_pins}
+"""The timing benchmark's settings (4 prompts x 4 per step, micro-batches of 4) and --check's (one batch)."""
+CASES = [(loss, which) for loss in BENCH.LOSSES for which in PIN_SETS]
 
 
 def composed(cfg, key: str):
@@ -33,9 +35,9 @@ def composed(cfg, key: str):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-@pytest.mark.parametrize(("loss", "micro"), CASES, ids=[f"{loss}-micro{micro}" for loss, micro in CASES])
-def test_our_side_composes_to_every_pinned_value(tmp_path, loss, micro):
-    pinned = BENCH.pins(loss, steps=3, micro=micro)
+@pytest.mark.parametrize(("loss", "which"), CASES, ids=[f"{loss}-{which}" for loss, which in CASES])
+def test_our_side_composes_to_every_pinned_value(tmp_path, loss, which):
+    pinned = PIN_SETS[which](loss)
     cfg = BENCH.compose(str(tmp_path), pinned)
     for pin in pinned:
         if pin.ours not in (None, "loss"):
@@ -63,8 +65,11 @@ def test_every_sampling_and_loss_key_is_pinned():
 
 def test_both_sides_are_the_same_work():
     """Equal values where both systems name the setting alike; the batch layout by its relations."""
-    for micro, bf16 in ((BENCH.MICRO, False), (BENCH.CHECK_MICRO, False), (BENCH.MICRO, True)):
-        rows = {pin.what: pin for pin in BENCH.pins(micro=micro, bf16=bf16)}
+    sets = [(BENCH.pins(), BENCH.MICRO, BENCH.PROMPTS_PER_STEP, False)]
+    sets += [(BENCH.pins(bf16=True), BENCH.MICRO, BENCH.PROMPTS_PER_STEP, True)]
+    sets += [(BENCH.check_pins("grpo"), BENCH.CHECK_MICRO, BENCH.CHECK_PROMPTS, False)]
+    for pinned, micro, prompts, bf16 in sets:
+        rows = {pin.what: pin for pin in pinned}
         layout = ("completions per micro-batch", "micro-batches per optimizer step", "precision")
         for pin in rows.values():
             if pin.ours is not None and pin.trl is not None and not pin.what.startswith(layout):
@@ -75,14 +80,14 @@ def test_both_sides_are_the_same_work():
         accumulation = next(p for w, p in rows.items() if w.startswith(layout[1]))
         assert per_micro.our_value * BENCH.GROUP == per_micro.trl_value == micro  # whole groups of G
         assert accumulation.our_value is None  # ours: one optimizer step per round, all its micro-batches
-        assert accumulation.trl_value * micro == BENCH.PROMPTS_PER_STEP * BENCH.GROUP
+        assert accumulation.trl_value * micro == prompts * BENCH.GROUP
 
 
 @pytest.mark.parametrize("loss", list(BENCH.LOSSES))
 def test_trl_side_carries_every_pinned_value(tmp_path, loss):
     pytest.importorskip("trl")
-    for micro in (BENCH.MICRO, BENCH.CHECK_MICRO):
-        pinned = BENCH.pins(loss, steps=3, micro=micro)
+    for which, pinned_for in PIN_SETS.items():
+        pinned = pinned_for(loss)
         args = BENCH.trl_args(str(tmp_path), pinned, gc=False)
         lora = BENCH.lora_config(pinned)
         for pin in pinned:
@@ -92,4 +97,5 @@ def test_trl_side_carries_every_pinned_value(tmp_path, loss):
             names = pin.trl.removeprefix("lora.").split(",")
             values = [getattr(getattr(source, name), "value", getattr(source, name)) for name in names]
             assert (values if len(names) > 1 else values[0]) == pin.trl_value, pin.what
-        assert args.generation_batch_size == BENCH.PROMPTS_PER_STEP * BENCH.GROUP  # one sampling pass per step
+        prompts = BENCH.PROMPTS_PER_STEP if which == "timing" else BENCH.CHECK_PROMPTS
+        assert args.generation_batch_size == prompts * BENCH.GROUP  # one sampling pass per optimizer step
