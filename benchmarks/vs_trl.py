@@ -26,6 +26,7 @@ Timings on a shared machine are noisy: compare the two systems within one invoca
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -438,8 +439,8 @@ def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
     grad_scale = max(float(g.abs().max()) for g in ours_grad.values())
     ref_diff = float(((inputs["ref_per_token_logps"] - ref).abs() * mask).max())
     result = {
-        "loss_ours": float(out.loss),
-        "loss_trl": float(trl_loss),
+        "loss_ours": float(out.loss.detach()),
+        "loss_trl": float(trl_loss.detach()),
         "kl_ours": float(out.kl_mean),
         "kl_trl": trainer._metrics["train"]["kl"][-1],
         "clip_ratio_ours": float(out.clip_ratio),
@@ -534,8 +535,15 @@ def check(losses: list[str], tiny: bool = False) -> dict:
         sampled.append(vary_lengths(collate_rollouts(rollouts, tokenizer.pad_token_id), tokenizer.pad_token_id))
         return sampled[0]
 
+    from grpo_lightning.accel.heap_trim import release_freed_memory
+
+    results = {}
     with keep:
-        return {name: check_one(name, rows, folder, tokenizer, batch_of) for name in losses}
+        for name in losses:
+            results[name] = check_one(name, rows, folder, tokenizer, batch_of)
+            gc.collect()  # the loss's model, trainer and full logits: freed, and handed back before the next loss
+            release_freed_memory()
+    return results
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ class GRPOLoss:
     @property
     def step_weighting(self) -> str:
         """How the optimizer step's gradient weighs micro-batches: "micro_batch" (Lightning's mean over them) or
-        "sample" (`dapo`: the step is the mean over all its completions' tokens, see `step_loss`)."""
+        "sample" (`dapo`, `cispo`: the step is the mean over all its completions' tokens, see `step_loss`)."""
         return "sample" if self.loss_type in STEP_NORMALISED else "micro_batch"
 
     def step_loss(self, loss: Tensor, accumulate_grad_batches: int, world_size: int) -> Tensor:  # []

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_lightning.schema import check_settings, choice, integer, number, setting
+from grpo_lightning.schema import check_settings, choice, integer, number, optional, setting
 
 LEVELS = ("token", "sequence")
 MODES = ("truncate", "mask")
@@ -75,18 +75,18 @@ def trainer_compute_dtype(model_dtype: str, trainer_precision: str | int) -> str
 
 
 def correction_needed(
-    max_staleness: int, sync_every: int, engine_dtype: str | None, model_dtype: str, trainer_precision: str | int
+    max_staleness: int | None, sync_every: int, engine_dtype: str | None, model_dtype: str, trainer_precision: str | int
 ) -> bool:
     """Whether the generator samples from another policy than the trainer's pi_old, from the config alone.
 
-    Another policy when rounds overlap (a rollout may lag the weights by up to `max_staleness` rounds), when the
-    engine gets the weights only every `sync_every` rounds, or when the engine computes in another dtype than the
-    trainer (`engine_dtype` `auto` or None: the policy's own, `model_dtype`; the trainer computes in autocast's
-    dtype under a mixed precision).
+    Another policy when rounds overlap (a rollout may lag the weights by up to `max_staleness` rounds; None: 0),
+    when the engine gets the weights only every `sync_every` rounds, or when the engine computes in another dtype
+    than the trainer (`engine_dtype` `auto` or None: the policy's own, `model_dtype`; the trainer computes in
+    autocast's dtype under a mixed precision).
     """
     engine = model_dtype if engine_dtype in (None, "auto") else engine_dtype
     trainer = trainer_compute_dtype(model_dtype, trainer_precision)
-    return max_staleness > 0 or sync_every > 1 or engine != trainer
+    return (max_staleness or 0) > 0 or sync_every > 1 or engine != trainer
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class RolloutCorrection:
     cap: float = setting(2.0, number(above=1), "truncate: the largest weight")
     low: float = setting(0.5, number(low=0, below=1), "mask: smaller ratios get weight 0")
     high: float = setting(5.0, number(above=1), "mask: larger ratios get weight 0")
-    max_staleness: int = setting(0, integer(0), "auto reads it: rounds a rollout may lag the weights")
+    max_staleness: int | None = setting(0, optional(integer(0)), "auto reads it: rounds a rollout may lag the weights")
     sync_every: int = setting(1, integer(1), "auto reads it: the engine gets the weights every N rounds")
     engine_dtype: str = setting("auto", dtype_name, "auto reads it: the engine's dtype (auto: model_dtype)")
     model_dtype: str = setting("float32", dtype_name, "auto reads it: the policy's weights")

@@ -32,6 +32,7 @@ ON = {"enabled": True}
         (0, 1, "auto", "float32", "bf16-mixed", True),  # float32 sampling, bf16 autocast training
         (0, 1, "float32", "float32", "16-mixed", True),
         (0, 1, "float32", "float32", 32, False),  # Lightning's integer precision
+        (None, 1, "auto", "float32", "32-true", False),  # rollout.max_staleness: null
     ],
 )
 def test_correction_is_needed_exactly_where_generator_and_trainer_differ(
@@ -85,7 +86,7 @@ def test_auto_reads_the_composed_config(tmp_path, overrides, active):
         ({"level": "batch"}, "loss.rollout_correction.level must be one of token, sequence (got 'batch')"),
         ({"mode": "clip"}, "loss.rollout_correction.mode must be one of truncate, mask (got 'clip')"),
         ({"enabled": "yes"}, "loss.rollout_correction.enabled must be auto, true or false (got 'yes')"),
-        ({"max_staleness": -1}, "loss.rollout_correction.max_staleness must be >= 0 (got -1)"),
+        ({"max_staleness": -1}, "loss.rollout_correction.max_staleness must be >= 0 or null (got -1)"),
     ],
 )
 def test_bad_values_fail_with_one_line_naming_the_key(kwargs, message):
