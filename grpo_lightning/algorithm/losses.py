@@ -173,7 +173,7 @@ class GRPOLoss:
             )
 
     def describe(self) -> str:
-        """One line for the run's plan and the model card: the loss type, its ratio level, beta, the correction."""
+        """One line for the run's plan: the loss type, its ratio level, beta, the clip range, the rollout correction."""
         level = ", sequence-level ratio (GSPO)" if self.importance_sampling_level == "sequence" else ""
         c = self.rollout_correction
         correction = f"rollout correction {c.level} {c.mode}" if c.active else "no rollout correction"

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -96,7 +95,7 @@ def model_card(
     directory: Path,
     merged_dir: Path | None,
 ) -> str:
-    loss = instantiate(cfg.loss)
+    loss = cfg.loss
     variant = str(cfg.variant.get("_target_", "")).rsplit(".", 1)[-1]
     lora = cfg.model.lora
     kind = f"LoRA adapter (r={lora.r}, alpha={lora.alpha}, {lora.target_modules})" if is_adapter else "full model"
@@ -116,7 +115,7 @@ def model_card(
         f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
         f"| data | `{cfg.data.dataset.source}` GSM8K, split `{cfg.data.dataset.split}` (Cobbe et al. 2021) |",
         f"| variant | `{variant}` |",
-        f"| loss | {loss.describe()} |",
+        f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high} |",
         f"| reward | {reward_terms(cfg)} (docs/rewards.md) |",
         f"| rounds | {cfg.trainer.max_epochs} x {cfg.data.prompts_per_round} prompts, "
         f"{cfg.generator.num_generations} completions each, {cfg.generator.max_new_tokens} new tokens |",
