@@ -257,3 +257,22 @@ def test_off_means_bit_identical_and_on_needs_the_generator_logprobs():
     assert torch.equal(plain.loss, off.loss) and off.correction is None
     with pytest.raises(ValueError, match="gen_logp"):
         GRPOLoss(rollout_correction=RolloutCorrection(**ON))(*args)
+
+
+def test_the_weight_multiplies_the_gspo_and_cispo_terms_as_well():
+    on = RolloutCorrection(enabled=True, cap=2.0)
+    gen_shift = torch.tensor([[math.log(3.0), math.log(0.5)]], dtype=torch.float64)  # generator ratios 3 and 0.5
+    # CISPO, on-policy, A = 1, 4 tokens in the step: d/dlogp_t = -w_t * min(1, 5) * A / 4 with w = [2, 0.5]
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    loss_fn = GRPOLoss(loss_type="cispo", epsilon_high=5.0, rollout_correction=on)
+    out = loss_fn(logp, logp.detach(), None, torch.tensor([1.0]), torch.ones(1, 2), 4, logp.detach() - gen_shift)
+    out.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.125]], dtype=torch.float64))
+    # GSPO, on-policy (s = 1), A = 1: token t's term is -w_t * s * A, and d s / d logp_t = s / 2, so every token
+    # gets -(w_0 + w_1) / 2 * (1 / 2) = -0.625
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    loss_fn = GRPOLoss(importance_sampling_level="sequence", rollout_correction=on)
+    out = loss_fn(logp, logp.detach(), None, torch.tensor([1.0]), torch.ones(1, 2), gen_logp=logp.detach() - gen_shift)
+    out.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.625, -0.625]], dtype=torch.float64))
+    assert out.loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
