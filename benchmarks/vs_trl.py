@@ -2,17 +2,20 @@
 
     pip install -e '.[bench]'                      # TRL: a benchmark-only extra, never a runtime dependency
     GRPO_LIGHTNING_CACHE=/tmp/glcache python benchmarks/vs_trl.py --steps 4
-    python benchmarks/vs_trl.py --check            # same batch through both losses: loss, KL and gradient agree
+    python benchmarks/vs_trl.py --check            # each loss, one shared batch: loss, KL and LoRA gradients agree
 
 Identical work: the embedded SmolLM2-135M-Instruct (the converted safetensors folder, loaded with transformers
 for TRL), fp32 (or `--bf16` for both), the same GSM8K prompts per step (our data module's seeded order, fed to
-TRL unshuffled) with the same chat template, G = 4 completions per prompt, 4 prompts per step, 128 max new
-tokens, temperature 1, LoRA r16 alpha32 all-linear, beta 0.04, loss_type `grpo` (per-sequence token mean, then
-mean; TRL's semantics are ours), group-scaled advantages, micro-batches of 4 completions, one optimizer step of
-16 completions per step, AdamW lr 5e-5, clip norm 1, and the same reward (`GSM8KReward`, wrapped for TRL's
-`reward_funcs`). TRL keeps its own defaults otherwise (gradient checkpointing on: `--trl-no-gc` turns it off),
-except `use_bias_correction_kl=False`, which makes its KL gradient the plain k3 one we use (the values are the
-same either way on-policy, the gradients are not).
+TRL unshuffled) with the same chat template, and the same reward (`GSM8KReward`, wrapped for TRL's
+`reward_funcs`). Every other setting the two systems share is pinned on BOTH sides by `pins()`, which the run
+prints and tests/unit/test_vs_trl_pins.py checks against both configs: sampling (G = 4 completions per prompt,
+4 prompts per step, 128 new tokens, temperature 1, top-p 1, top-k 0), one sampling pass per step (our dynamic
+sampling off), the loss (`--loss`, default `grpo`: type, ratio level, clip range, beta 0.04, no rollout
+correction), group-scaled advantages, micro-batches of 4 completions, one optimizer step of 16, AdamW lr 5e-5
+with betas (0.9, 0.99), no weight decay, a constant schedule without warmup, clip norm 1, LoRA r16 alpha 32
+all-linear. TRL keeps its own defaults otherwise (gradient checkpointing on: `--trl-no-gc` turns it off), except
+`use_bias_correction_kl=False`, which makes its KL gradient the plain k3 one we use (the values are the same
+either way on-policy, the gradients are not).
 
 Per step: wall time of a whole cycle (rollout + train + bookkeeping), median over the steps after the first.
 "rollout" is TRL's `_generate_and_score_completions` (generation, rewards AND its reference forward) and our
@@ -23,6 +26,7 @@ Timings on a shared machine are noisy: compare the two systems within one invoca
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -30,14 +34,137 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
-PROMPTS_PER_STEP, GROUP, MAX_NEW, MICRO = 4, 4, 128, 4
-BETA, LR = 0.04, 5e-5
+PROMPTS_PER_STEP, GROUP, MAX_NEW, MICRO, MAX_PROMPT = 4, 4, 128, 4, 512
+BETA, LR, FORMAT_BONUS = 0.04, 5e-5, 0.1
 # grpo_lightning with every speed lever off: plain `generate` (output_logits), full forward, full logits.
 PLAIN = ["perf=plain"]
+# Each compared loss: our `loss=<name>` preset, and the GRPOConfig fields that select the same loss in TRL 1.16
+# (GSPO is TRL's `importance_sampling_level="sequence"` on its `grpo` aggregation; CISPO's cap is `epsilon_high`).
+LOSSES = {
+    "grpo": {"loss_type": "grpo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.2},
+    "bnpo": {"loss_type": "bnpo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.2},
+    "dr_grpo": {"loss_type": "dr_grpo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.2},
+    "dapo": {"loss_type": "dapo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.28},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
+    "cispo": {"loss_type": "cispo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 5.0},
+}
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One setting both systems are given: our config key and value, TRL's field and value (None: that side has
+    no such setting, and `what` says why that is the same work). `lora.<field>` is a field of TRL's LoraConfig."""
+
+    what: str
+    ours: str | None
+    our_value: Any
+    trl: str | None
+    trl_value: Any
+
+
+def pins(
+    loss: str = "grpo",
+    steps: int = 4,
+    micro: int = MICRO,
+    bf16: bool = False,
+    prompts: int = PROMPTS_PER_STEP,
+    max_new: int = MAX_NEW,
+) -> list[Pin]:
+    """Every setting the comparison depends on, for both systems (`micro`: completions per forward/backward)."""
+    spec = LOSSES[loss]
+    dtype = "bfloat16" if bf16 else "float32"
+    return [
+        Pin("optimizer steps", "trainer.max_epochs", steps, "max_steps", steps),
+        Pin("prompts per optimizer step (TRL: batch x accumulation / G)", "data.prompts_per_round",
+            prompts, None, None),
+        Pin("completions per prompt (G)", "generator.num_generations", GROUP, "num_generations", GROUP),
+        Pin("completions per micro-batch (ours: whole groups)", "data.groups_per_micro_batch", micro // GROUP,
+            "per_device_train_batch_size", micro),
+        Pin("micro-batches per optimizer step (ours: the whole round)", "trainer.accumulate_grad_batches", None,
+            "gradient_accumulation_steps", prompts * GROUP // micro),
+        Pin("passes over a round (mu)", "data.num_iterations", 1, "num_iterations", 1),
+        Pin("dynamic sampling (TRL samples once)", "data.dynamic_sampling.enabled", False, None, None),
+        Pin("max new tokens", "generator.max_new_tokens", max_new, "max_completion_length", max_new),
+        Pin("prompt tokens kept (TRL 1.16 keeps all; no prompt here is longer)", "data.max_prompt_tokens",
+            MAX_PROMPT, None, None),
+        Pin("temperature", "generator.temperature", 1.0, "temperature", 1.0),
+        Pin("top-p", "generator.top_p", 1.0, "top_p", 1.0),
+        Pin("top-k (0: off)", "generator.top_k", 0, "top_k", 0),
+        Pin("min-p (ours: none)", None, None, "min_p", None),
+        Pin("repetition penalty (ours: none)", None, None, "repetition_penalty", 1.0),
+        Pin("loss preset", "loss", loss, None, None),
+        Pin("loss type", "loss.loss_type", spec["loss_type"], "loss_type", spec["loss_type"]),
+        Pin("ratio level (GSPO: sequence)", "loss.importance_sampling_level", spec["importance_sampling_level"],
+            "importance_sampling_level", spec["importance_sampling_level"]),
+        Pin("clip epsilon low", "loss.epsilon_low", spec["epsilon_low"], "epsilon", spec["epsilon_low"]),
+        Pin("clip epsilon high (cispo: the weight's cap)", "loss.epsilon_high", spec["epsilon_high"],
+            "epsilon_high", spec["epsilon_high"]),
+        Pin("dr_grpo's constant (TRL: max_completion_length)", "loss.max_completion_length", max_new, None, None),
+        Pin("KL weight beta", "loss.beta", BETA, "beta", BETA),
+        Pin("KL times the ratio (ours: never)", None, None, "use_bias_correction_kl", False),
+        Pin("rollout correction (TRL: vLLM only)", "loss.rollout_correction.enabled", False,
+            "vllm_importance_sampling_correction", False),
+        Pin("advantage scaling", "reward.group_transforms.normalize.scale", "group", "scale_rewards", "group"),
+        Pin("reward's format bonus (TRL: the same GSM8KReward)", "reward.terms.gsm8k.format_bonus", FORMAT_BONUS,
+            None, None),
+        Pin("learning rate", "optim.optimizer.lr", LR, "learning_rate", LR),
+        Pin("lr schedule", "optim.schedule.kind", "constant", "lr_scheduler_type", "constant"),
+        Pin("warmup steps", "optim.schedule.warmup_steps", 0, "warmup_steps", 0),
+        Pin("AdamW betas", "optim.optimizer.betas", [0.9, 0.99], "adam_beta1,adam_beta2", [0.9, 0.99]),
+        Pin("weight decay", "optim.optimizer.weight_decay", 0.0, "weight_decay", 0.0),
+        Pin("gradient clip norm", "trainer.gradient_clip_val", 1.0, "max_grad_norm", 1.0),
+        Pin("seed", "seed", 0, "seed", 0),
+        Pin("precision (ours: the weights' dtype, TRL: bf16 autocast)", "model.dtype", dtype, "bf16", bf16),
+        Pin("LoRA rank", "model.lora.r", 16, "lora.r", 16),
+        Pin("LoRA alpha", "model.lora.alpha", 32, "lora.lora_alpha", 32),
+        Pin("LoRA dropout", "model.lora.dropout", 0.0, "lora.lora_dropout", 0.0),
+        Pin("LoRA target modules", "model.lora.target_modules", "all-linear", "lora.target_modules", "all-linear"),
+        Pin("evaluation during training (TRL: none)", "eval.enabled", False, None, None),
+    ]  # fmt: skip
+
+
+def hydra_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    return str(value)
+
+
+def our_overrides(pinned: list[Pin]) -> list[str]:
+    """The Hydra overrides of our side: the loss preset first, then every pinned key."""
+    by_key = {p.ours: p.our_value for p in pinned if p.ours is not None}
+    first = [f"loss={by_key.pop('loss')}"]
+    return first + [f"{key}={hydra_value(value)}" for key, value in by_key.items()]
+
+
+def trl_fields(pinned: list[Pin]) -> dict[str, Any]:
+    """The GRPOConfig fields of TRL's side (the LoRA rows go to `lora_config`)."""
+    fields: dict[str, Any] = {}
+    for p in pinned:
+        if p.trl is None or p.trl.startswith("lora."):
+            continue
+        names = p.trl.split(",")
+        values = p.trl_value if len(names) > 1 else [p.trl_value]
+        fields.update(zip(names, values, strict=True))
+    return fields
+
+
+def print_pins(pinned: list[Pin], file=sys.stdout) -> None:
+    print("| setting | grpo_lightning | TRL GRPOConfig |", file=file)
+    print("|---|---|---|", file=file)
+    for p in pinned:
+        ours = "-" if p.ours is None else f"`{p.ours}={hydra_value(p.our_value)}`"
+        trl = "-" if p.trl is None else f"`{p.trl}={p.trl_value!r}`"
+        print(f"| {p.what} | {ours} | {trl} |", file=file)
 
 
 def peak_rss_gb() -> float:
@@ -49,23 +176,12 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
-def compose(output_dir: str, steps: int, extra: list[str]):
+def compose(output_dir: str, pinned: list[Pin], extra: list[str] = ()):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import open_dict
 
-    overrides = [
-        f"trainer.max_epochs={steps}",
-        f"data.prompts_per_round={PROMPTS_PER_STEP}",
-        f"generator.num_generations={GROUP}",
-        f"generator.max_new_tokens={MAX_NEW}",
-        "loss=grpo",
-        f"loss.beta={BETA}",
-        f"optim.optimizer.lr={LR}",
-        "eval.enabled=false",
-        "trainer.enable_progress_bar=false",
-        *extra,
-    ]
+    overrides = [*our_overrides(pinned), "trainer.enable_progress_bar=false", *extra]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     with open_dict(cfg):
@@ -94,7 +210,7 @@ def model_dir(cfg) -> str:
 
 
 # ---- grpo_lightning ------------------------------------------------------------------------------------------
-def run_ours(steps: int, extra: list[str]) -> dict:
+def run_ours(pinned: list[Pin], extra: list[str]) -> dict:
     import lightning as L
 
     from grpo_lightning.app.train import build_run
@@ -113,8 +229,9 @@ def run_ours(steps: int, extra: list[str]) -> dict:
         def on_train_epoch_end(self, trainer, pl_module) -> None:  # runs first: before the next round's rollout
             self.ends.append(time.perf_counter())
 
+    steps = next(p.our_value for p in pinned if p.ours == "trainer.max_epochs")
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(tmp, steps, extra)
+        cfg = compose(tmp, pinned, extra)
         run = build_run(cfg)
         timer = Timer()
         run.trainer.callbacks.insert(0, timer)
@@ -131,43 +248,26 @@ def run_ours(steps: int, extra: list[str]) -> dict:
 
 
 # ---- TRL -----------------------------------------------------------------------------------------------------
-def trl_args(output_dir: str, steps: int, gc: bool, bf16: bool, per_device: int = MICRO):
+def trl_args(output_dir: str, pinned: list[Pin], gc: bool):
+    """TRL's GRPOConfig: every pinned field, and what only says where and how often it writes."""
     from trl import GRPOConfig
 
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
-        bf16=bf16,
-        per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP // per_device,
-        num_generations=GROUP,
-        max_completion_length=MAX_NEW,
-        temperature=1.0,
-        top_p=1.0,
-        beta=BETA,
-        loss_type="grpo",
-        scale_rewards="group",
-        epsilon=0.2,
-        use_bias_correction_kl=False,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        adam_beta2=0.99,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        max_steps=steps,
+        **trl_fields(pinned),
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        shuffle_dataset=False,
+        shuffle_dataset=False,  # our data module's order, as bench_prompts lays it out
         gradient_checkpointing=gc,
-        seed=0,
     )
 
 
 def gsm8k_reward_for_trl():
     from grpo_lightning.rewards.gsm8k import GSM8KReward
 
-    reward = GSM8KReward(format_bonus=0.1)
+    reward = GSM8KReward(format_bonus=FORMAT_BONUS)
 
     def gsm8k(prompts, completions, answer, **kwargs) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -176,23 +276,35 @@ def gsm8k_reward_for_trl():
     return gsm8k
 
 
-def lora_config():
+def lora_config(pinned: list[Pin]):
     from peft import LoraConfig
 
-    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    fields = {p.trl.removeprefix("lora."): p.trl_value for p in pinned if p.trl and p.trl.startswith("lora.")}
+    return LoraConfig(**fields, task_type="CAUSAL_LM")
 
 
-def run_trl(steps: int, gc: bool, bf16: bool) -> dict:
+def check_prompt_lengths(rows, tokenizer) -> None:
+    """TRL 1.16 never truncates a prompt; ours keeps the last `MAX_PROMPT` tokens: the same only when none is longer."""
+    for row in rows:
+        ids = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if len(ids) > MAX_PROMPT:
+            sys.exit(f"a benchmark prompt has {len(ids)} tokens > {MAX_PROMPT}: the two systems would differ")
+
+
+def run_trl(pinned: list[Pin], gc: bool) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
+    steps = next(p.trl_value for p in pinned if p.trl == "max_steps")
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(tmp, steps, [])
+        cfg = compose(tmp, pinned)
         rows = bench_prompts(cfg, steps)
         folder = model_dir(cfg)
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        check_prompt_lengths(rows, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         rollout: list[float] = []
 
@@ -215,10 +327,10 @@ def run_trl(steps: int, gc: bool, bf16: bool) -> dict:
         trainer = TimedGRPOTrainer(
             model=model,
             reward_funcs=gsm8k_reward_for_trl(),
-            args=trl_args(tmp, steps, gc, bf16),
+            args=trl_args(tmp, pinned, gc),
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
-            peft_config=lora_config(),
+            peft_config=lora_config(pinned),
             callbacks=[StepTimer()],
         )
         trainer.train()
@@ -234,133 +346,217 @@ def run_trl(steps: int, gc: bool, bf16: bool) -> dict:
 
 
 # ---- same batch through both losses ----------------------------------------------------------------------------
-def check(steps: int = 1) -> dict:
-    """One batch of 16 completions (sampled once), scored by our module and by TRL's `_compute_loss`.
+# One batch of 2 prompts x G, 64 new tokens, in one forward/backward on both sides: TRL's loss keeps the full
+# [B, T, vocab] logits and their entropy in its graph, so the timing benchmark's 16 x 128 would need ~15 GB.
+CHECK_PROMPTS, CHECK_NEW = 2, 64
+CHECK_MICRO = CHECK_PROMPTS * GROUP
 
-    Both start from the same LoRA initialisation (same seed). Compared: loss, mean KL (TRL's `kl` metric) after
-    perturbing the adapters (so the KL is non-zero), and the gradient of every LoRA parameter.
-    """
+
+def check_pins(loss: str) -> list[Pin]:
+    return pins(loss, steps=1, micro=CHECK_MICRO, prompts=CHECK_PROMPTS, max_new=CHECK_NEW)
+
+
+def off_policy(logp, mask):  # [B, C] -> [B, C]
+    """Old log-probs that make the ratios move: every other completion on-policy (ratio 1), the others perturbed
+    (seeded noise, and a few tokens far off: ratio e^2, above CISPO's cap of 5), so clipping, GSPO's sequence
+    clip and CISPO's cap are all exercised."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    delta = torch.randn(logp.shape, generator=gen) * 0.3
+    delta[:, ::7] = -2.0
+    delta[::2] = 0.0
+    return (logp.detach() + delta * mask).detach()
+
+
+def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
+    """One loss type: TRL's `_compute_loss` and ours, from the same LoRA initialisation, on the same batch."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hydra.utils import instantiate
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
 
-    from grpo_lightning.algorithm.losses import GRPOLoss
-    from grpo_lightning.algorithm.rollouts import collate_rollouts
-    from grpo_lightning.rewards.pipeline import pipeline_from_function
     from grpo_lightning.training.module import GRPOModule, LRSchedule
-    from grpo_lightning.variants.baseline import BaselineGRPO
 
+    pinned = check_pins(name)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(tmp, 1, [])
-        rows = bench_prompts(cfg, 1)
-        folder = model_dir(cfg)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        from trl import GRPOTrainer
-
-        from grpo_lightning.generation.hf import HFGenerator
-        from grpo_lightning.types import Prompt
-
+        cfg = compose(tmp, pinned)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=gsm8k_reward_for_trl(),
-            args=trl_args(tmp, 1, gc=False, bf16=False, per_device=PROMPTS_PER_STEP * GROUP),
+            args=trl_args(tmp, pinned, gc=False),
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
-            peft_config=lora_config(),
+            peft_config=lora_config(pinned),
         )
-        policy = trainer.model  # the PeftModel TRL trains (with TRL's fused LM head patched in)
-        with torch.no_grad():  # move the adapters off zero so the policy differs from the reference (KL > 0)
-            gen = torch.Generator().manual_seed(1)
-            for n, p in policy.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 2e-3)
-        # sample one batch with our generator from the same policy
-        prompts = []
-        for gid, row in enumerate(rows):
-            text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            prompts.append(Prompt(prompt_ids=ids, answer=row["answer"], question="", problem_index=gid))
-        generator = HFGenerator(policy, tokenizer, num_generations=GROUP, max_new_tokens=MAX_NEW)
-        torch.manual_seed(0)
-        variant = BaselineGRPO(num_generations=GROUP)
-        rollouts = variant.generate_rollouts(
-            generator,
-            prompts,
-            pipeline_from_function(lambda t, a: 0.1 if "#" in t else len(t) % 7 / 7.0),  # dense: non-zero advantages
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        )
-        batch = collate_rollouts(rollouts, tokenizer.pad_token_id)
-        policy.train()
+    policy = trainer.model  # the PeftModel TRL trains (with TRL's fused LM head patched in)
+    with torch.no_grad():  # move the adapters off zero so the policy differs from the reference (KL > 0)
+        gen = torch.Generator().manual_seed(1)
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 2e-3)
+    batch = batch_of(policy, cfg)
+    policy.train()
 
-        # ours
-        module = GRPOModule(
-            policy,
-            None,
-            GRPOLoss(loss_type="grpo", beta=BETA, max_completion_length=MAX_NEW),
-            optimizer=None,
-            schedule=LRSchedule(),
-            total_steps=1,
-        )
-        logits, logp = module.policy_forward(policy, batch)
-        out = module.loss_fn(
-            logp, logp.detach(), module.reference_logprobs(batch), batch.advantages, batch.completion_mask
-        )
-        policy.zero_grad()
-        out.loss.backward()
-        ours_grad = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
-        policy.zero_grad()
+    # ours: the loss the config builds, the module's forward at the pinned temperature
+    module = GRPOModule(
+        policy, None, instantiate(cfg.loss), None, LRSchedule(), 1, temperature=cfg.generator.temperature
+    )
+    _, logp = module.policy_forward(policy, batch)
+    old = off_policy(logp, batch.completion_mask)
+    mask = batch.completion_mask
+    ref = module.reference_logprobs(batch)
+    out = module.loss_fn(logp, old, ref, batch.advantages, mask, num_tokens_in_step=float(mask.sum()))
+    policy.zero_grad()
+    out.loss.backward()
+    ours_grad = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad()
 
-        # TRL, on the same tensors (its layout is ours: prompts left-padded, completions right-padded)
-        p = batch.prompt_len
-        inputs = {
-            "prompt_ids": batch.input_ids[:, :p],
-            "prompt_mask": batch.attention_mask[:, :p],
-            "completion_ids": batch.input_ids[:, p:],
-            "completion_mask": batch.attention_mask[:, p:],
-            "advantages": batch.advantages,
-        }
-        with torch.no_grad(), policy.disable_adapter():
-            input_ids = batch.input_ids
-            inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                policy, input_ids, batch.attention_mask, input_ids.shape[1] - p
-            )[0]
-        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch here
-        trl_loss = trainer._compute_loss(policy, inputs)
-        trl_loss.backward()
-        trl_grad = {n: q.grad.clone() for n, q in policy.named_parameters() if q.grad is not None}
-        trl_kl = trainer._metrics["train"]["kl"][-1]
-        grad_diff = max(float((ours_grad[n] - trl_grad[n]).abs().max()) for n in ours_grad)
-        grad_scale = max(float(g.abs().max()) for g in ours_grad.values())
-        ref_diff = float(
-            ((inputs["ref_per_token_logps"] - module.reference_logprobs(batch)).abs() * batch.completion_mask).max()
-        )
-    return {
-        "loss_ours": float(out.loss),
-        "loss_trl": float(trl_loss),
+    # TRL, on the same tensors (its layout is ours: prompts left-padded, completions right-padded)
+    p = batch.prompt_len
+    inputs = {
+        "prompt_ids": batch.input_ids[:, :p],
+        "prompt_mask": batch.attention_mask[:, :p],
+        "completion_ids": batch.input_ids[:, p:],
+        "completion_mask": batch.attention_mask[:, p:],
+        "advantages": batch.advantages,
+        "old_per_token_logps": old,
+        "num_items_in_batch": mask.sum(),  # dapo / cispo: the trained tokens of the step
+    }
+    with torch.no_grad(), policy.disable_adapter():
+        input_ids = batch.input_ids
+        inputs["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+            policy, input_ids, batch.attention_mask, input_ids.shape[1] - p
+        )[0]
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch here
+    trl_loss = trainer._compute_loss(policy, inputs)
+    trl_loss.backward()
+    trl_grad = {n: q.grad.clone() for n, q in policy.named_parameters() if q.grad is not None}
+    grad_diff = max(float((ours_grad[n] - trl_grad[n]).abs().max()) for n in ours_grad)
+    grad_scale = max(float(g.abs().max()) for g in ours_grad.values())
+    ref_diff = float(((inputs["ref_per_token_logps"] - ref).abs() * mask).max())
+    result = {
+        "loss_ours": float(out.loss.detach()),
+        "loss_trl": float(trl_loss.detach()),
         "kl_ours": float(out.kl_mean),
-        "kl_trl": float(trl_kl),
+        "kl_trl": trainer._metrics["train"]["kl"][-1],
+        "clip_ratio_ours": float(out.clip_ratio),
         "ref_logp_max_abs_diff": ref_diff,
         "grad_max_abs_diff": grad_diff,
         "grad_max_abs": grad_scale,
         "num_tensors": len(ours_grad),
         "same_params": sorted(ours_grad) == sorted(trl_grad),
     }
+    result["agree"] = (
+        result["same_params"]
+        and abs(result["loss_ours"] - result["loss_trl"]) <= 1e-5 * max(1.0, abs(result["loss_trl"]))
+        and grad_diff <= 1e-4 * grad_scale
+    )
+    return result
+
+
+def vary_lengths(batch, pad_id: int):
+    """Row i cut after at most C - 3 i tokens, so completion lengths differ and `grpo`, `bnpo` and `dr_grpo` give
+    different losses (a random model never stops early, so all its completions run to the limit)."""
+    import dataclasses
+
+    import torch
+
+    p, c = batch.prompt_len, batch.completion_mask.shape[1]
+    keep = torch.arange(c)[None, :] < (c - 3 * torch.arange(len(batch)))[:, None]  # [B, C]
+    input_ids, attention_mask = batch.input_ids.clone(), batch.attention_mask.clone()
+    input_ids[:, p:] = torch.where(keep, input_ids[:, p:], pad_id)
+    attention_mask[:, p:] *= keep
+    return dataclasses.replace(
+        batch,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=batch.completion_mask * keep,
+        gen_logprobs=batch.gen_logprobs * keep,
+    )
+
+
+def tiny_model_dir(cfg, folder: str) -> str:
+    """`model=tiny` (the tests' random 2-layer Llama with the embedded tokenizer), saved where TRL can load it."""
+    import torch
+    from hydra.utils import instantiate
+
+    model, tokenizer = instantiate(cfg.model.source).load(torch.float32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def check(losses: list[str], tiny: bool = False) -> dict:
+    """One batch of CHECK_PROMPTS x G completions (sampled once, at the pinned sampling), scored by our module and
+    by TRL's `_compute_loss` for each loss type. Each starts from the same LoRA initialisation (same seed), with
+    the adapters perturbed so the KL is non-zero, and old log-probs that move the ratios (`off_policy`). Compared:
+    loss, mean KL (TRL's `kl` metric) and the gradient of every LoRA parameter. `tiny`: the random tiny model
+    instead of the embedded SmolLM2 (seconds instead of minutes; the same code on both sides)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from grpo_lightning.algorithm.rollouts import collate_rollouts
+    from grpo_lightning.generation.hf import HFGenerator
+    from grpo_lightning.rewards.pipeline import pipeline_from_function
+    from grpo_lightning.types import Prompt
+    from grpo_lightning.variants.baseline import BaselineGRPO
+
+    keep = tempfile.TemporaryDirectory()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose(tmp, check_pins(losses[0]), ["model=tiny"] if tiny else [])
+        rows = bench_prompts(cfg, 1)
+        folder = tiny_model_dir(cfg, keep.name) if tiny else model_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    check_prompt_lengths(rows, tokenizer)
+    sampled = []
+
+    def batch_of(policy, cfg):
+        """The batch, sampled once with our generator from the first policy (all start the same)."""
+        if sampled:
+            return sampled[0]
+        prompts = []
+        for gid, row in enumerate(rows):
+            text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append(Prompt(prompt_ids=ids, answer=row["answer"], question="", problem_index=gid))
+        g = cfg.generator
+        generator = HFGenerator(policy, tokenizer, g.num_generations, g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+        torch.manual_seed(0)
+        rollouts = BaselineGRPO(num_generations=g.num_generations).generate_rollouts(
+            generator,
+            prompts,
+            pipeline_from_function(lambda t, a: 0.1 if "#" in t else len(t) % 7 / 7.0),  # dense: non-zero advantages
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        sampled.append(vary_lengths(collate_rollouts(rollouts, tokenizer.pad_token_id), tokenizer.pad_token_id))
+        return sampled[0]
+
+    from grpo_lightning.accel.heap_trim import release_freed_memory
+
+    results = {}
+    with keep:
+        for name in losses:
+            results[name] = check_one(name, rows, folder, tokenizer, batch_of)
+            gc.collect()  # the loss's model, trainer and full logits: freed, and handed back before the next loss
+            release_freed_memory()
+    return results
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------
 def child(args) -> None:
+    pinned = pins(args.loss, args.steps, MICRO, args.bf16)
     if args.child in ("ours", "ours_plain"):
         extra = list(args.ours_override) + (PLAIN if args.child == "ours_plain" else [])
-        if args.bf16:
-            extra.append("model.dtype=bfloat16")
-        result = run_ours(args.steps, extra)
+        result = run_ours(pinned, extra)
         result["system"] = args.child
     elif args.child == "trl":
-        result = run_trl(args.steps, gc=not args.trl_no_gc, bf16=args.bf16)
+        result = run_trl(pinned, gc=not args.trl_no_gc)
     else:
-        result = check()
+        result = check(args.check_losses, tiny=args.tiny)
     result["peak_rss_gb"] = peak_rss_gb()
     Path(args.out).write_text(json.dumps(result))
 
@@ -374,7 +570,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per system (median over steps 2..N)")
     parser.add_argument("--only", choices=["ours", "trl"], help="run one system")
+    parser.add_argument("--loss", choices=list(LOSSES), default="grpo", help="the loss both systems train with")
     parser.add_argument("--check", action="store_true", help="compare loss / KL / gradients on one batch, then exit")
+    parser.add_argument(
+        "--check-losses", nargs="+", choices=list(LOSSES), default=list(LOSSES), help="the losses --check compares"
+    )
+    parser.add_argument("--tiny", action="store_true", help="--check on the random tiny model (seconds)")
     parser.add_argument("--trl-no-gc", action="store_true", help="TRL without its default gradient checkpointing")
     parser.add_argument("--bf16", action="store_true", help="bf16 for both (TRL: bf16 autocast; ours: model.dtype)")
     parser.add_argument("--ours-override", action="append", default=[], help="extra Hydra override for our side")
@@ -387,6 +588,15 @@ def main() -> None:
         child(args)
         return
 
+    if args.check:
+        print(f"Pinned on both sides (--check: one micro-batch of {CHECK_MICRO}, one step):\n")
+        print_pins(check_pins(args.check_losses[0]))
+        print_loss_pins(args.check_losses)
+    else:
+        print(f"Pinned on both sides (--loss {args.loss}):\n")
+        print_pins(pins(args.loss, args.steps, MICRO, args.bf16))
+    if args.ours_override:
+        print(f"\nour side also: {' '.join(args.ours_override)}")
     systems = ["check"] if args.check else [s for s in ("trl", "ours") if args.only in (None, s)]
     if args.plain and not args.check:
         systems.insert(-1 if "ours" in systems else len(systems), "ours_plain")
@@ -395,7 +605,8 @@ def main() -> None:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
         cmd = [sys.executable, __file__, "--child", system, "--steps", str(args.steps), "--out", out]
-        cmd += ["--trl-no-gc"] * args.trl_no_gc + ["--bf16"] * args.bf16
+        cmd += ["--loss", args.loss, "--check-losses", *args.check_losses]
+        cmd += ["--trl-no-gc"] * args.trl_no_gc + ["--bf16"] * args.bf16 + ["--tiny"] * args.tiny
         for o in args.ours_override:
             cmd += ["--ours-override", o]
         print(f"running {system} ...", file=sys.stderr, flush=True)
@@ -408,9 +619,35 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.check:
-        print(json.dumps(results["check"], indent=1))
+        print_check(results["check"])
+        if not all(r["agree"] for r in results["check"].values() if isinstance(r, dict)):
+            sys.exit("--check: the two losses disagree (see the table)")
         return
     print_table(results, args)
+
+
+def print_loss_pins(losses: list[str]) -> None:
+    print("\n| loss | loss_type | importance_sampling_level | epsilon low / high | beta |")
+    print("|---|---|---|---|---|")
+    for name in losses:
+        spec = LOSSES[name]
+        print(
+            f"| {name} | {spec['loss_type']} | {spec['importance_sampling_level']} | "
+            f"{spec['epsilon_low']:g} / {spec['epsilon_high']:g} | {BETA} |"
+        )
+
+
+def print_check(results: dict) -> None:
+    print(json.dumps(results, indent=1))
+    print("\n| loss | loss ours | loss TRL | KL ours | KL TRL | clip ratio | max grad diff / max grad | agree |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        print(
+            f"| {name} | {r['loss_ours']:.6g} | {r['loss_trl']:.6g} | {r['kl_ours']:.6g} | {r['kl_trl']:.6g} | "
+            f"{r['clip_ratio_ours']:.3g} | {r['grad_max_abs_diff']:.2g} / {r['grad_max_abs']:.2g} | {r['agree']} |"
+        )
 
 
 def print_table(results: dict, args) -> None:
@@ -433,8 +670,8 @@ def print_table(results: dict, args) -> None:
             }
         )
     print(
-        f"\n{args.steps} steps, 4 prompts x 4 completions, {MAX_NEW} new tokens, LoRA r16, beta {BETA}, "
-        f"{'bf16' if args.bf16 else 'fp32'}; median over steps 2..N\n"
+        f"\n{args.steps} steps, {PROMPTS_PER_STEP} prompts x {GROUP} completions, {MAX_NEW} new tokens, LoRA r16, "
+        f"loss {args.loss}, beta {BETA}, {'bf16' if args.bf16 else 'fp32'}; median over steps 2..N\n"
     )
     print("| system | step s | rollout s | train s | peak RSS GB | mean completion len | all steps s |")
     print("|---|---|---|---|---|---|---|")

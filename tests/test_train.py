@@ -159,10 +159,29 @@ def test_beta_zero_builds_no_reference(tiny_cfg):
     assert run.module.reference_logprobs(None) is None
 
 
-@pytest.mark.parametrize("loss", ["bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss", ["bnpo", "dr_grpo", "dapo", "gspo", "cispo"])
 def test_each_loss_type_trains(tiny_cfg, loss):
     metrics = train(tiny_cfg(f"loss={loss}", "trainer.max_epochs=1"))
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_weighs_with_the_measured_generator_gap(tiny_cfg, level):
+    """On: the ratios it logs are exp(logp_old - logp_gen), the very gap `rollout/logp_diff_*` measures by its own
+    path (the HF engine samples from the policy itself: a ratio of 1 up to float rounding). Off (auto, here): none
+    of its metrics. Two steps per round: the old log-probs are the scored ones."""
+    import math
+
+    on = ["loss.rollout_correction.enabled=true", f"loss.rollout_correction.level={level}"]
+    metrics = train(tiny_cfg(*on, "data.num_iterations=2", "trainer.max_epochs=1"))
+    gap = metrics["rollout/logp_diff_max"]  # max |logp_old - logp_gen| over the round's tokens
+    if level == "sequence":  # the product over a completion's tokens: at most max_new_tokens gaps
+        gap *= 16
+    assert math.exp(-gap) - 1e-6 <= metrics["train/is_ratio_mean"] <= math.exp(gap) + 1e-6
+    assert math.exp(-gap) - 1e-6 <= metrics["train/is_ratio_max"] <= math.exp(gap) + 1e-6
+    assert metrics["train/is_capped_frac"] == 0.0 and metrics["train/is_masked_frac"] == 0.0
+    off = train(tiny_cfg("trainer.max_epochs=1"))
+    assert not any(key.startswith("train/is_") for key in off)
 
 
 def test_several_steps_per_round_use_old_logprobs_scored_before_the_update(tiny_cfg):

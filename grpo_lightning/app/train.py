@@ -505,7 +505,7 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
         accumulate_grad_batches=accumulate,
         optimizer_steps_per_round=per_round // accumulate,
         max_new_tokens=cfg.generator.max_new_tokens,
-        loss=f"{cfg.loss.loss_type} (beta={cfg.loss.beta})",
+        loss=build(cfg.loss).describe(),
         reward=reward_fn.describe(),
         output_dir=str(Path(cfg.paths.output_dir).resolve()),
         memory=memory_estimate(cfg, source, rollouts_per_round, rollouts_per_round // dm.prompts_per_round),

@@ -6,7 +6,9 @@ business (`GRPOLoss.step_loss`: `dapo` undoes it, TRL issue #3021).
 
 Old log-probs: when one optimizer step consumes a round, old_logp = logp.detach() (ratio 1, gradient intact);
 otherwise the rollout loop stores policy log-probs computed once before the round's first update
-(`score_old_logprobs`), because "detached current" is wrong after the first update.
+(`score_old_logprobs`), because "detached current" is wrong after the first update. The generator's log-probs go
+to the loss as well: where the engine samples from another policy, `loss.rollout_correction` weighs the
+policy-gradient term by pi_old / pi_gen (algorithm/rollout_correction.py, docs/algorithm.md).
 
 Positions are derived from the attention mask so left-padded rows score exactly as HF `generate` sampled them;
 `rollout/logp_diff_*` (generator vs trainer log-prob on the same tokens, grpo_lightning/training/rollout_loop.py) checks
@@ -189,7 +191,8 @@ class GRPOModule(L.LightningModule):
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         self.last_old_logprobs = old_logp  # [B, C] the rollout loop compares the unscored ones with the generator's
         ref_logp = self.reference_logprobs(batch)
-        out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, batch.completion_mask, batch.num_tokens_in_step)
+        mask, gen_logp = batch.completion_mask, batch.gen_logprobs  # the generator's: the rollout correction's
+        out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, mask, batch.num_tokens_in_step, gen_logp)
         loss = self.loss_fn.step_loss(out.loss, self.trainer.accumulate_grad_batches, self.trainer.world_size)
         b = len(batch)
         metrics = {
@@ -199,6 +202,10 @@ class GRPOModule(L.LightningModule):
             "train/clip_ratio_low": out.clip_ratio_low,
             "train/clip_ratio_high": out.clip_ratio_high,
         }
+        if out.correction is not None:  # loss.rollout_correction (docs/algorithm.md)
+            metrics.update(out.correction.metrics())
+            largest = {"on_step": False, "on_epoch": True, "batch_size": b, "sync_dist": True, "reduce_fx": "max"}
+            self.log("train/is_ratio_max", out.correction.ratio_max, **largest)
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b, sync_dist=True)  # mean over ranks
         return loss
 
