@@ -53,8 +53,8 @@ def test_enabled_true_or_false_overrides_auto():
     ("overrides", "active"),
     [
         ([], False),  # the default: HF engine, float32, 32-true
-        (["+rollout.max_staleness=1"], True),  # overlapped rounds (the key lives under a top-level rollout node)
-        (["+rollout.max_staleness=0"], False),
+        (["rollout.max_staleness=1"], True),  # overlapped rounds
+        (["rollout.max_staleness=0"], False),
         (["generator=vllm"], False),  # generator.dtype: ${model.dtype}
         (["generator=vllm", "generator.dtype=bfloat16"], True),
         (["generator=vllm", "generator.sync_every=2"], True),
