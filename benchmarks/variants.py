@@ -45,7 +45,7 @@ PINNED = {
     "loss.beta": 0.0,
     "loss.epsilon_low": 0.2,
     "loss.epsilon_high": 0.28,
-    "optim.optimizer.lr": 1.0e-3,
+    "optim.optimizer.lr": 5.0e-4,
     "optim.schedule.kind": "constant",  # a decaying schedule would depend on the round cap, not the budget
     "optim.schedule.warmup_steps": 1,
     "trainer.max_epochs": 1000,  # a cap only: the token budget ends every run first

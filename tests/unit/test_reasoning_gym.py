@@ -206,7 +206,7 @@ def test_learn_arith_composes_and_dry_runs(tmp_path, capsys):
     assert cfg.model.source._target_.endswith("PackagedGGUFSource")  # the embedded default
     assert (cfg.data.dataset.task, cfg.data.dataset.answer_format) == ("chain_sum", "boxed")
     assert (cfg.generator.num_generations, cfg.generator.temperature, cfg.generator.max_new_tokens) == (8, 0.7, 48)
-    assert (cfg.loss.beta, cfg.loss.epsilon_high, cfg.optim.optimizer.lr) == (0.0, 0.28, 1e-3)
+    assert (cfg.loss.beta, cfg.loss.epsilon_high, cfg.optim.optimizer.lr) == (0.0, 0.28, 5e-4)
     assert cfg.data.dynamic_sampling.enabled and cfg.eval.num_problems == 128
     assert dry_run(tmp_path / "run", ["experiment=learn_arith"]) == pytest.approx(1.1)  # right and formatted
     assert "reasoning-gym chain_sum (train: 1000 problems of seed 0)" in capsys.readouterr().out
