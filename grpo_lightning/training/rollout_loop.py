@@ -75,7 +75,6 @@ class RolloutLoop(L.Callback):
     ) -> None:
         RolloutSettings(max_staleness, sampler_threads)  # the keys' rules (one declaration)
         self.generator = generator
-        self.variant = variant
         self.reward_fn = reward_fn
         self.datamodule = datamodule
         self.tokenizer = tokenizer
@@ -115,6 +114,16 @@ class RolloutLoop(L.Callback):
         self.scored = False
         """Whether the round being trained had its old log-probs scored before its first update."""
         self._resume_state: dict | None = None
+
+    @property
+    def variant(self):
+        """The rollout variant, owned by the round sampler (what the overlap worker runs); replacing it here
+        (tests and benchmarks wrap it) replaces what samples the rounds."""
+        return self.sampler.variant
+
+    @variant.setter
+    def variant(self, variant) -> None:
+        self.sampler.variant = variant
 
     @property
     def state_key(self) -> str:
