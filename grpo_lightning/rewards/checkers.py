@@ -8,13 +8,16 @@ training reward found an answer. The reasoning-gym checker lives with its reward
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from grpo_lightning.rewards.answers import extract_answer, last_number
 from grpo_lightning.rewards.base import AnswerChecker, Verdict
 from grpo_lightning.rewards.gsm8k import _ABS_TOL, _ANSWER_PATTERNS, GSM8KReward, normalize_number
+from grpo_lightning.rewards.math_verify import math_verify_correct
 
 
 def same_number(predicted: str | None, reference: str) -> bool:
@@ -49,7 +52,8 @@ class GSM8KChecker(AnswerChecker):
     """GSM8K: correct = the last number; strict = the `#### <number>` answer (the format the prompt asks for);
     formatted = an answer the GSM8K reward recognises (`####`, `\\boxed{}`, "The answer is"), as
     `eval/format_rate` always counted; and `gsm8k_accuracy`, that reward's own correctness (what
-    `eval/gsm8k_accuracy` has always been)."""
+    `eval/gsm8k_accuracy` has always been); where math-verify is installed, `accuracy_math_verify`, its verdict
+    (docs/answer_checking.md), so that a number can be compared with tools that score with it (TRL, open-r1)."""
 
     reward: GSM8KReward = field(default_factory=lambda: GSM8KReward(format_bonus=0.0))
 
@@ -60,5 +64,12 @@ class GSM8KChecker(AnswerChecker):
             correct=same_number(last_number(completion), reference),
             strict=bool(hashes) and same_number(hashes[-1], reference),
             formatted=lenient.extracted is not None,
-            extras={"gsm8k_accuracy": lenient.correct},
+            extras={"gsm8k_accuracy": lenient.correct}
+            | ({"accuracy_math_verify": math_verify_correct(completion, reference)} if math_verify_installed() else {}),
         )
+
+
+@cache
+def math_verify_installed() -> bool:
+    """Whether the optional math-verify package can be imported (extra `math-verify`), asked without importing it."""
+    return importlib.util.find_spec("math_verify") is not None

@@ -97,7 +97,13 @@ def test_which_references_are_numeric():
     ],
 )
 def test_gsm8k_checker(reply, verdict):
-    assert GSM8KChecker().check(reply, "9") == verdict
+    got = GSM8KChecker().check(reply, "9")
+    math_verify = got.extras.pop("accuracy_math_verify", None)
+    assert got == verdict
+    if math_verify is not None:  # the math-verify extra is installed: its verdict is the library's own
+        from math_verify import parse, verify
+
+        assert math_verify == bool(verify(parse("9"), parse(reply)))
 
 
 def test_numeric_checker_reads_its_format():
@@ -148,3 +154,14 @@ def test_format_free_answer_by_hand():
 def test_the_checker_needs_a_record():
     with pytest.raises(ValueError, match="use data=reasoning_gym"):
         ReasoningGymChecker().check("7", "7", None)
+
+
+def test_gsm8k_evaluation_reports_math_verify_beside_ours():
+    """eval/accuracy_math_verify: math-verify's verdicts averaged over the replies (docs/answer_checking.md)."""
+    pytest.importorskip("math_verify")
+    from grpo_lightning.training.evaluation import verdict_metrics
+
+    replies = ["#### 9", "The answer is 9.", "#### 8", "nothing"]  # math-verify: right, right, wrong, wrong
+    metrics = verdict_metrics([GSM8KChecker().check(r, "9") for r in replies])
+    assert metrics["eval/accuracy_math_verify"] == 0.5
+    assert metrics["eval/gsm8k_accuracy"] == 0.5
