@@ -17,9 +17,21 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_tiny_run_on_gpu(tiny_cfg):
+    """The policy trains and samples on the GPU. Seen during training: Lightning's single-device teardown moves the
+    module back to the CPU when `fit` returns."""
+    import lightning as L
+
+    class Devices(L.Callback):
+        seen: set[str] = set()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen.add(next(pl_module.policy.parameters()).device.type)
+
     run = build_run(tiny_cfg("trainer=gpu", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"))
+    devices = Devices()
+    run.trainer.callbacks.append(devices)
     metrics = run.fit()
-    assert next(run.module.policy.parameters()).is_cuda
+    assert devices.seen == {"cuda"}
     assert metrics["rollout/logp_diff_mean"] < 5e-2  # bf16 autocast in training vs fp32 sampling
 
 

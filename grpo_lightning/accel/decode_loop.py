@@ -18,8 +18,11 @@ the pad token (what `generate` does); callers cut after the EOS.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from grpo_lightning.accel.hf_internals import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
@@ -107,6 +110,20 @@ def sample_inverse_cdf(
     target = uniform.double().unsqueeze(-1) * cdf[:, -1:]  # [N, 1]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return index.clamp_(max=probs.shape[-1] - 1)
+
+
+def attention_backends_for_decoding(device: torch.device) -> contextlib.AbstractContextManager:
+    """On CUDA, scaled-dot-product attention without the cuDNN backend while sampling (prefill and decode steps).
+
+    cuDNN's attention builds an execution graph for each new shape, and a decode step's key length grows by one
+    every step, so with cuDNN every step of every layer builds a graph. PyTorch picks cuDNN for bf16 / fp16 on
+    Hopper: on an H100 this made a bf16 decode step of the embedded model about 3x the CPU time of an fp32 one
+    (~2 ms per attention call; benchmarks/README.md). The other backends (flash, memory-efficient, math) keep
+    PyTorch's priority order and compute the same attention; elsewhere this is a no-op.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def warpers(top_k: int, top_p: float) -> list:

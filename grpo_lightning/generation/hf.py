@@ -20,7 +20,7 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from grpo_lightning.accel import GenerationSettings
-from grpo_lightning.accel.decode_loop import new_cache, sample_loop
+from grpo_lightning.accel.decode_loop import attention_backends_for_decoding, new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
@@ -166,6 +166,7 @@ class HFGenerator(Generator):
         with (
             merged_lora(self.model) if levers.merge_lora else contextlib.nullcontext(),
             packed_linears(self.model, rows, levers.packed_weights),
+            attention_backends_for_decoding(device),
         ):
             tokens, logprobs = sample(input_ids, attention_mask, num_samples, max_new_tokens, greedy, share)
         completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]

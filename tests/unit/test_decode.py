@@ -100,3 +100,38 @@ def test_loop_with_warpers_samples_what_generate_samples(policy, tokenizer, top_
 def test_unknown_sampler_names_the_key():
     with pytest.raises(ValueError, match=r"^perf\.generate\.sampler must be one of"):
         GenerationSettings(sampler="gumbel")
+
+
+def test_sampling_on_cuda_excludes_cudnn_attention_and_restores_the_flags():
+    """cuDNN's attention builds a graph per new shape (every decode step): the engine samples without it on CUDA,
+    keeps PyTorch's other backends, and leaves the process's flags as it found them; on the CPU nothing changes."""
+    from grpo_lightning.accel.decode_loop import attention_backends_for_decoding
+
+    def flags() -> tuple[bool, ...]:
+        c = torch.backends.cuda
+        return c.cudnn_sdp_enabled(), c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled()
+
+    before = flags()
+    assert before[0], "PyTorch enables cuDNN attention by default"
+    with attention_backends_for_decoding(torch.device("cpu")):
+        assert flags() == before
+    with attention_backends_for_decoding(torch.device("cuda")):
+        assert flags() == (False, True, True, True)
+    assert flags() == before
+
+
+def test_the_hf_engine_samples_inside_the_attention_choice(tiny_model, tokenizer, monkeypatch):
+    import contextlib
+
+    import grpo_lightning.generation.hf as hf
+    from grpo_lightning.generation.hf import HFGenerator
+
+    devices = []
+
+    def recording(device):
+        devices.append(device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(hf, "attention_backends_for_decoding", recording)
+    HFGenerator(tiny_model, tokenizer, num_generations=2, max_new_tokens=3).generate([[1, 2, 3]], 2)
+    assert devices == [torch.device("cpu")]
