@@ -30,6 +30,7 @@ from grpo_lightning.schema import (
     text,
 )
 from grpo_lightning.training.overlap import RolloutSettings
+from grpo_lightning.training.tracking import ResumingCSVLogger
 
 PRECISIONS = {str(p) for p in get_args(_PRECISION_INPUT_STR) + get_args(_PRECISION_INPUT_STR_ALIAS)} | {
     str(p) for p in get_args(_PRECISION_INPUT_INT)
@@ -151,7 +152,8 @@ class TensorBoardKeys:
 
 @dataclass(frozen=True)
 class CSVKeys:
-    """`logger.csv`: the `lightning.pytorch.loggers.CSVLogger` arguments the application sets."""
+    """`logger.csv`: the `lightning.pytorch.loggers.CSVLogger` arguments the application sets (also those of
+    `ResumingCSVLogger`, the default target, which keeps a resumed run's rows)."""
 
     save_dir: str = setting("", text, "the run directory")
     name: str = setting("csv", text, "subdirectory of save_dir")
@@ -181,6 +183,7 @@ class MLflowKeys:
 
 configures(TensorBoardLogger, TensorBoardKeys)
 configures(CSVLogger, CSVKeys)
+configures(ResumingCSVLogger, CSVKeys)
 configures(WandbLogger, WandbKeys)
 configures(MLFlowLogger, MLflowKeys)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from grpo_lightning.algorithm.round_metrics import markdown_cell
 
@@ -159,9 +162,19 @@ class CSVWriter(Writer):
 
     no_histograms = "CSV files hold one number per metric and step; a histogram is not one"
 
+    def __init__(self) -> None:
+        self.started: weakref.WeakKeyDictionary[Logger, set[str]] = weakref.WeakKeyDictionary()
+        """The tables each logger has written in this process. A table file that a logger meets for the first
+        time may come from an earlier attempt of a resumed run: its rows from `step` on are dropped (logged
+        again now), as `ResumingExperimentWriter` does for metrics.csv."""
+
     def table(self, logger, tag, table, step):
         path = Path(logger.experiment.log_dir) / f"{tag}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
+        tags = self.started.setdefault(logger, set())
+        if tag not in tags:
+            tags.add(tag)
+            drop_steps_from(path, step)
         new = not path.exists()
         with path.open("a", newline="", encoding="utf-8") as f:
             out = csv.writer(f)
@@ -176,6 +189,56 @@ class CSVWriter(Writer):
 
     def describe(self, logger):
         return f"CSV logs: {Path(logger.log_dir).resolve()}"
+
+
+def drop_steps_from(path: Path, first_step: int) -> None:
+    """Rewrite the CSV file at `path` without its rows at step `first_step` or later (a `step` column)."""
+    if not path.is_file():
+        return
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        fields, rows = reader.fieldnames or [], list(reader)
+    kept = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) < first_step]
+    if len(kept) == len(rows):
+        return
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(kept)
+
+
+class ResumingExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer, keeping what an earlier attempt of the run wrote.
+
+    Lightning's writer deletes `metrics.csv` when it finds its folder non-empty, so a run resumed from a
+    checkpoint (the same output directory) would lose every row logged before the interruption. This one keeps
+    the file; at its first save it drops the rows at or after the first step it logs (the resumed run logs
+    those again, from the checkpoint's state) and appends, so each step appears once.
+    """
+
+    def _check_log_dir_exists(self) -> None:
+        """Nothing is deleted (Lightning's writer removes metrics.csv here)."""
+
+    def save(self) -> None:
+        if self.metrics and not self.metrics_keys:  # this writer's first save
+            path = Path(self.metrics_file_path)
+            drop_steps_from(path, min(int(m["step"]) for m in self.metrics))
+            if path.is_file():
+                with path.open(newline="", encoding="utf-8") as f:
+                    self.metrics_keys = sorted(csv.DictReader(f).fieldnames or [])
+        super().save()
+
+
+class ResumingCSVLogger(CSVLogger):
+    """`logger=csv`: Lightning's CSVLogger with `ResumingExperimentWriter`, so a resumed run keeps its rows."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ResumingExperimentWriter(log_dir=self.log_dir)
+        return self._experiment
 
 
 WRITERS: dict[type[Logger], Writer] = {

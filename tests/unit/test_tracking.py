@@ -74,6 +74,47 @@ def test_tensorboard_and_csv_get_each_kind_in_their_own_type(tmp_path):
     assert not (tmp_path / "csv" / "rollout" / "reward_hist.csv").exists()  # CSV: no histogram type
 
 
+def csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_resumed_csv_run_keeps_the_rows_logged_before_its_checkpoint(tmp_path):
+    """Lightning's CSV writer deletes metrics.csv when its folder is not empty (a run resumed in its own output
+    directory); ResumingCSVLogger keeps the earlier attempt's rows before the first step the resumed attempt logs,
+    and the resumed attempt's rows from there on (each step once), in metrics.csv and in the table files."""
+    first = tracking.ResumingCSVLogger(tmp_path, name="csv", version="")
+    for step in range(5):  # the first attempt: steps 0..4, the checkpoint was at step 3
+        first.log_metrics({"a": float(step)}, step=step)
+    tracking.log_table([first], "rollout/samples", Table(COLUMNS, ROWS[:1]), step=2)
+    tracking.log_table([first], "rollout/samples", Table(COLUMNS, ROWS[:1]), step=4)
+    first.finalize("failed")
+
+    resumed = tracking.ResumingCSVLogger(tmp_path, name="csv", version="")
+    for step in (3, 4, 5):
+        resumed.log_metrics({"a": 10.0 * step, "b": 1.0}, step=step)
+    tracking.log_table([resumed], "rollout/samples", Table(COLUMNS, ROWS[1:]), step=4)
+    resumed.finalize("success")
+
+    rows = csv_rows(tmp_path / "csv" / "metrics.csv")
+    assert [(r["step"], r["a"], r["b"]) for r in rows] == [
+        ("0", "0.0", ""), ("1", "1.0", ""), ("2", "2.0", ""), ("3", "30.0", "1.0"), ("4", "40.0", "1.0"),
+        ("5", "50.0", "1.0"),
+    ]  # fmt: skip
+    samples = csv_rows(tmp_path / "csv" / "rollout" / "samples.csv")
+    assert [(r["step"], r["group"]) for r in samples] == [("2", "0"), ("4", "3")]
+
+
+def test_a_fresh_csv_run_writes_what_lightnings_logger_writes(tmp_path):
+    ours = tracking.ResumingCSVLogger(tmp_path, name="ours", version="")
+    theirs = CSVLogger(tmp_path, name="theirs", version="")
+    for lg in (ours, theirs):
+        lg.log_metrics({"a": 1.0}, step=0)
+        lg.log_metrics({"a": 2.0, "b": 3.0}, step=1)
+        lg.finalize("success")
+    assert csv_rows(tmp_path / "ours" / "metrics.csv") == csv_rows(tmp_path / "theirs" / "metrics.csv")
+
+
 class Recorder(tracking.Writer):
     def __init__(self):
         self.calls = []
@@ -143,7 +184,7 @@ def test_the_group_selects_several_loggers_in_order(tmp_path):
     assert list(make_cfg(tmp_path).logger) == ["tensorboard"]
     assert list(make_cfg(tmp_path, ["logger=[csv,tensorboard]"]).logger) == ["csv", "tensorboard"]
     assert [type(lg).__name__ for lg in build_loggers(make_cfg(tmp_path, ["logger=[csv,tensorboard]"]))] == [
-        "CSVLogger",
+        "ResumingCSVLogger",
         "TensorBoardLogger",
     ]
     assert build_loggers(make_cfg(tmp_path, ["logger=[]"])) == []
