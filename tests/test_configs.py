@@ -71,7 +71,7 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
         from grpo_lightning.app.train import build_loggers
 
         (logger,) = build_loggers(cfg)
-        assert f"{type(logger).__module__.rsplit('.', 1)[0]}.{type(logger).__name__}" == node[option]._target_
+        assert type(logger) is get_class(node[option]._target_)
         where = {  # every tracker writes under the run directory by default
             "tensorboard": lambda: logger.log_dir,
             "csv": lambda: logger.log_dir,
