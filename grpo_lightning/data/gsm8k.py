@@ -197,8 +197,9 @@ class GSM8K:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(
                 f"data.dataset.hub_id {self.hub_id!r}: cannot load split {self.split!r} of config "
-                f"{self.hub_config!r} ({first_line}); without network use data.dataset.source=packaged, or a "
-                "local copy with data.dataset.source=path"
+                f"{self.hub_config!r} ({first_line}); check data.dataset.hub_config (null: a data set without "
+                "configs); without network use data.dataset.source=packaged, or a local copy with "
+                "data.dataset.source=path"
             ) from None
         return data.to_list(), list(data.column_names)
 
@@ -310,7 +311,7 @@ def parse_rows(
         problems.append(Problem(question=question.strip(), solution=written, answer=answer))
     if skipped:
         log.warning(
-            "skipped %d malformed rows (no question in %r or no %s in %r) in %s",
-            skipped, question_column, WANTS[answer_extraction], answer_column, origin,
+            "skipped %d malformed rows in %s: each needs a question in %r and %s in %r",
+            skipped, origin, question_column, WANTS[answer_extraction], answer_column,
         )  # fmt: skip
     return problems

@@ -168,7 +168,8 @@ def test_rows_without_a_usable_answer_are_skipped_and_counted(tmp_path, caplog):
     path = write_parquet(tmp_path / "train.parquet", rows)
     with caplog.at_level(logging.WARNING):
         assert read(GSM8K(source="path", path=str(path), **BOXED_KEYS)) == BOXED_TRUTH
-    assert "skipped 2 malformed rows (no question in 'problem' or no a \\boxed{<number>} in 'solution')" in caplog.text
+    assert "skipped 2 malformed rows in " in caplog.text
+    assert "each needs a question in 'problem' and a \\boxed{<number>} in 'solution'" in caplog.text
 
 
 # ---- one line naming the key ---------------------------------------------------------------------------------
