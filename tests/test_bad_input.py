@@ -455,7 +455,7 @@ def test_data_path_is_a_directory(tmp_path):
     message = fails_in_process(
         tmp_path, "data.dataset.source=path", f"data.dataset.path={tmp_path}", "eval.enabled=false"
     )
-    assert message == f"data.dataset.path: {tmp_path} is not a file (give a JSONL file)"
+    assert message.startswith(f"data.dataset.path: {tmp_path} is a folder but not one written by save_to_disk")
 
 
 @pytest.mark.parametrize(

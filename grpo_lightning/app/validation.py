@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.app.schema import RunSettings
+from grpo_lightning.data.gsm8k import INSTALL_DATASETS, disk_splits, has_splits, path_format
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.rewards.pipeline import check_moved_keys
 from grpo_lightning.schema import declared, nested_schema, problems, schemas_of
@@ -164,10 +165,15 @@ def check_combinations(cfg: DictConfig) -> None:
     dataset = cfg.data.dataset
     if dataset.get("source") == "path" and not dataset.path:
         raise ValueError("data.dataset.path must be set when data.dataset.source=path")
-    if cfg.eval.enabled and dataset.get("source") == "path" and not cfg.eval.dataset.path:
+    if (
+        cfg.eval.enabled
+        and dataset.get("source") == "path"
+        and not cfg.eval.dataset.path
+        and not has_splits(Path(str(dataset.path)).expanduser())
+    ):
         raise ValueError(
             "eval.dataset.path must be set when data.dataset.source=path (evaluation reads its test split): give "
-            "the test split's JSONL file, or turn evaluation off with eval.enabled=false"
+            "the test split's file or save_to_disk folder, or turn evaluation off with eval.enabled=false"
         )
 
 
@@ -304,14 +310,31 @@ def check_accelerator(cfg: DictConfig) -> None:
 
 
 def check_data_files(cfg: DictConfig) -> None:
-    """Each JSONL file the run will read: present, a file, and UTF-8 text (not compressed, not UTF-16)."""
-    files = []
-    if cfg.data.dataset.get("source") == "path":
-        files.append(("data.dataset.path", cfg.data.dataset.path))
-    if cfg.eval.enabled and cfg.data.dataset.get("source") == "path":
-        files.append(("eval.dataset.path", cfg.eval.dataset.path))
-    for key, value in files:
-        check_text_file(key, Path(str(value)).expanduser())
+    """Each local data file or folder the run will read (data.dataset.source=path): present and of a known format
+    (data/gsm8k.py reads it by its suffix); a JSONL file UTF-8 text (not compressed, not UTF-16); a DatasetDict
+    folder holding the split it is read for. Its columns need the data read: the source checks them as it loads."""
+    dataset = cfg.data.dataset
+    if dataset.get("source") != "path":
+        return
+    files = [("data.dataset.path", dataset.path, dataset.split)]
+    if cfg.eval.enabled:
+        files.append(("eval.dataset.path", cfg.eval.dataset.path or dataset.path, "test"))
+    for key, value, split in files:
+        path = Path(str(value)).expanduser()
+        kind = path_format(path, key)
+        if kind == "jsonl":
+            check_text_file(key, path)
+        if kind != "jsonl" and importlib.util.find_spec("datasets") is None:
+            raise ValueError(f"{key} ({kind}: {path.name}) needs `datasets`: {INSTALL_DATASETS}")
+        splits = disk_splits(path) if has_splits(path) else None
+        if splits is None or split in splits:
+            continue
+        if key == "data.dataset.path":
+            raise ValueError(f"data.dataset.split {split!r} is not a split of {path}; splits: {', '.join(splits)}")
+        raise ValueError(
+            f"eval.dataset.path: {path} has no {split!r} split (splits: {', '.join(splits)}); give the test split's "
+            "file or save_to_disk folder, or turn evaluation off with eval.enabled=false"
+        )
 
 
 def check_text_file(key: str, path: Path) -> None:

