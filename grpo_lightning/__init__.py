@@ -1,11 +1,15 @@
 """GRPO fine-tuning of causal LMs with PyTorch Lightning and Hydra.
 
 The `pid` resolver gives the default run directory (`hydra.run.dir`) a part no other process shares, so two runs
-started in the same second never write into one directory.
+started in the same second never write into one directory. The `hf_decode_dtype` resolver gives the rollout
+correction the HF engine's decode precision (`perf.generate.weights`; grpo_lightning/accel/settings.py).
 """
 
 import os
 
 from omegaconf import OmegaConf
 
+from grpo_lightning.accel.settings import correction_dtype
+
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+OmegaConf.register_new_resolver("hf_decode_dtype", correction_dtype, replace=True)

@@ -50,6 +50,8 @@ def pytest_collection_modifyitems(config, items):
 
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:
     """Compose `grpo_lightning/conf/config.yaml` with overrides, as the CLI would, writing into `output_dir`."""
+    import grpo_lightning  # noqa: F401 - registers the config's resolvers (hf_decode_dtype), as the CLI does
+
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides or []))
     with open_dict(cfg):

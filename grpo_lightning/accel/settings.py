@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from grpo_lightning.schema import boolean, check_settings, choice, integer, optional, setting
 
 SAMPLERS = ("inverse_cdf", "multinomial")
+DECODE_WEIGHTS = ("float32", "bfloat16", "int8")  # perf.generate.weights (low_precision.py)
 
 
 def check_sampler(sampler: str) -> str:
@@ -25,6 +26,13 @@ def check_packed_weights(mode: bool | str) -> bool | str:
     if not (mode is True or mode is False or mode == "auto"):
         raise ValueError(f"perf.generate.packed_weights must be true, false or auto (got {mode!r})")
     return mode
+
+
+def correction_dtype(weights: str) -> str:
+    """The HF engine's dtype as the rollout correction's `auto` reads it (`loss.rollout_correction.engine_dtype`,
+    through the `hf_decode_dtype` resolver): `auto` (the policy's own dtype) when `perf.generate.weights=float32`
+    lets the policy sample as it is, else the lever's precision (int8 differs from every trainer dtype)."""
+    return "auto" if weights == "float32" else str(weights)
 
 
 @dataclass(frozen=True)
@@ -74,9 +82,19 @@ class GenerationSettings:
         "auto", choice("auto", True, False), "CPU float32: MKL-packed linear weights; auto = the shapes a one-off "
         "trial finds exact and faster"
     )  # fmt: skip
+    weights: str = setting(
+        "float32", choice(*DECODE_WEIGHTS), "sample with copies of the linear weights in this precision "
+        "(low_precision.py): float32 = the policy's own; bfloat16 | int8 (CPU): faster, the rollout correction "
+        "turns on"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_settings(self, "perf.generate")
+        if self.packed_weights is True and self.weights != "float32":
+            raise ValueError(
+                f"perf.generate.packed_weights=true packs float32 weights only and perf.generate.weights="
+                f"{self.weights} samples with {self.weights} copies: set perf.generate.packed_weights=auto or false"
+            )
 
     @classmethod
     def plain(cls) -> GenerationSettings:

@@ -159,6 +159,14 @@ def check_combinations(cfg: DictConfig) -> None:
             "advantages are 0 and rounds train little",
             temperature,
         )
+    weights = lookup(cfg, "perf.generate.weights")
+    accelerator = cfg.trainer.get("accelerator")
+    if weights == "int8" and not is_vllm(cfg) and accelerator in ("gpu", "cuda", "mps"):
+        raise ValueError(
+            f"perf.generate.weights=int8 runs on the CPU only (torch's _weight_int8pack_mm CPU kernel) and "
+            f"trainer.accelerator={accelerator} puts the policy the HF engine samples from there: use "
+            "perf.generate.weights=bfloat16 or float32"
+        )
     variant = cfg.get("variant") or {}
     if "min_steps" in variant and "max_steps" in variant and variant.max_steps < variant.min_steps:
         raise ValueError(f"variant.max_steps ({variant.max_steps}) must be >= variant.min_steps ({variant.min_steps})")

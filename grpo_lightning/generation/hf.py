@@ -7,6 +7,8 @@ The generator samples from the policy object itself (LoRA adapters active), so t
 `generate`. Log-probs are taken from the raw logits as log_softmax(logits / temperature), the same
 distribution the trainer scores (TRL divides logits by the temperature too). With top_p < 1 or top_k > 0
 the sampling distribution is truncated while the log-probs are not; TRL makes the same approximation.
+With `perf.generate.weights=bfloat16 | int8` the linear layers sample through low-precision copies of their
+weights (accel/low_precision.py) and the log-probs are that forward's; the rollout correction then turns on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from grpo_lightning.accel import GenerationSettings
 from grpo_lightning.accel.decode_loop import attention_backends_for_decoding, new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
+from grpo_lightning.accel.low_precision import low_precision_linears
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import BackgroundEngine, Generator, SamplingConfig, request_budgets, truncate
@@ -142,16 +145,28 @@ class HFGenerator(Generator):
         self.model.eval()
         try:
             results: list[list[Completion]] = [[] for _ in prefixes]
-            for start in range(0, len(order), prefixes_per_call):
-                chunk = order[start : start + prefixes_per_call]
-                chunk_budget = max(budgets[i] for i in chunk)
-                with self._sampling_rng(prefixes[chunk[0]]):
-                    outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget, greedy)
-                for i, completions in zip(chunk, outputs, strict=True):
-                    results[i] = [truncate(c, budgets[i]) for c in completions]
+            with self._decode_weights():
+                for start in range(0, len(order), prefixes_per_call):
+                    chunk = order[start : start + prefixes_per_call]
+                    chunk_budget = max(budgets[i] for i in chunk)
+                    with self._sampling_rng(prefixes[chunk[0]]):
+                        outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget, greedy)
+                    for i, completions in zip(chunk, outputs, strict=True):
+                        results[i] = [truncate(c, budgets[i]) for c in completions]
             return results
         finally:
             self.model.train(was_training)
+
+    @contextlib.contextmanager
+    def _decode_weights(self) -> Iterator[None]:
+        """The weights a generate call samples with, made once per call: LoRA merged into temporary weights
+        (`merge_lora`), then the linear layers' low-precision copies of them (`weights`; accel/low_precision.py)."""
+        levers = self.generation_settings
+        with (
+            merged_lora(self.model) if levers.merge_lora else contextlib.nullcontext(),
+            low_precision_linears(self.model, levers.weights),
+        ):
+            yield
 
     def _generate_chunk(
         self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int, greedy: bool = False
@@ -163,11 +178,8 @@ class HFGenerator(Generator):
         share = levers.share_prefill and num_samples > 1 and input_ids.shape[1] > 1
         sample = self._sample_with_loop if levers.custom_decode else self._sample_with_generate
         rows = input_ids.shape[0] * num_samples
-        with (
-            merged_lora(self.model) if levers.merge_lora else contextlib.nullcontext(),
-            packed_linears(self.model, rows, levers.packed_weights),
-            attention_backends_for_decoding(device),
-        ):
+        packing = levers.packed_weights if levers.weights == "float32" else False  # MKL packs float32 weights only
+        with packed_linears(self.model, rows, packing), attention_backends_for_decoding(device):
             tokens, logprobs = sample(input_ids, attention_mask, num_samples, max_new_tokens, greedy, share)
         completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]
         return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]
