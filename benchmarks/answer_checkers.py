@@ -123,6 +123,35 @@ def _shape(tail: str, units: bool = True) -> str | None:
     return "units_percent" if units and _UNIT.search(tail) else None
 
 
+def readings_differ(completion: str, ours_answer: str | None) -> bool:
+    """Whether math-verify reads another answer than ours, whatever the reference: math-verify's reading is
+    checked against ours as the gold answer (symbolically, as it checks a reference); with nothing read by ours,
+    they differ when math-verify reads anything."""
+    if ours_answer is None:
+        return math_verify_answer(completion, "0")[1] is not None
+    return not math_verify_answer(completion, ours_answer)[0]
+
+
+def reading_report(items: list[tuple[str, str]], verdicts: list[Verdicts], examples: int) -> list[str]:
+    """Where ours and math-verify read different answers, right or wrong: on a model that is rarely right the
+    correctness verdicts agree by default, while the readings still show how each checker reads its replies."""
+    found: dict[str, list[tuple[str, str, Verdicts]]] = {}
+    for (completion, answer), v in zip(items, verdicts, strict=True):
+        if readings_differ(completion, v.ours_answer):
+            found.setdefault(classify(completion, v.math_verify_answer), []).append((completion, answer, v))
+    total = sum(len(x) for x in found.values())
+    lines = [f"ours and math-verify read different answers in {total} of {len(items)}", "",
+             "| class | count |", "|---|---|"]  # fmt: skip
+    lines += [f"| {CLASSES[n]} | {len(found[n])} |" for n in sorted(found, key=lambda n: -len(found[n]))]
+    for name, cases in found.items():
+        lines += ["", f"### {name} (readings): {CLASSES[name]}"]
+        for completion, answer, v in cases[:examples]:
+            shown = completion if len(completion) <= 400 else "…" + completion[-400:]
+            said = f"ours read {v.ours_answer!r}, math-verify read {v.math_verify_answer!r}"
+            lines += ["", f"reference {answer}: {said}", "", "    " + shown.replace("\n", "\n    ")]
+    return lines
+
+
 # ---- inputs ---------------------------------------------------------------------------------------------------------
 def reference_solutions() -> list[tuple[str, str, str]]:
     """(split, solution, answer) of every packaged GSM8K problem."""
@@ -230,6 +259,9 @@ def main() -> int:
     parser.add_argument("--tensorboard", type=Path, help="a folder of runs: their eval/samples tables")
     parser.add_argument("--generate", type=int, default=0, help="generate this many completions (slow on a CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="with --generate")
+    parser.add_argument(
+        "--save-completions", type=Path, help="write the completions read here (JSONL, --completions reads it)"
+    )
     parser.add_argument("--override", action="append", default=[], help="with --generate: a config override")
     parser.add_argument("--examples", type=int, default=3, help="examples printed per disagreement class")
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
@@ -264,6 +296,10 @@ def main() -> int:
         verdicts = [judge(completion, answer) for completion, answer in items]
         lines += ["", f"## Model completions ({len(items)}: {'; '.join(source)})", "", *accuracy_table(verdicts)]
         lines += ["", *disagreement_report(items, verdicts, args.examples)]
+        lines += ["", *reading_report(items, verdicts, args.examples)]
+        if args.save_completions:
+            with args.save_completions.open("w", encoding="utf-8") as f:
+                f.writelines(json.dumps({"completion": c, "answer": a}) + "\n" for c, a in items)
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 
 pytest.importorskip("math_verify", reason="the math-verify extra (make install installs it)")
 
-from benchmarks.answer_checkers import classify, judge  # noqa: E402
+from benchmarks.answer_checkers import classify, judge, readings_differ  # noqa: E402
 from grpo_lightning.rewards import math_verify as mv_module  # noqa: E402
 from grpo_lightning.rewards.gsm8k import extract_strict_answer, gsm8k_correct, strict_correct  # noqa: E402
 from grpo_lightning.rewards.math_verify import MathVerifyReward, math_verify_correct  # noqa: E402
@@ -67,6 +67,26 @@ def test_each_checker_on_each_disagreement_class(reply, reference, expected, kin
     assert (strict_correct(reply, reference), gsm8k_correct(reply, reference)) == got[:2]  # the plain checkers
     assert math_verify_correct(reply, reference) is got[2]
     assert classify(reply, verdicts.math_verify_answer) == kind
+
+
+@pytest.mark.parametrize(
+    ("reply", "differ"),
+    [
+        ("#### 18", False),  # both read 18
+        ("The answer is 18.", False),
+        ("#### 1,450,000", False),  # the same number, grouped
+        ("#### 18\nThat is 2 more than 16.", True),  # ours 18, math-verify 16
+        ("So she makes \\boxed{18} dollars.\n#### 20", True),  # ours 20, math-verify 18
+        ("####18", True),  # ours 18, math-verify nothing
+        ("She has 9 eggs left.", True),  # ours nothing, math-verify 9
+        ("She has no eggs left.", False),  # neither reads a number
+        ("#### 37/2", True),  # ours 37, math-verify 18.5
+    ],
+)
+def test_readings_differ_whatever_the_reference(reply, differ):
+    """benchmarks/answer_checkers.py's reading report: what ours and math-verify read, right or wrong, against the
+    readings written by hand beside each reply."""
+    assert readings_differ(reply, judge(reply, "0").ours_answer) is differ
 
 
 @pytest.mark.parametrize(
