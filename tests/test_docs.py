@@ -345,6 +345,7 @@ def test_every_key_in_the_tables_has_a_meaning(reference):
     )
 
 
+@pytest.mark.slow  # renders every group's table twice (~8 s): make test, not make check
 def test_changing_a_default_changes_the_rendered_table(tmp_path, reference):
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
