@@ -35,6 +35,20 @@ QUESTIONS = [
 PRECISIONS = ("float32", "bfloat16", "int8")
 
 
+def engine_and_prompts(overrides: list[str]):
+    """A run built from `overrides` (as the CLI composes them), its HF engine, and QUESTIONS as chat prompts
+    (token ids) in the engine's tokenizer; benchmarks/gpu_decode.py uses it too."""
+    from grpo_lightning.app.train import build_run
+    from tests.conftest import make_cfg
+
+    run = build_run(make_cfg(Path(tempfile.mkdtemp()), overrides))
+    engine = run.callbacks["rollout_loop"].generator
+    tok = engine.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in QUESTIONS]  # fmt: skip
+    return run, engine, [tok(chat)["input_ids"] for chat in chats]
+
+
 def policy_logprobs(model, prefix: list[int], completion: list[int], temperature: float) -> torch.Tensor:
     """The float32 policy's log_softmax(logits / T) of each completion token, teacher-forced."""
     ids = torch.tensor([prefix + completion])
@@ -57,17 +71,10 @@ def main() -> None:
 
     from benchmarks.vllm_vs_hf import cpu_name
     from grpo_lightning.accel import GenerationSettings
-    from grpo_lightning.app.train import build_run
-    from tests.conftest import make_cfg
 
-    cfg = make_cfg(Path(tempfile.mkdtemp()), list(args.overrides))
-    run = build_run(cfg)
-    engine = run.callbacks["rollout_loop"].generator
+    run, engine, prompts = engine_and_prompts(list(args.overrides))
+    cfg = run.cfg
     policy = run.module.policy.eval()  # no dropout in the teacher-forced forward
-    tok = engine.tokenizer
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]  # fmt: skip
-    prompts = [tok(chat)["input_ids"] for chat in chats]
     temperature = engine.sampling.temperature
     base_settings = engine.generation_settings
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")

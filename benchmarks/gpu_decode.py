@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import itertools
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,12 +21,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-QUESTIONS = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
-    "did Natalia sell altogether in April and May?",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
-]
 
 
 def main() -> None:
@@ -42,20 +35,10 @@ def main() -> None:
         sys.exit("benchmarks/gpu_decode.py needs a CUDA device")
 
     import grpo_lightning.generation.hf as hf
-    from grpo_lightning.app.train import build_run
-    from tests.conftest import make_cfg
+    from benchmarks.decode_precision import engine_and_prompts
 
-    cfg = make_cfg(Path(tempfile.mkdtemp()), ["trainer=gpu", f"model.dtype={args.dtype}", *args.overrides])
-    run = build_run(cfg)
-    engine = run.callbacks["rollout_loop"].generator
+    run, engine, prompts = engine_and_prompts(["trainer=gpu", f"model.dtype={args.dtype}", *args.overrides])
     run.module.policy.cuda()
-    tok = engine.tokenizer
-    prompts = [
-        tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False))[
-            "input_ids"
-        ]
-        for q in QUESTIONS
-    ]
     lengths = itertools.count(7, 7)
 
     def fresh() -> list[list[int]]:
