@@ -2,7 +2,9 @@
 
 The `pid` resolver gives the default run directory (`hydra.run.dir`) a part no other process shares, so two runs
 started in the same second never write into one directory. The `hf_decode_dtype` resolver gives the rollout
-correction the HF engine's decode precision (`perf.generate.weights`; grpo_lightning/accel/settings.py).
+correction the HF engine's decode precision (`perf.generate.weights`; grpo_lightning/accel/settings.py). The
+`positive` resolver turns a count into a switch: `generator.engine_process` is on when rounds overlap
+(`rollout.max_staleness` >= 1).
 """
 
 import os
@@ -13,3 +15,4 @@ from grpo_lightning.accel.settings import correction_dtype
 
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 OmegaConf.register_new_resolver("hf_decode_dtype", correction_dtype, replace=True)
+OmegaConf.register_new_resolver("positive", lambda count: int(count) > 0, replace=True)

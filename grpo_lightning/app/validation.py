@@ -288,11 +288,8 @@ def check_overlap(cfg: DictConfig) -> None:
         return
     key = f"rollout.max_staleness={bound}"
     if is_vllm(cfg):
-        raise ValueError(
-            f"{key}: generator=vllm cannot sample the next round beside the trainer yet; use generator=hf or set "
-            "rollout.max_staleness=0"
-        )
-    if not cfg.perf.generate.custom_decode:
+        check_vllm_overlap(cfg.generator, key)
+    elif not cfg.perf.generate.custom_decode:
         raise ValueError(
             f"{key} needs perf.generate.custom_decode=true: HF generate draws from the global RNG, which the trainer's "
             "thread owns, and so cannot sample beside it"
@@ -306,6 +303,32 @@ def check_overlap(cfg: DictConfig) -> None:
     problem = staleness_problem(steps, bound) if steps is not None else None  # None: another check names it
     if problem is not None:
         raise ValueError(problem)
+
+
+def check_vllm_overlap(generator: DictConfig, key: str) -> None:
+    """A vLLM engine samples beside the trainer from a process of its own (generation/vllm_engine.py), awake while
+    the round trains, with the weights pushed as every round starts training."""
+    from grpo_lightning.generation.vllm_io import installed_platform
+
+    if not generator.get("engine_process"):
+        raise ValueError(
+            f"{key} with generator=vllm needs generator.engine_process=true: an engine in the training process "
+            "cannot sample beside the trainer"
+        )
+    if generator.get("sync_every", 1) != 1:
+        raise ValueError(
+            f"{key} pushes the weights as every round starts training, so generator.sync_every={generator.sync_every} "
+            "would not apply: set generator.sync_every=1, or rollout.max_staleness=0 for rounds sampled from older "
+            "weights on purpose"
+        )
+    sleep = generator.get("enable_sleep_mode")
+    colocated_gpu = generator.get("device") is None and installed_platform() == "cuda"
+    if sleep or (sleep is None and colocated_gpu):
+        raise ValueError(
+            f"{key}: the engine samples while the round trains, so it cannot sleep; set "
+            "generator.enable_sleep_mode=false (both then share the GPU) or give the engine a GPU of its own "
+            "(generator.device=cuda:N)"
+        )
 
 
 def check_accelerator(cfg: DictConfig) -> None:

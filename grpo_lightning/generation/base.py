@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor, nn
 
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
@@ -126,6 +127,11 @@ class BackgroundEngine(Generator):
 
     cancel: threading.Event
     """Set when the run stops: the copy's next generate call raises `SamplingCancelled`."""
+
+    def use_threads(self, threads: int) -> None:
+        """Sample with `threads` CPU threads while beside the trainer (called in the worker thread). Default: this
+        thread's OpenMP count, which is per-thread in torch; an engine in another process sets that process's."""
+        torch.set_num_threads(threads)
 
     @abstractmethod
     def weights(self) -> dict[str, Tensor]:

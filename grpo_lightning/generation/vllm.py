@@ -20,18 +20,21 @@ distribution it sampled from while the trainer scores the full one (the HF engin
 
 LoRA (`lora_sync`): `merge` pushes W + scaling * B @ A of the adapted layers; `adapter` saves the adapter and
 hot-swaps it through a `LoRARequest` (vLLM's LoRA kernels; base weights untouched).
+
+Where the engine runs (`engine_process`): in this process, or in a spawned process of its own
+(vllm_engine.py), which is what lets rounds overlap (`rollout.max_staleness` >= 1): `background_copy` then
+returns `VLLMSnapshot`, the same engine process holding the weights pushed when a round starts training.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -39,28 +42,29 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from grpo_lightning.generation.base import Generator, SamplingConfig, request_budgets
+from grpo_lightning.generation.base import (
+    BackgroundEngine,
+    Generator,
+    SamplingCancelled,
+    SamplingConfig,
+    request_budgets,
+)
 from grpo_lightning.generation.hf import _eos_token_ids
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
+from grpo_lightning.generation.vllm_engine import EngineProcess, EngineSpec, LocalEngine
 from grpo_lightning.generation.vllm_io import (
-    CPU_KV_CACHE_GIB,
     VLLMSettings,
-    build_requests,
     check_kv_cache,
     engine_cuda_index,
     engine_kwargs,
     engine_model_path,
     for_platform,
     import_vllm,
+    installed_platform,
     is_memory_error,
-    launcher_env,
-    parse_outputs,
-    process_state_kept,
-    sampling_kwargs,
 )
 from grpo_lightning.generation.vllm_weights import (
     check_name_mapping,
-    chunked,
     is_peft_model,
     policy_checkpoint_names,
     policy_weights,
@@ -70,7 +74,6 @@ from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
 
-PUSH_CHUNK_BYTES = 512 * 2**20
 _TAGS = ("weights", "kv_cache")
 
 
@@ -87,13 +90,18 @@ class VLLMSourceSettings:
         0.05, THRESHOLD_RULE, "stale-weight guard on rollout/logp_diff_mean (bf16 engine vs bf16 trainer ~1e-2)"
     )
     on_stale: str = setting("warn", ACTION_RULE, "warn | abort when the guard trips")
+    engine_process: bool = setting(
+        False, boolean, "true: the engine runs in a spawned process of its own (needed to sample beside the "
+        "trainer, rollout.max_staleness >= 1); false: in the training process"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_settings(self, "generator")
 
 
 class VLLMGenerator(Generator):
-    """`Generator` backed by an in-process `vllm.LLM`; `backend` injects a fake engine (contract tests)."""
+    """`Generator` backed by a `vllm.LLM` in this process or in one of its own (`engine_process`); `backend`
+    injects a fake engine (contract tests)."""
 
     def __init__(
         self,
@@ -109,6 +117,7 @@ class VLLMGenerator(Generator):
         trust_remote_code: bool = VLLMSourceSettings.trust_remote_code,
         logp_diff_threshold: float | None = VLLMSourceSettings.logp_diff_threshold,
         on_stale: str = VLLMSourceSettings.on_stale,
+        engine_process: bool = VLLMSourceSettings.engine_process,
         backend=None,
         generation_settings=None,
         trainer_devices: Sequence[int] = (),
@@ -118,7 +127,7 @@ class VLLMGenerator(Generator):
         place a colocated engine and which a separate engine must not use (`engine_cuda_index`)."""
         # `generation_settings` (perf.generate) are levers of the Hugging Face engine; vLLM has its own: ignored.
         self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
-        VLLMSourceSettings(model_path, revision, trust_remote_code, logp_diff_threshold, on_stale)
+        VLLMSourceSettings(model_path, revision, trust_remote_code, logp_diff_threshold, on_stale, engine_process)
         self.settings = VLLMSettings(**settings)
         self.guard = StaleWeightGuard(logp_diff_threshold, on_stale, is_fresh=lambda: self.fresh)
         self.policy = model
@@ -126,8 +135,14 @@ class VLLMGenerator(Generator):
         if self.settings.lora_sync == "adapter" and not self.is_peft:
             raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.backend = import_vllm() if backend is None else backend
-        self.platform = self.backend.platform  # "cuda" or "cpu" (import_vllm; the contract tests' fake says which)
+        # In a process of its own the engine imports vLLM there; here the installed package's metadata says where
+        # it runs, so the training process never imports vLLM.
+        if backend is not None or not engine_process:
+            self.backend = backend if backend is not None else import_vllm()
+            self.platform = self.backend.platform
+        else:  # the engine process imports vLLM; the package metadata says where it runs (import_vllm: not there)
+            self.backend = None
+            self.platform = installed_platform() or import_vllm().platform
         model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.settings = for_platform(self.settings, self.platform, model_dtype)
         self.real_gpu = backend is None and self.platform == "cuda"
@@ -135,22 +150,40 @@ class VLLMGenerator(Generator):
         lora_rank = model.peft_config[model.active_adapter].r if self.settings.lora_sync == "adapter" else 0
         path = engine_model_path(model, model_path)
         check_kv_cache(self.settings, (model.get_base_model() if self.is_peft else model).config)
-        self.engine = self._build_engine(engine_kwargs(self.settings, path, revision, trust_remote_code, lora_rank))
+        spec = EngineSpec(
+            kwargs=engine_kwargs(self.settings, path, revision, trust_remote_code, lora_rank),
+            settings=self.settings,
+            platform=self.platform,
+            device_index=self.device_index,
+            real_gpu=self.real_gpu,
+            sampling=self.sampling,
+            eos_token_ids=tuple(self.eos_token_ids),
+        )
+        self.engine_process = engine_process
+        self.engine: LocalEngine | EngineProcess
+        if engine_process:  # `backend` None: the engine process imports vLLM; else it builds the given (fake) one
+            self.engine = EngineProcess(spec, backend, threads=torch.get_num_threads())
+        else:
+            self.engine = LocalEngine(spec, self.backend)
         if self.settings.lora_sync == "merge":
-            names = self._call(lambda: self.engine.apply_model(_parameter_names))[0]
-            check_name_mapping(policy_checkpoint_names(model), names)
+            check_name_mapping(policy_checkpoint_names(model), self.engine.parameter_names())
         self.awake = set(_TAGS)
         self.weights_valid = True
         self.sync_calls = 0
         self.pushes = 0
         self.fresh = True
-        self.lora_request = None
+        self.lora_request: tuple[str, int, str] | None = None
+        """(name, id, folder) of the adapter the engine samples with (`lora_sync=adapter`), once one is saved."""
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_vllm_adapter_")) if lora_rank else None
         if self.adapter_dir is not None:
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)  # saved adapters die with the generator
         self.callbacks: list[L.Callback] = [VLLMRoundHooks(self)]  # the trainer adds them (train.py)
         mode = "colocated" if self.settings.device in (None, "cpu") else "separate"
-        log.info("vLLM engine for %s on %s (%s, sleep mode %s)", path, self.device_name, mode, self.settings.sleep_mode)
+        where = "its own process" if engine_process else "the training process"
+        log.info(
+            "vLLM engine for %s on %s (%s, in %s, sleep mode %s)",
+            path, self.device_name, mode, where, self.settings.sleep_mode,
+        )  # fmt: skip
 
     # ---- construction ----------------------------------------------------------------------------------
     @property
@@ -175,28 +208,6 @@ class VLLMGenerator(Generator):
             )
         return index
 
-    def _build_engine(self, kwargs: dict):
-        try:
-            with launcher_env(self.device_index), self._on_device(), process_state_kept():
-                return self.backend.LLM(**kwargs)
-        except (ValueError, RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
-            if is_memory_error(err):
-                s = self.settings
-                if self.platform == "cpu":
-                    raise ValueError(
-                        f"the vLLM engine does not fit with generator.kv_cache_gib={s.kv_cache_gib} (null: "
-                        f"{CPU_KV_CACHE_GIB} GiB on CPU) and generator.max_model_len={s.max_model_len}: raise "
-                        "kv_cache_gib (it must hold one max_model_len sequence), lower max_model_len, or free memory. "
-                        f"vLLM said: {err}"
-                    ) from err
-                raise ValueError(
-                    f"the vLLM engine does not fit on cuda:{self.device_index} with generator.gpu_memory_utilization"
-                    f"={s.gpu_memory_utilization} and generator.max_model_len={s.max_model_len}: lower the share if "
-                    "other memory is in use, raise it for a larger model or KV cache, lower max_model_len, or give "
-                    f"the engine its own GPU (generator.device). vLLM said: {err}"
-                ) from err
-            raise
-
     # ---- the Generator interface -----------------------------------------------------------------------
     def generate(
         self,
@@ -206,15 +217,10 @@ class VLLMGenerator(Generator):
         greedy: bool = False,
     ) -> list[list[Completion]]:
         budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
-        make_params = partial(self._sampling_params, num_samples, greedy=greedy)
-        prompts, params = build_requests(prefixes, budgets, make_params)
         self.wake_up(_TAGS)
         if not self.weights_valid:
             raise RuntimeError("generator.sleep_level=2 discarded the engine's weights and none were pushed since")
-        outputs = self._call(
-            lambda: self.engine.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
-        )
-        return parse_outputs(outputs, num_samples, budgets, self.eos_token_ids)
+        return self.engine.complete(prefixes, budgets, num_samples, greedy, self.lora_request)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Push the policy's weights on every `sync_every`-th call (one call per round, round 0 included)."""
@@ -224,6 +230,20 @@ class VLLMGenerator(Generator):
         self.sync_calls += 1
         if self.fresh:
             self.push_weights()
+
+    def reseed(self, round_seed: int) -> None:
+        """The engine in a process of its own seeds that process's RNGs for the round; in this process it draws
+        from the RNG the rollout loop seeds, and this does nothing."""
+        self.engine.reseed(round_seed)
+
+    def background_copy(self) -> VLLMSnapshot:
+        """Overlapped rounds sample with this generator's own engine, which must run in a process of its own."""
+        if not self.engine_process:
+            raise ValueError(
+                "rollout.max_staleness >= 1 samples the next round beside the trainer, which a vLLM engine in the "
+                "training process cannot do: set generator.engine_process=true (or null) or rollout.max_staleness=0"
+            )
+        return VLLMSnapshot(self)
 
     # ---- weights and memory ----------------------------------------------------------------------------
     def push_weights(self) -> None:
@@ -238,41 +258,26 @@ class VLLMGenerator(Generator):
                 or (self.settings.sleep_mode and self.settings.sleep_level == 2)
             )
             self.load_engine_weights(policy_weights(self.policy, adapted_only=not full))
-        self._call(self.engine.reset_prefix_cache)
+        self.engine.reset_prefix_cache()
         self.pushes += 1
         self.weights_valid = True
 
     def load_engine_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Write (checkpoint name, tensor) pairs into the engine's model, in place.
-
-        CUDA: the model's own `load_weights` in chunks of PUSH_CHUNK_BYTES (merged LoRA tensors are new
-        allocations; chunks bound the extra GPU memory). CPU: vLLM's CPU build repacks every linear weight for
-        its GEMM kernels after loading (oneDNN / sgl handlers) and leaves an empty parameter behind, so
-        `load_weights` has nothing to write into; the worker's `reload_weights` restores each layer, loads it
-        and repacks it (vLLM's layerwise reload). A layer is repacked once all its parameters have arrived,
-        which is why CPU pushes are always full pushes; the iterator is consumed lazily, one merged tensor at a
-        time.
-        """
-        if self.platform == "cpu":
-            kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
-            self._call(lambda: self.engine.collective_rpc("reload_weights", kwargs=kwargs))
-            self._call(lambda: self.engine.apply_model(_repack_tied_weights))
-            return
-        for chunk in chunked(weights, PUSH_CHUNK_BYTES):
-            self._call(lambda chunk=chunk: self.engine.apply_model(partial(_load_weights, weights=chunk)))
+        """Write (checkpoint name, tensor) pairs into the engine's model, in place (`LocalEngine.load`)."""
+        self.engine.load(weights)
 
     def _save_adapter(self) -> None:
         """lora_sync=adapter: save the adapter; the next requests name it (a new id makes vLLM load it)."""
         folder = self.adapter_dir / f"push{self.pushes}"
         self.policy.save_pretrained(str(folder))
-        self.lora_request = self.backend.LoRARequest(f"policy-{self.pushes}", self.pushes + 1, str(folder))
+        self.lora_request = (f"policy-{self.pushes}", self.pushes + 1, str(folder))
         shutil.rmtree(self.adapter_dir / f"push{self.pushes - 1}", ignore_errors=True)
 
     def sleep(self) -> None:
         """Give the GPU memory back to training (sleep mode only): weights to CPU (level 1) or dropped (2)."""
         if not self.settings.sleep_mode or not self.awake:
             return
-        self._call(lambda: self.engine.sleep(level=self.settings.sleep_level))
+        self.engine.sleep(self.settings.sleep_level)
         self.awake = set()
         self.weights_valid = self.settings.sleep_level == 1
 
@@ -280,10 +285,8 @@ class VLLMGenerator(Generator):
         missing = [t for t in tags if t not in self.awake]
         if not missing:
             return
-        if self.real_gpu:
-            torch.cuda.empty_cache()  # the trainer's cached blocks would otherwise count against the engine
         try:
-            self._call(lambda: self.engine.wake_up(tags=missing))
+            self.engine.wake_up(missing)
         except (RuntimeError, MemoryError) as err:  # vLLM's cumem allocator raises RuntimeError on CUDA OOM
             if not is_memory_error(err):
                 raise
@@ -296,18 +299,73 @@ class VLLMGenerator(Generator):
             ) from err
         self.awake.update(missing)
 
-    # ---- helpers ---------------------------------------------------------------------------------------
-    def _sampling_params(self, num_samples: int, max_tokens: int, greedy: bool):
-        kwargs = sampling_kwargs(self.sampling, num_samples, max_tokens, greedy, self.eos_token_ids)
-        return self.backend.SamplingParams(**kwargs)
 
-    def _on_device(self):
-        return torch.cuda.device(self.device_index) if self.real_gpu else contextlib.nullcontext()
+class VLLMSnapshot(BackgroundEngine):
+    """The engine overlapped rounds sample from (`rollout.max_staleness` >= 1; docs/overlap.md): the generator's
+    own engine process, holding the weights pushed when a round starts training.
 
-    def _call(self, fn):
-        """Run an engine call with the engine's GPU current (separate mode: never the trainer's)."""
-        with torch.no_grad(), self._on_device():
-            return fn()
+    No second engine: evaluation runs between rounds, never while a round is sampled (the rollout loop pushes the
+    current weights before it), so one engine process serves both. `weights()` keeps the policy's trainable
+    tensors as they were at the push, for a checkpoint; `load_weights` pushes such a snapshot back.
+    """
+
+    def __init__(self, generator: VLLMGenerator) -> None:
+        self.generator = generator
+        self.sampling = generator.sampling
+        self.guard = generator.guard
+        self.callbacks: list[L.Callback] = []
+        self.cancel = threading.Event()
+        self._weights: dict[str, torch.Tensor] = {}
+
+    def generate(
+        self,
+        prefixes: list[list[int]],
+        num_samples: int,
+        max_new_tokens: int | Sequence[int] | None = None,
+        greedy: bool = False,
+    ) -> list[list[Completion]]:
+        if self.cancel.is_set():
+            raise SamplingCancelled("the run stopped while a round was being sampled")
+        return self.generator.generate(prefixes, num_samples, max_new_tokens, greedy)
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Push the policy's weights now (every round: `generator.sync_every` applies to sequential rounds)."""
+        self._weights = trainable_weights(policy)
+        self.generator.push_weights()
+
+    def reseed(self, round_seed: int) -> None:
+        self.generator.reseed(round_seed)
+
+    def use_threads(self, threads: int) -> None:
+        """The engine process's CPU threads while it samples beside the trainer."""
+        self.generator.engine.set_threads(threads)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return dict(self._weights)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Push a checkpoint's snapshot: the policy's trainable parameters hold it during the push, then get their
+        own values back."""
+        params = dict(self.generator.policy.named_parameters(remove_duplicate=False))
+        current = {name: params[name].detach().clone() for name in weights}
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+        try:
+            self.generator.push_weights()
+        finally:
+            for name, tensor in current.items():
+                params[name].copy_(tensor)
+        self._weights = {name: tensor.detach().clone() for name, tensor in weights.items()}
+
+
+def trainable_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies of the policy's trainable parameters, by name."""
+    return {
+        name: p.detach().to("cpu", copy=True)
+        for name, p in policy.named_parameters(remove_duplicate=False)
+        if p.requires_grad
+    }
 
 
 class VLLMRoundHooks(L.Callback):
@@ -327,33 +385,6 @@ class VLLMRoundHooks(L.Callback):
 def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def _load_weights(model: nn.Module, weights: list) -> None:
-    model.load_weights(weights)
-
-
-def _repack_tied_weights(model: nn.Module) -> None:
-    """vLLM's CPU build: repack the layers that share another layer's weight (a tied LM head).
-
-    The reload repacks the layers whose checkpoint names arrived; a tied `lm_head` has none (its weight is
-    `embed_tokens.weight`), so it would keep the GEMM handle packed from the embeddings it was built with and
-    score with stale embeddings after a full fine-tuning push. Re-running its `process_weights_after_loading`
-    packs the current values.
-    """
-    seen: set[int] = set()
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        method = getattr(module, "quant_method", None)
-        if weight is None or method is None:
-            continue
-        if id(weight) in seen:
-            method.process_weights_after_loading(module)
-        seen.add(id(weight))
-
-
-def _parameter_names(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters()]
 
 
 configures(VLLMGenerator, SamplingConfig, VLLMSettings, VLLMSourceSettings)

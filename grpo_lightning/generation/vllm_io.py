@@ -446,6 +446,13 @@ def launcher_env(local_rank: int) -> Iterator[None]:
         "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
         "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
     }
+    with environment(values):
+        yield
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set while the block runs, then put back as they were."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -195,12 +195,15 @@ class Evaluator(L.Callback):
     def after_round(self, trainer: L.Trainer, pl_module: L.LightningModule, last_round: bool = False) -> None:
         """Called by the rollout loop at the end of every round, once the next round is sampled; `last_round`:
         the run ends after this round before `trainer.max_epochs` (its token budget is spent)."""
+        if self.is_due(trainer, pl_module, last_round):
+            self.evaluate(trainer)
+
+    def is_due(self, trainer: L.Trainer, pl_module: L.LightningModule, last_round: bool = False) -> bool:
+        """Whether `after_round` evaluates now: every `every_n_rounds` rounds and after the last, unless the
+        weights blew up (nothing worth scoring, or logging)."""
         rounds_done = trainer.current_epoch + 1
         last = last_round or (trainer.max_epochs is not None and rounds_done >= trainer.max_epochs)
-        if pl_module.diverged:  # blown-up weights: nothing worth scoring (or logging)
-            return
-        if self.enabled and (rounds_done % self.every_n_rounds == 0 or last):
-            self.evaluate(trainer)
+        return self.enabled and not pl_module.diverged and (rounds_done % self.every_n_rounds == 0 or last)
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer) -> dict[str, float]:

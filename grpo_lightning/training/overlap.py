@@ -140,7 +140,7 @@ class BackgroundSampling:
 
     def _run(self, work: Callable[[Generator, Any], Any]) -> None:
         if self.share is not None:
-            torch.set_num_threads(self.share.sampler)  # this thread's own OpenMP count
+            self.engine.use_threads(self.share.sampler)  # this thread's own OpenMP count, or the engine process's
         try:
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 self._result = work(self.engine, self.group)

@@ -206,8 +206,11 @@ class RolloutLoop(L.Callback):
         elif more and not trainer.should_stop:  # a graceful stop, the token budget or the non-finite guard ends here
             self.produce(trainer, pl_module, next_round)
         if self.evaluator is not None:
-            if not more or trainer.should_stop:  # no next round synced the engine: give it the weights just trained
-                self.generator.push_weights()  # engines with their own copy (vLLM)
+            # The engine holds older weights when no next round synced it, or when rounds overlap (it holds the
+            # weights this round started from): give engines with their own copy (vLLM) the weights just trained.
+            stale_engine = not more or trainer.should_stop or self.background is not None
+            if stale_engine and self.evaluator.is_due(trainer, pl_module, last_round=spent):
+                self.generator.push_weights()
             self.evaluator.after_round(trainer, pl_module, last_round=spent)
 
     def budget_spent(self) -> bool:
