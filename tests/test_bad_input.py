@@ -142,8 +142,8 @@ CONFIG_MISTAKES = [
     ("negative staleness bound", ["rollout.max_staleness=-1"], ["rollout.max_staleness must be >= 0"]),
     (
         "overlap with vLLM",
-        ["generator=vllm", "rollout.max_staleness=1"],
-        ["rollout.max_staleness=1: generator=vllm cannot sample the next round beside the trainer"],
+        ["generator=vllm", "rollout.max_staleness=1", "generator.engine_process=false"],
+        ["rollout.max_staleness=1 with generator=vllm needs generator.engine_process=true"],
     ),
     (
         "overlap with HF generate",

@@ -158,7 +158,7 @@ def shared_backend(session_engine, monkeypatch):
 
     def llm(**kwargs):
         assert not kwargs.get("enable_lora"), "the session engine has no LoRA: lora_sync=adapter needs its own"
-        return gen.engine
+        return gen.engine.llm
 
     backend = SimpleNamespace(LLM=llm, SamplingParams=real.SamplingParams, LoRARequest=real.LoRARequest, platform="cpu")
     monkeypatch.setattr(vllm_generation, "import_vllm", lambda: backend)
@@ -276,8 +276,8 @@ def test_top_k_and_top_p_sample_from_and_report_the_truncated_distribution(engin
 
 def test_detokenize_off_returns_ids_without_text(engine, tokenizer):
     policy, gen = engine
-    params = gen._sampling_params(2, max_tokens=8, greedy=False)
-    (out,) = gen.engine.generate([{"prompt_token_ids": _prompts(tokenizer)[0]}], params, use_tqdm=False)
+    params = gen.engine.sampling_params(2, max_tokens=8, greedy=False)
+    (out,) = gen.engine.llm.generate([{"prompt_token_ids": _prompts(tokenizer)[0]}], params, use_tqdm=False)
     assert [len(o.token_ids) for o in out.outputs] == [8, 8]
     assert all(o.text == "" for o in out.outputs)  # nothing spent on detokenising: the variants use ids
 
@@ -399,3 +399,69 @@ def test_a_missing_sync_fires_the_stale_weight_guard(tmp_path, engine, shared_ba
     with pytest.raises(RuntimeError, match="rollout/logp_diff_mean = .* exceeds generator.logp_diff_threshold"):
         run.fit()
     assert run.trainer.current_epoch == 1  # round 0 was fresh; round 1 sampled round 0's weights
+
+
+# ---- the engine in a process of its own (generator.engine_process), and overlapped rounds with it -------------
+def test_an_engine_process_receives_every_push(llama_dir, tokenizer):
+    """Merged weights travel to the engine process in shared memory and land: its log-probs are the trainer's
+    after each push, and stale before it."""
+    from grpo_lightning.generation.vllm import VLLMGenerator
+    from grpo_lightning.generation.vllm_engine import EngineProcess
+    from grpo_lightning.models.lora import LoraSettings, wrap_policy
+
+    _vllm()
+    policy, _ = wrap_policy(_load(llama_dir), LoraSettings(r=8, alpha=16), needs_reference=False)
+    gen = VLLMGenerator(
+        policy, tokenizer, num_generations=4, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, engine_process=True,
+        **ENGINE,
+    )  # fmt: skip
+    assert isinstance(gen.engine, EngineProcess)
+    prefixes = _prompts(tokenizer)
+    for seed in (3, 4):
+        _randomize_lora_b(policy, seed=seed)
+        stale = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
+        gen.sync_weights(policy)
+        fresh = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
+        print(f"engine process, push {seed - 2}: logp_diff_mean {stale:.3g} before, {fresh:.3g} after")
+        assert fresh <= LOGP_DIFF_BOUND < 0.05 < stale
+    gen.engine.close()
+
+
+def _recorded_run(tmp_path, llama_dir, *overrides):
+    from tests.test_overlap import RoundRecorder
+
+    run = build_run(_cfg(tmp_path, llama_dir, "trainer.max_epochs=3", *overrides))
+    recorder = RoundRecorder()
+    run.trainer.callbacks.append(recorder)
+    metrics = run.fit()
+    return recorder, metrics, run
+
+
+def test_at_lr0_overlapped_vllm_rounds_sample_exactly_the_sequential_rollouts(tmp_path, llama_dir):
+    """Truth: the sequential run with its engine in a process of its own. At lr=0 the weights never change, and
+    both runs seed the engine process with each round's seed and give it the same threads."""
+    _vllm()
+    common = [
+        "generator.engine_process=true", "optim.optimizer.lr=0", "eval.enabled=false",
+        f"rollout.sampler_threads={torch.get_num_threads()}", "variant=storpo", "variant.min_steps=1",
+    ]  # fmt: skip
+    sequential, _, _ = _recorded_run(tmp_path / "sequential", llama_dir, *common)
+    overlapped, metrics, _ = _recorded_run(tmp_path / "overlapped", llama_dir, *common, "rollout.max_staleness=1")
+    assert len(sequential.rounds) == len(overlapped.rounds) == 3
+    for k, (a, b) in enumerate(zip(sequential.rounds, overlapped.rounds, strict=True)):
+        assert a == b, f"round {k}"
+    assert overlapped.staleness == [0.0, 1.0, 1.0]
+    assert len({tuple(ids) for round_ in overlapped.rounds for ids, *_ in round_}) > 3  # sampled, not repeated
+
+
+def test_an_overlapped_vllm_run_learns_the_weights_into_its_evaluation(tmp_path, llama_dir, tokenizer):
+    """Overlapped rounds train (the weights move), every round after the first is one step stale, and the
+    evaluation after the last round scores the trained weights: the engine holds them afterwards."""
+    _vllm()
+    recorder, metrics, run = _recorded_run(tmp_path, llama_dir, "rollout.max_staleness=1", "eval.num_problems=4")
+    assert recorder.staleness == [0.0, 1.0, 1.0] and metrics["rollout/staleness"] == 1.0
+    assert "eval/gsm8k_accuracy" in metrics
+    policy = run.module.policy.eval()
+    assert any(not torch.equal(p, recorder.weights[0][n]) for n, p in policy.named_parameters() if p.requires_grad)
+    prefixes = _prompts(tokenizer)
+    assert _logp_diff(policy, prefixes, run.rollout_loop.generator.generate(prefixes, num_samples=4)) <= LOGP_DIFF_BOUND

@@ -186,6 +186,15 @@ def test_kv_cache_below_one_sequence_is_refused_before_the_engine_is_built(lora_
         ("cpu", ["generator.dtype=fp8"], "generator.dtype must be one of auto, float32, bfloat16, float16"),
         ("cpu", ["generator.max_model_len=1"], "generator.max_model_len must be >= 2 or null (got 1)"),
         ("cpu", ["generator.engine_kwargs=3"], "generator.engine_kwargs must be a mapping"),
+        ("cpu", ["generator.engine_process=maybe"], "generator.engine_process must be true or false"),
+        (
+            "cpu",
+            ["rollout.max_staleness=1", "generator.engine_process=false"],
+            "rollout.max_staleness=1 with generator=vllm needs generator.engine_process=true",
+        ),
+        ("cpu", ["rollout.max_staleness=1", "generator.sync_every=2"], "generator.sync_every=2 would not apply"),
+        ("cuda", ["rollout.max_staleness=1"], "rollout.max_staleness=1: the engine samples while the round trains"),
+        ("cuda", ["rollout.max_staleness=1", "generator.enable_sleep_mode=true"], "so it cannot sleep"),
     ],
 )
 def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch, platform, overrides, words):
@@ -207,6 +216,10 @@ def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cpu")
     validation.validate(make_cfg(tmp_path, ["generator=vllm", "variant=storpo"]))
+    overlapped = make_cfg(tmp_path, ["generator=vllm", "rollout.max_staleness=1"])
+    validation.validate(overlapped)
+    assert overlapped.generator.engine_process is True  # its own process by default when rounds overlap
+    assert make_cfg(tmp_path, ["generator=vllm"]).generator.engine_process is False
 
 
 def test_installed_platform_reads_the_package_metadata(monkeypatch):
