@@ -654,3 +654,9 @@ def test_waking_without_memory_names_gpu_memory_utilization(lora_policy, tokeniz
     backend.engines[0].wake_up = lambda tags=None: (_ for _ in ()).throw(RuntimeError("engine core died"))
     with pytest.raises(RuntimeError, match="engine core died"):  # not a memory error: passed through as is
         gen.generate([[3]], num_samples=2)
+
+
+def test_an_engine_in_the_training_process_cannot_sample_beside_it(lora_policy, tokenizer, backend):
+    gen = make_generator(lora_policy, tokenizer, backend)
+    with pytest.raises(ValueError, match=r"^rollout.max_staleness >= 1 .* set generator.engine_process=true"):
+        gen.background_copy()

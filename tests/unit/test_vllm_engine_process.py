@@ -111,3 +111,28 @@ def test_an_engine_process_that_dies_is_a_clear_error(policy, tokenizer):
     os.kill(gen.engine._process.pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match=r"exited with code -9"):
         gen.generate(PREFIXES, 2)
+
+
+def test_the_overlap_snapshot_keeps_the_pushed_weights_and_gives_the_policy_its_own_back(policy, tokenizer):
+    """`VLLMSnapshot`: what a checkpoint keeps is the trainable weights as pushed; pushing a checkpoint's snapshot
+    back borrows the policy's parameters for the push and leaves them as they were."""
+    from grpo_lightning.generation.base import SamplingCancelled
+
+    gen = generator(policy, tokenizer, FakeBackend(len(tokenizer)), engine_process=True)
+    snapshot = gen.background_copy()
+    trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    snapshot.sync_weights(policy)
+    pushed = snapshot.weights()
+    assert pushed.keys() == trainable.keys() and all(torch.equal(pushed[n], p) for n, p in trainable.items())
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    with torch.no_grad():
+        for p in trainable.values():
+            p.add_(1.0)  # training moves the policy; the snapshot keeps what was pushed
+    moved = {n: p.detach().clone() for n, p in trainable.items()}
+    assert all(torch.equal(snapshot.weights()[n], before[n]) for n in trainable)
+    snapshot.load_weights(before)
+    assert all(torch.equal(p, moved[n]) for n, p in trainable.items())
+    assert gen.pushes == 2 and snapshot.generate(PREFIXES, 2) == gen.generate(PREFIXES, 2)
+    snapshot.cancel.set()
+    with pytest.raises(SamplingCancelled):
+        snapshot.generate(PREFIXES, 2)
