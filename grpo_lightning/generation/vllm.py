@@ -35,6 +35,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -51,9 +52,10 @@ from grpo_lightning.generation.base import (
 )
 from grpo_lightning.generation.hf import _eos_token_ids
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
-from grpo_lightning.generation.vllm_engine import EngineProcess, EngineSpec, LocalEngine
+from grpo_lightning.generation.vllm_engine import CompletionRequest, EngineProcess, EngineSpec, LocalEngine
 from grpo_lightning.generation.vllm_io import (
     VLLMSettings,
+    build_requests,
     check_kv_cache,
     engine_cuda_index,
     engine_kwargs,
@@ -62,6 +64,7 @@ from grpo_lightning.generation.vllm_io import (
     import_vllm,
     installed_platform,
     is_memory_error,
+    sampling_kwargs,
 )
 from grpo_lightning.generation.vllm_weights import (
     check_name_mapping,
@@ -156,8 +159,6 @@ class VLLMGenerator(Generator):
             platform=self.platform,
             device_index=self.device_index,
             real_gpu=self.real_gpu,
-            sampling=self.sampling,
-            eos_token_ids=tuple(self.eos_token_ids),
         )
         self.engine_process = engine_process
         self.engine: LocalEngine | EngineProcess
@@ -217,10 +218,16 @@ class VLLMGenerator(Generator):
         greedy: bool = False,
     ) -> list[list[Completion]]:
         budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
+        prompts, params = build_requests(prefixes, budgets, partial(self.request_kwargs, num_samples, greedy=greedy))
+        request = CompletionRequest(prompts, params, num_samples, budgets, tuple(self.eos_token_ids), self.lora_request)
         self.wake_up(_TAGS)
         if not self.weights_valid:
             raise RuntimeError("generator.sleep_level=2 discarded the engine's weights and none were pushed since")
-        return self.engine.complete(prefixes, budgets, num_samples, greedy, self.lora_request)
+        return self.engine.complete(request)
+
+    def request_kwargs(self, num_samples: int, max_tokens: int, greedy: bool) -> dict:
+        """The `SamplingParams` arguments of one prompt's request (vllm_io.sampling_kwargs)."""
+        return sampling_kwargs(self.sampling, num_samples, max_tokens, greedy, self.eos_token_ids)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Push the policy's weights on every `sync_every`-th call (one call per round, round 0 included)."""

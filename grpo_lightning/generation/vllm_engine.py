@@ -36,18 +36,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.generation.vllm_io import (
     CPU_KV_CACHE_GIB,
     VLLMSettings,
-    build_requests,
     environment,
     import_vllm,
     is_memory_error,
     launcher_env,
     parse_outputs,
     process_state_kept,
-    sampling_kwargs,
 )
 from grpo_lightning.generation.vllm_weights import chunked
 from grpo_lightning.types import Completion
@@ -74,8 +71,20 @@ class EngineSpec:
     """The engine's CUDA device (0 on the CPU)."""
     real_gpu: bool
     """Whether engine calls run under `torch.cuda.device(device_index)` (False on the CPU and with a fake backend)."""
-    sampling: SamplingConfig
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """One `generate` call as the engine takes it, picklable: token-id prompts, each prompt's `SamplingParams`
+    arguments (vllm_io.sampling_kwargs; prompts with the same budget share one dict), what the answers are parsed
+    with, and the adapter to sample with, (name, id, folder), with `generator.lora_sync=adapter`."""
+
+    prompts: list[dict[str, list[int]]]
+    params: list[dict[str, Any]]
+    num_samples: int
+    budgets: list[int]
     eos_token_ids: tuple[int, ...]
+    lora: tuple[str, int, str] | None = None
 
 
 class LocalEngine:
@@ -113,24 +122,14 @@ class LocalEngine:
     def parameter_names(self) -> list[str]:
         return self._call(lambda: self.llm.apply_model(_parameter_names))[0]
 
-    def complete(
-        self,
-        prefixes: list[list[int]],
-        budgets: list[int],
-        num_samples: int,
-        greedy: bool,
-        lora: tuple[str, int, str] | None = None,
-    ) -> list[list[Completion]]:
-        """`num_samples` completions of each prefix within its budget; `lora`: (name, id, folder) of the adapter
-        to sample with (`generator.lora_sync=adapter`)."""
-        prompts, params = build_requests(prefixes, budgets, partial(self.sampling_params, num_samples, greedy=greedy))
-        lora_request = self.backend.LoRARequest(*lora) if lora is not None else None
+    def complete(self, request: CompletionRequest) -> list[list[Completion]]:
+        """The request's completions, result[i][j] sample j of prefix i (vllm_io.parse_outputs)."""
+        by_id: dict[int, Any] = {}  # one SamplingParams per distinct kwargs object (build_requests shares them)
+        params = [by_id.setdefault(id(k), self.backend.SamplingParams(**k)) for k in request.params]
+        lora_request = self.backend.LoRARequest(*request.lora) if request.lora is not None else None
+        prompts = request.prompts
         outputs = self._call(lambda: self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request))
-        return parse_outputs(outputs, num_samples, budgets, self.spec.eos_token_ids)
-
-    def sampling_params(self, num_samples: int, max_tokens: int, greedy: bool):
-        kwargs = sampling_kwargs(self.spec.sampling, num_samples, max_tokens, greedy, self.spec.eos_token_ids)
-        return self.backend.SamplingParams(**kwargs)
+        return parse_outputs(outputs, request.num_samples, request.budgets, request.eos_token_ids)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write (checkpoint name, tensor) pairs into the engine's model, in place.
@@ -207,15 +206,8 @@ class EngineProcess:
     def parameter_names(self) -> list[str]:
         return self._request("parameter_names")
 
-    def complete(
-        self,
-        prefixes: list[list[int]],
-        budgets: list[int],
-        num_samples: int,
-        greedy: bool,
-        lora: tuple[str, int, str] | None = None,
-    ) -> list[list[Completion]]:
-        return self._request("complete", prefixes, budgets, num_samples, greedy, lora)
+    def complete(self, request: CompletionRequest) -> list[list[Completion]]:
+        return self._request("complete", request)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """CPU copies of the tensors go to the child in shared memory (never the policy's own storage: moving it
