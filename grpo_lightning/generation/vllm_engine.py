@@ -125,7 +125,10 @@ class LocalEngine:
     def complete(self, request: CompletionRequest) -> list[list[Completion]]:
         """The request's completions, result[i][j] sample j of prefix i (vllm_io.parse_outputs)."""
         by_id: dict[int, Any] = {}  # one SamplingParams per distinct kwargs object (build_requests shares them)
-        params = [by_id.setdefault(id(k), self.backend.SamplingParams(**k)) for k in request.params]
+        for kwargs in request.params:
+            if id(kwargs) not in by_id:
+                by_id[id(kwargs)] = self.backend.SamplingParams(**kwargs)
+        params = [by_id[id(kwargs)] for kwargs in request.params]
         lora_request = self.backend.LoRARequest(*request.lora) if request.lora is not None else None
         prompts = request.prompts
         outputs = self._call(lambda: self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request))

@@ -340,6 +340,7 @@ def test_generate_sends_one_request_per_prefix_with_its_budget(lora_policy, toke
     (_, prompts, params, lora_request) = backend.calls("generate")[-1]
     assert prompts == [{"prompt_token_ids": [11, 12]}, {"prompt_token_ids": [11, 12, 30]}, {"prompt_token_ids": [40]}]
     assert [p.kwargs["max_tokens"] for p in params] == [4, 3, 4]
+    assert params[0] is params[2] and params[1] is not params[0]  # one SamplingParams per budget
     assert all(p.kwargs["n"] == 3 and p.kwargs["temperature"] == 0.5 for p in params)
     assert params[0].kwargs["stop_token_ids"] == gen.eos_token_ids and lora_request is None
     # counting_responder: sample j of prefix ending in x is x + 10(j+1) + t, log-prob -0.1(t+1), cut by length.
