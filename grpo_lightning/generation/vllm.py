@@ -248,7 +248,7 @@ class VLLMGenerator(Generator):
         if not self.engine_process:
             raise ValueError(
                 "rollout.max_staleness >= 1 samples the next round beside the trainer, which a vLLM engine in the "
-                "training process cannot do: set generator.engine_process=true (or null) or rollout.max_staleness=0"
+                "training process cannot do: set generator.engine_process=true or rollout.max_staleness=0"
             )
         return VLLMSnapshot(self)
 

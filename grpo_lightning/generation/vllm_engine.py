@@ -194,7 +194,6 @@ class EngineProcess:
         ctx = torch.multiprocessing.get_context("spawn")  # registers the shared-memory tensor reductions
         self._conn, child_conn = ctx.Pipe()
         self._lock = threading.Lock()
-        self.threads = threads
         with environment({"OMP_NUM_THREADS": str(threads)} if threads else {}):  # read once, at the child's start
             self._process = ctx.Process(
                 target=_serve, args=(child_conn, spec, backend, threads), name="vllm-engine", daemon=False
@@ -232,7 +231,6 @@ class EngineProcess:
 
     def set_threads(self, threads: int) -> None:
         self._request("set_threads", threads)
-        self.threads = threads
 
     def close(self) -> None:
         self._finalizer()
