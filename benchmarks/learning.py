@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/learning"))
     parser.add_argument("--format-target", type=float, help="also: time until the training format rate reaches it")
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
-    parser.add_argument("--sequential", action="store_true", help="one run at a time (default: a seed's arms at once)")
+    parser.add_argument("--sequential", action="store_true", help="one run at a time (default: one a core)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args(argv)
     arms = args.arms or (["trained"] if args.control_from_start else ["trained", "control"])
@@ -214,14 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    run_dirs: dict[str, dict[int, Path]] = {arm: {} for arm in arms}
-    for seed in args.seeds:
-        jobs = [
-            Job(f"{arm}_seed{seed}", (f"experiment={args.experiment}", f"seed={seed}", *ARMS[arm], *args.overrides))
-            for arm in arms
-        ]
-        for name, run_dir in run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force).items():
-            run_dirs[name.rsplit("_seed", 1)[0]][seed] = run_dir
+    jobs = [
+        Job(f"{arm}_seed{seed}", (f"experiment={args.experiment}", f"seed={seed}", *ARMS[arm], *args.overrides))
+        for seed in args.seeds
+        for arm in arms
+    ]
+    run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
+    run_dirs = {arm: {seed: args.out / f"{arm}_seed{seed}" for seed in args.seeds} for arm in arms}
     text = report(args.experiment, args.seeds, run_dirs, args.control_from_start)
     if args.format_target is not None:
         text += "\n\n" + format_time_to_target(run_dirs, args.format_target)

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=None, help=f"pass@1 for tokens-to-target ({DEFAULT_TARGET})")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/variants"))
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
-    parser.add_argument("--sequential", action="store_true", help="one run at a time (default: a seed's both)")
+    parser.add_argument("--sequential", action="store_true", help="one run at a time (default: one a core)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both variants")
     args = parser.parse_args(argv)
     shared = pinned(args.budget, args.eval_every)
@@ -205,9 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     header = f"experiment={args.experiment}, seeds {args.seeds}, extra overrides {args.overrides}\n\n{settings}"
     print(header, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    for seed in args.seeds:
-        jobs = [Job(f"{v}_seed{seed}", (*overrides[v], f"seed={seed}")) for v in VARIANTS]
-        run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
+    jobs = [Job(f"{v}_seed{seed}", (*overrides[v], f"seed={seed}")) for seed in args.seeds for v in VARIANTS]
+    run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
     points = {v: [eval_points(read_run(args.out / f"{v}_seed{s}")) for s in args.seeds] for v in VARIANTS}
     walls = {(v, s): wall_seconds(args.out / f"{v}_seed{s}") for v in VARIANTS for s in args.seeds}
     target, note = (args.target, "--target") if args.target is not None else (default_target(points), DEFAULT_TARGET)

@@ -15,8 +15,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -62,48 +64,91 @@ def wall_seconds(run_dir: Path) -> float:
     return float(path.read_text()) if path.is_file() else float("nan")
 
 
-def run_jobs(out: Path, jobs: list[Job], parallel: bool, force: bool = False) -> dict[str, Path]:
-    """Run every job not finished before (all at once with `parallel`, one thread each; else one after the
-    other) and return each job's folder by name. Exits naming the log of a run that failed.
+def cli_command(job: Job, run_dir: Path) -> list[str]:
+    """The command that trains `job` into `run_dir`: the CLI in a subprocess, without the progress bar."""
+    return [
+        sys.executable,
+        "-m",
+        "grpo_lightning",
+        *job.overrides,
+        f"hydra.run.dir={run_dir}",
+        "trainer.enable_progress_bar=false",
+    ]
 
-    `parallel` suits a small CPU: a 135M model's matrices are too small to keep several threads busy, so runs
-    side by side with one thread each finish sooner than one after the other, and they see the same load.
+
+def run_jobs(
+    out: Path,
+    jobs: list[Job],
+    parallel: bool,
+    force: bool = False,
+    slots: int | None = None,
+    command: Callable[[Job, Path], list[str]] = cli_command,
+) -> dict[str, Path]:
+    """Run every job not finished before and return each job's folder by name. Exits naming the log of a run
+    that failed, after stopping the runs still going (an unfinished folder is started over next time).
+
+    `parallel`: up to `slots` runs at once (default: the CPU count), one thread each, the rest queued in order;
+    else one after the other, each with every thread. Parallel suits a small CPU: a 135M model's matrices are
+    too small to keep several threads busy, so runs side by side with one thread each finish sooner than one
+    after the other, and they see the same load. Hand a benchmark's runs over all seeds in one call, so no core
+    waits for a seed's last run.
     """
-    started = []
+    slots = max(1, slots or os.cpu_count() or 1) if parallel else 1
+    queue = []
     for job in jobs:
         run_dir = out / job.name
         if finished(run_dir) and not force:
             print(f"{job.name}: finished before, reading it", flush=True)
             continue
-        if run_dir.exists():  # unfinished or forced: start over
-            shutil.rmtree(run_dir)
-        cmd = [sys.executable, "-m", "grpo_lightning", *job.overrides]
-        cmd += [f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false"]
-        env = dict(os.environ, OMP_NUM_THREADS="1") if parallel else os.environ.copy()
-        print(f"{job.name}: {' '.join(cmd[1:])}", flush=True)
-        log = open(out / f"{job.name}.log", "w")  # noqa: SIM115 - closed when the run ends
-        started.append((run_dir, log, time.perf_counter(), subprocess.Popen(cmd, stdout=log, stderr=log, env=env)))
-        if not parallel:
-            _wait_all(started[-1:])
-    if parallel:
-        _wait_all(started)
+        queue.append((job, run_dir))
+    running: list[_Run] = []
+    try:
+        while queue or running:
+            while queue and len(running) < slots:
+                running.append(_start(out, *queue.pop(0), command, one_thread=parallel))
+            time.sleep(0.5)
+            for run in [r for r in running if r.proc.poll() is not None]:
+                running.remove(run)
+                run.finish()
+    except BaseException:
+        for run in running:
+            run.stop()
+        raise
     return {job.name: out / job.name for job in jobs}
 
 
-def _wait_all(started: list) -> None:
-    """Wait for the runs, timing each to its own end; exit at the first that failed."""
-    pending = list(started)
-    while pending:
-        for entry in list(pending):
-            run_dir, log, start, proc = entry
-            if proc.poll() is None:
-                continue
-            pending.remove(entry)
-            log.close()
-            if proc.returncode != 0:
-                raise SystemExit(f"{run_dir.name} failed (exit {proc.returncode}); see {log.name}")
-            elapsed = time.perf_counter() - start
-            (run_dir / "wall_s.txt").write_text(f"{elapsed:.1f}\n")
-            print(f"{run_dir.name}: done in {elapsed:.0f} s", flush=True)
-        if pending:
-            time.sleep(0.5)
+@dataclass
+class _Run:
+    run_dir: Path
+    log: IO[str]
+    start: float
+    proc: subprocess.Popen
+
+    def finish(self) -> None:
+        """Record the wall time of a run that ended; exit naming its log if it failed."""
+        self.log.close()
+        if self.proc.returncode != 0:
+            raise SystemExit(f"{self.run_dir.name} failed (exit {self.proc.returncode}); see {self.log.name}")
+        elapsed = time.perf_counter() - self.start
+        (self.run_dir / "wall_s.txt").write_text(f"{elapsed:.1f}\n")
+        print(f"{self.run_dir.name}: done in {elapsed:.0f} s", flush=True)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        print(f"{self.run_dir.name}: stopped, unfinished", flush=True)
+
+
+def _start(out: Path, job: Job, run_dir: Path, command: Callable[[Job, Path], list[str]], one_thread: bool) -> _Run:
+    if run_dir.exists():  # unfinished or forced: start over
+        shutil.rmtree(run_dir)
+    cmd = command(job, run_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1") if one_thread else os.environ.copy()
+    print(f"{job.name}: {' '.join(cmd[1:])}", flush=True)
+    log = open(out / f"{job.name}.log", "w")  # noqa: SIM115 - closed when the run ends
+    return _Run(run_dir, log, time.perf_counter(), subprocess.Popen(cmd, stdout=log, stderr=log, env=env))

@@ -1,11 +1,14 @@
 """The learning benchmarks (benchmarks/learning.py, benchmarks/variants.py): their pinned configs, composed as a
 run composes them, and their tables on synthetic run folders whose metrics are written here (TensorBoard event
-files), against hand-computed numbers. The overlap benchmark's two modes (benchmarks/overlap.py), composed."""
+files), against hand-computed numbers. The overlap benchmark's two modes (benchmarks/overlap.py), composed. The
+job runner (grpo_lightning/app/jobs.py) on fake runs that record when they ran."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from benchmarks import learning, overlap, variants
 from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, tokens_to_target
-from grpo_lightning.app.jobs import CONF_DIR, compose, value
+from grpo_lightning.app.jobs import CONF_DIR, Job, compose, run_jobs, value
 
 RECIPES = ["learn_cpu"] + (["learn_arith"] if (CONF_DIR / "experiment" / "learn_arith.yaml").is_file() else [])
 NAN = math.nan
@@ -275,3 +278,56 @@ def test_default_target_is_halfway_to_the_lower_mean_final(tmp_path):
     points = {v: [eval_points(read_run(tmp_path / f"{v}_seed{s}")) for s in (0, 1)] for v in variants.VARIANTS}
     # start 0.125 everywhere; mean finals grpo 0.5, storpo (0.625 + 0.25) / 2 = 0.4375
     assert variants.default_target(points) == 0.125 + (0.4375 - 0.125) / 2
+
+
+# ---- running the jobs -----------------------------------------------------------------------------------------------
+def _fake_run(job, run_dir):
+    """A job that records when it ran and the threads it was given, then finishes as a run does (or fails)."""
+    code = (
+        "import json, os, sys, time; d = sys.argv[1]; os.makedirs(d); start = time.time(); time.sleep(0.6); "
+        "json.dump({'start': start, 'end': time.time(), 'threads': os.environ.get('OMP_NUM_THREADS')}, "
+        "open(os.path.join(d, 'final_metrics.json'), 'w')); sys.exit(3 if 'fail' in d else 0)"
+    )
+    return [sys.executable, "-c", code, str(run_dir)]
+
+
+def _spans(out, names):
+    return {n: json.loads((out / n / "final_metrics.json").read_text()) for n in names}
+
+
+def test_parallel_jobs_run_a_slot_each_one_thread_each_and_finished_ones_are_read(tmp_path, capsys):
+    names = [f"trained_seed{s}" for s in range(5)]
+    (tmp_path / "trained_seed4").mkdir()
+    (tmp_path / "trained_seed4" / "final_metrics.json").write_text('{"start": 0, "end": 0, "threads": "before"}')
+    dirs = run_jobs(tmp_path, [Job(n, ()) for n in names], parallel=True, slots=2, command=_fake_run)
+    assert dirs == {n: tmp_path / n for n in names}
+    spans = _spans(tmp_path, names[:4])
+    # brute force: at no moment do more than 2 runs overlap, and the queue kept both slots busy (4 runs of
+    # 0.6 s in 2 slots take two turns, not four)
+    events = sorted([(s["start"], 1) for s in spans.values()] + [(s["end"], -1) for s in spans.values()])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak == 2
+    assert max(s["end"] for s in spans.values()) - min(s["start"] for s in spans.values()) < 4 * 0.6
+    assert {s["threads"] for s in spans.values()} == {"1"}
+    assert all((tmp_path / n / "wall_s.txt").is_file() for n in names[:4])
+    assert _spans(tmp_path, names[4:])[names[4]]["threads"] == "before"  # read back, not rerun
+    assert "trained_seed4: finished before, reading it" in capsys.readouterr().out
+
+
+def test_sequential_jobs_run_one_at_a_time_with_every_thread(tmp_path):
+    names = ["grpo_seed0", "storpo_seed0"]
+    run_jobs(tmp_path, [Job(n, ()) for n in names], parallel=False, command=_fake_run)
+    a, b = _spans(tmp_path, names).values()
+    assert a["end"] <= b["start"]
+    assert {a["threads"], b["threads"]} == {os.environ.get("OMP_NUM_THREADS")}
+
+
+def test_a_failed_job_exits_naming_its_log_and_stops_the_others(tmp_path):
+    with pytest.raises(SystemExit, match=r"fail_seed0 failed \(exit 3\); see .*fail_seed0\.log"):
+        run_jobs(tmp_path, [Job("fail_seed0", ()), Job("slow_seed0", ())], parallel=True, slots=2,
+                 command=lambda job, d: _fake_run(job, d) if "fail" in job.name else [sys.executable, "-c",
+                 "import time; time.sleep(60)"])  # fmt: skip
+    assert not (tmp_path / "slow_seed0" / "wall_s.txt").exists()
