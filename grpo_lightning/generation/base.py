@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,7 +139,21 @@ class BackgroundEngine(Generator):
 
     @abstractmethod
     def load_weights(self, weights: dict[str, Tensor]) -> None:
-        """`weights()` of an earlier run back into the snapshot."""
+        """`weights()` of an earlier run back into the snapshot (checked first with `check_saved_weights`)."""
+
+
+def check_saved_weights(trainable: Iterable[str], weights: dict[str, Tensor]) -> None:
+    """A checkpoint's sampler snapshot must hold exactly the trainable parameters of this run's policy: one line
+    naming the first that differs (a checkpoint of another model or adapter), before anything is copied."""
+    names = set(trainable)
+    missing, unknown = sorted(names - weights.keys()), sorted(weights.keys() - names)
+    if missing:
+        raise ValueError(f"ckpt_path: the checkpoint's sampler weights lack {missing[0]} (another model?)")
+    if unknown:
+        raise ValueError(
+            f"ckpt_path: the checkpoint's sampler weights hold {unknown[0]}, which this run does not train "
+            "(another model or adapter?)"
+        )
 
 
 def per_prefix_budgets(max_new_tokens: int | Sequence[int] | None, default: int, num_prefixes: int) -> list[int]:

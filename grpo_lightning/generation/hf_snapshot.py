@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from grpo_lightning.distributed import derive_seed, rank_and_world
-from grpo_lightning.generation.base import BackgroundEngine, SamplingCancelled
+from grpo_lightning.generation.base import BackgroundEngine, SamplingCancelled, check_saved_weights
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.types import Completion
 
@@ -94,10 +94,8 @@ class SnapshotHFGenerator(HFGenerator, BackgroundEngine):
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Weights from `weights()` back into the snapshot (a resumed run)."""
+        check_saved_weights(self.names, weights)
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        missing = sorted(set(self.names) - set(weights))
-        if missing:
-            raise ValueError(f"ckpt_path: the checkpoint's sampler weights lack {missing[0]} (another model?)")
         for name in self.names:
             params[name].copy_(weights[name])
 

@@ -48,6 +48,7 @@ from grpo_lightning.generation.base import (
     Generator,
     SamplingCancelled,
     SamplingConfig,
+    check_saved_weights,
     request_budgets,
 )
 from grpo_lightning.generation.hf import _eos_token_ids
@@ -355,6 +356,7 @@ class VLLMSnapshot(BackgroundEngine):
         """Push a checkpoint's snapshot: the policy's trainable parameters hold it during the push, then get their
         own values back."""
         params = dict(self.generator.policy.named_parameters(remove_duplicate=False))
+        check_saved_weights([name for name, p in params.items() if p.requires_grad], weights)
         current = {name: params[name].detach().clone() for name in weights}
         for name, tensor in weights.items():
             params[name].copy_(tensor)

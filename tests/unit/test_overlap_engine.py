@@ -122,8 +122,11 @@ def test_checkpointed_weights_come_back(policy, tokenizer):
     assert any(not torch.equal(saved[n], w) for n, w in background.weights().items())
     background.load_weights(saved)
     assert all(torch.equal(saved[n], w) for n, w in background.weights().items())
-    with pytest.raises(ValueError, match="ckpt_path"):
+    with pytest.raises(ValueError, match="ckpt_path: the checkpoint's sampler weights lack"):
         background.load_weights({})
+    with pytest.raises(ValueError, match="ckpt_path: the checkpoint's sampler weights hold extra.weight"):
+        background.load_weights({**saved, "extra.weight": torch.zeros(1)})
+    assert all(torch.equal(saved[n], w) for n, w in background.weights().items())  # refused before any copy
 
 
 def test_hf_generate_cannot_sample_beside_the_trainer(policy, tokenizer):

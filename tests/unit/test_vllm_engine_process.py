@@ -132,6 +132,10 @@ def test_the_overlap_snapshot_keeps_the_pushed_weights_and_gives_the_policy_its_
     assert all(torch.equal(snapshot.weights()[n], before[n]) for n in trainable)
     snapshot.load_weights(before)
     assert all(torch.equal(p, moved[n]) for n, p in trainable.items())
+    first = sorted(before)[0]  # a checkpoint of another adapter: one line, before the policy is borrowed
+    with pytest.raises(ValueError, match=f"ckpt_path: the checkpoint's sampler weights lack {first}"):
+        snapshot.load_weights({n: w for n, w in before.items() if n != first})
+    assert all(torch.equal(p, moved[n]) for n, p in trainable.items()) and gen.pushes == 2
     assert gen.pushes == 2 and snapshot.generate(PREFIXES, 2) == gen.generate(PREFIXES, 2)
     snapshot.cancel.set()
     with pytest.raises(SamplingCancelled):
