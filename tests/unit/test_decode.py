@@ -135,3 +135,36 @@ def test_the_hf_engine_samples_inside_the_attention_choice(tiny_model, tokenizer
     monkeypatch.setattr(hf, "attention_backends_for_decoding", recording)
     HFGenerator(tiny_model, tokenizer, num_generations=2, max_new_tokens=3).generate([[1, 2, 3]], 2)
     assert devices == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_finished_rows_leave_the_batch_without_changing_any_row(tiny_model, tokenizer, greedy):
+    """Truth: the same loop keeping every row to the end (`compact=False`). With one token in 12 an EOS, rows
+    finish at many different steps, so the batch is cut several times; each row's tokens are the same and its
+    log-probs agree to float32 rounding (a row's logits come from a batch of another size)."""
+    from grpo_lightning.accel.decode_loop import sample_loop
+    from grpo_lightning.generation.hf import left_pad
+
+    prompts = [tokenizer(t)["input_ids"] for t in ("What is 2 + 2?", "A longer prompt with more words", "Hi")]
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)  # [24, L]
+    eos = list(range(0, len(tokenizer), 12))
+    out = {}
+    for compact in (False, True):
+        rng = torch.Generator().manual_seed(11)
+        cache = new_cache(tiny_model, ids.shape[1] + 24)
+        select, cuts = cache.batch_select_indices, []
+        cache.batch_select_indices = lambda keep, select=select, cuts=cuts: (cuts.append(len(keep)), select(keep))
+        out[compact] = sample_loop(tiny_model, ids, mask, cache, 24, eos, tokenizer.pad_token_id, 1.0,
+                                   greedy=greedy, rng=rng, compact=compact)  # fmt: skip
+        if not greedy:
+            assert bool(cuts) == compact and all(size < 24 for size in cuts), cuts  # cut only when allowed to
+    (full_tokens, full_logprobs), (tokens, logprobs) = out[False], out[True]
+    finished_at = [next((t for t, tok in enumerate(row) if tok in eos), None) for row in full_tokens.tolist()]
+    if not greedy:  # the batch was cut: rows finished at several different steps, some ran to the budget
+        assert len({f for f in finished_at if f is not None}) >= 4 and None in finished_at
+    assert torch.equal(tokens, full_tokens)
+    for row, end in enumerate(finished_at):
+        stop = full_tokens.shape[1] if end is None else end + 1  # up to and with the EOS; after it: pad, log-prob 0
+        assert torch.allclose(logprobs[row, :stop], full_logprobs[row, :stop], atol=1e-4)
+        assert torch.all(tokens[row, stop:] == tokenizer.pad_token_id) and torch.all(logprobs[row, stop:] == 0)
