@@ -60,7 +60,7 @@ def test_both_variants_get_the_same_pinned_settings(experiment):
         assert value(cfg, "generator.num_generations") == 8, name
         assert value(cfg, "generator.temperature") == 0.7, name
         assert value(cfg, "generator.max_new_tokens") == 48, name
-        assert value(cfg, "data.prompts_per_round") == 4, name
+        assert value(cfg, "data.prompts_per_round") == 16, name
         assert value(cfg, "max_tokens_generated") == 12_345, name
         assert value(cfg, "callbacks.rollout_loop.max_tokens_generated") == 12_345, name  # what the loop reads
         assert value(cfg, "eval.every_n_rounds") == 3, name
