@@ -119,6 +119,8 @@ def run_jobs(
 
 @dataclass
 class _Run:
+    """A run started by `run_jobs`: its folder, its log, when it started and its process."""
+
     run_dir: Path
     log: IO[str]
     start: float
@@ -134,6 +136,7 @@ class _Run:
         print(f"{self.run_dir.name}: done in {elapsed:.0f} s", flush=True)
 
     def stop(self) -> None:
+        """End a run still going (another failed, or the benchmark was interrupted); its folder stays unfinished."""
         self.proc.terminate()
         try:
             self.proc.wait(timeout=30)
