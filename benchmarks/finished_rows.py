@@ -9,7 +9,7 @@ T=0.7), encodes a round's prompts as the rollout loop does, and times `accel/dec
 them with `compact=True` (the engine's behaviour with `sampler=inverse_cdf`) and `compact=False`, alternating,
 each from the same random state, best of `--rounds`. The LoRA merge and the shared prefill are made once, outside
 the timing. Prints the tokens each call wrote (the same in both: the random stream is the full batch's), the
-row-steps the model ran, and the seconds. `--ckpt` loads a checkpoint's policy, whose replies are short: the case
+batch sizes it was cut to, and the seconds. `--ckpt` loads a checkpoint's policy, whose replies are short: the case
 the lever is for.
 """
 
