@@ -130,7 +130,13 @@ class BackgroundEngine(Generator):
 
     def use_threads(self, threads: int) -> None:
         """Sample with `threads` CPU threads while beside the trainer (called in the worker thread). Default: this
-        thread's OpenMP count, which is per-thread in torch; an engine in another process sets that process's."""
+        thread's count, which torch keeps per thread (OpenMP's count and MKL's local one); an engine in another
+        process sets that process's.
+
+        A thread's first parallel op initialises its count from the count last set by any thread
+        (`at::internal::lazy_init_num_threads`). Reading the count first runs that initialisation now, so a count
+        the trainer sets later cannot replace this one mid-round and change the sampler's float rounding."""
+        torch.get_num_threads()
         torch.set_num_threads(threads)
 
     @abstractmethod

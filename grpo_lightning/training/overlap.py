@@ -16,8 +16,9 @@ Who does what:
   of round k is written after that, so it holds theta_{k+1} and round k+1's rollouts, and round k+2 is started
   after it from theta_{k+1} with its own seed: a resumed run samples it again, identically;
 - `BackgroundSampling` (here): the engine copy, the worker thread, the thread share and the sampler's own process
-  group. A thread, not a process: torch releases the GIL in its kernels and the OpenMP thread count is a
-  per-thread setting (`torch.set_num_threads` in the worker leaves the trainer's count alone), so each side
+  group. A thread, not a process: torch releases the GIL in its kernels and the thread count is a per-thread
+  setting (`torch.set_num_threads` in the worker, after its lazy initialisation, leaves the trainer's count
+  alone and the trainer's leaves the worker's: `BackgroundEngine.use_threads`), so each side
   gets its share of the cores with shared memory and no weight transfer (benchmarks/overlap.py measures it).
   Under DDP the worker's collectives (dynamic sampling's stop decision) go through a gloo group of its own,
   created on every rank in the same order, so they never interleave with the trainer's gradient all-reduce.

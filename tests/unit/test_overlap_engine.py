@@ -7,6 +7,7 @@ Truths: the plain `HFGenerator`, which draws from the global RNG (forked and see
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -135,3 +136,32 @@ def test_hf_generate_cannot_sample_beside_the_trainer(policy, tokenizer):
     plain = HFGenerator(policy, tokenizer, generation_settings=GenerationSettings.plain())
     with pytest.raises(ValueError, match="perf.generate.custom_decode=false"):
         plain.background_copy()
+
+
+def test_the_worker_keeps_its_thread_count_when_the_trainer_sets_its_own_later(policy, tokenizer):
+    """torch initialises a thread's count at its first parallel op from the count last set by any thread. The
+    trainer setting its share after the worker set the sampler's (the order of a background round) must not reach
+    the worker: its matmuls would round differently from a sequential run's, and from one run to the next."""
+    threads = torch.get_num_threads()
+    sampler_count = threads + 1  # differs from both the trainer's share and the process default
+    background = SnapshotHFGenerator(engine(policy, tokenizer, False))
+    worker_set, trainer_set = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def worker() -> None:
+        background.use_threads(sampler_count)
+        worker_set.set()
+        trainer_set.wait()
+        torch.ones(1 << 16).sum()  # a parallel op: the first one in this thread
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    worker_set.wait()
+    try:
+        torch.set_num_threads(1)  # the trainer's share, set while the worker samples
+        trainer_set.set()
+        thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [sampler_count]
