@@ -7,8 +7,10 @@ sampled so far, dynamic sampling's dropped groups and STORPO's continuations inc
 Every setting the two sides compare is pinned here (PINNED, STORPO_PINNED), composed, checked equal on both
 sides and printed before anything runs. Writes into the output folder `variants.md` (printed too): the
 settings, a table per run (final pass@1 with its 95% Wilson interval, strict accuracy, format rate, tokens,
-tokens to the target, wall time) and per variant (tokens to reach the target pass@1, mean over seeds; the final
-pass@1), and `variants.png`: held-out pass@1 against generated tokens, mean over seeds with a min..max band.
+tokens to the target, the share of prompts STORPO branched from, wall time) and per variant (tokens to reach the
+target pass@1, mean over seeds; the final pass@1), a warning when STORPO hardly branched (its prompts then fall
+back to plain groups, and the two sides train alike), and `variants.png`: held-out pass@1 against generated
+tokens, mean over seeds with a min..max band.
 
     python benchmarks/variants.py                              # learn_arith, seeds 0 1 2, 50000 tokens
     python benchmarks/variants.py --budget 100000 --target 0.3 --seeds 0 1 2 3
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, tokens_to_target
+from grpo_lightning.app.analysis import EvalPoint, RunData, band, eval_points, read_run, tokens_to_target
 from grpo_lightning.app.jobs import Job, compose, run_jobs, value, wall_seconds
 
 VARIANTS = ("grpo", "storpo")
@@ -113,11 +115,26 @@ def num(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
-def runs_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], walls: dict, target: float) -> str:
+def branched_fraction(run: RunData) -> float | None:
+    """The share of its prompts a STORPO run branched from, mean over rounds (1 - `rollout/storpo_fallback_frac`);
+    None for a run that does not log it (GRPO). A prompt whose initial completion has fewer than
+    `variant.min_steps` step boundaries is sampled as a plain group: near 0, the STORPO run trained on plain GRPO
+    groups, and the comparison says nothing about branching."""
+    fallback = run.scalars.get("rollout/storpo_fallback_frac")
+    return None if not fallback else 1.0 - sum(v for _, v in fallback) / len(fallback)
+
+
+FEW_BRANCHES = 0.1
+"""Below this mean share of prompts branched, the results say that the comparison did not test branching."""
+
+
+def runs_table(
+    points: dict[str, list[list[EvalPoint]]], seeds: list[int], walls: dict, branched: dict, target: float
+) -> str:
     lines = [
         "| variant | seed | evaluations | tokens generated | pass@1 end [95% CI] | strict | format "
-        f"| tokens to pass@1 {target:.3f} | wall min |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| tokens to pass@1 {target:.3f} | prompts branched | wall min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, per_seed in points.items():
         for seed, runs in zip(seeds, per_seed, strict=True):
@@ -125,7 +142,8 @@ def runs_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], walls
             lines.append(
                 f"| {variant} | {seed} | {len(runs)} | {e.tokens:.0f} | {num(e.accuracy)} [{num(e.low)}, "
                 f"{num(e.high)}] | {num(e.strict)} | {num(e.format_rate)} "
-                f"| {'not reached' if reached is None else f'{reached:.0f}'} | {num(walls[variant, seed] / 60, 1)} |"
+                f"| {'not reached' if reached is None else f'{reached:.0f}'} | {num(branched[variant, seed])} "
+                f"| {num(walls[variant, seed] / 60, 1)} |"
             )
     return "\n".join(lines)
 
@@ -176,10 +194,24 @@ TARGET_RULE = (
 )
 
 
-def results(points, seeds: list[int], walls: dict, target: float, target_note: str) -> str:
-    """The tables after the settings: the target, per variant, per run."""
+def branching_note(branched: dict) -> str | None:
+    """A warning when the STORPO runs branched from fewer than FEW_BRANCHES of their prompts, on average."""
+    shares = [b for b in branched.values() if b is not None]
+    if not shares or sum(shares) / len(shares) >= FEW_BRANCHES:
+        return None
+    return (
+        f"STORPO branched from {sum(shares) / len(shares):.1%} of its prompts (mean over runs and rounds): the "
+        "other initial completions had fewer than variant.min_steps step boundaries, so their prompts were sampled "
+        "as plain groups. Both sides trained on GRPO groups; this comparison does not test branching."
+    )
+
+
+def results(points, seeds: list[int], walls: dict, branched: dict, target: float, target_note: str) -> str:
+    """The tables after the settings: the target, per variant, per run; then the branching warning, if any."""
     rule = f"target pass@1: {target:.3f} ({target_note}); tokens to it: {TARGET_RULE}"
-    return "\n\n".join([rule, summary_table(points, target), runs_table(points, seeds, walls, target)])
+    parts = [rule, summary_table(points, target), runs_table(points, seeds, walls, branched, target)]
+    note = branching_note(branched)
+    return "\n\n".join(parts if note is None else [*parts, note])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,10 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     jobs = [Job(f"{v}_seed{seed}", (*overrides[v], f"seed={seed}")) for seed in args.seeds for v in VARIANTS]
     run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
-    points = {v: [eval_points(read_run(args.out / f"{v}_seed{s}")) for s in args.seeds] for v in VARIANTS}
+    runs = {(v, s): read_run(args.out / f"{v}_seed{s}") for v in VARIANTS for s in args.seeds}
+    points = {v: [eval_points(runs[v, s]) for s in args.seeds] for v in VARIANTS}
+    branched = {key: branched_fraction(run) for key, run in runs.items()}
     walls = {(v, s): wall_seconds(args.out / f"{v}_seed{s}") for v in VARIANTS for s in args.seeds}
     target, note = (args.target, "--target") if args.target is not None else (default_target(points), DEFAULT_TARGET)
-    text = results(points, args.seeds, walls, target, note)
+    text = results(points, args.seeds, walls, branched, target, note)
     print(text)
     (args.out / "variants.md").write_text(f"{header}\n\n{text}\n")
     plot(points, target, args.budget, args.out / "variants.png")

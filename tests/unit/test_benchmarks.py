@@ -123,12 +123,21 @@ def test_a_recipe_that_does_not_exist_fails_in_one_line():
 
 
 # ---- synthetic runs ------------------------------------------------------------------------------------------------
-def write_run(run_dir: Path, round_tokens: dict[int, float], evals: dict[int, dict[str, float]], wall_s=None):
+def write_run(
+    run_dir: Path,
+    round_tokens: dict[int, float],
+    evals: dict[int, dict[str, float]],
+    wall_s=None,
+    fallback: list[float] | None = None,
+):
     """A finished run folder: `rollout/tokens_generated_total` at the given steps, evaluations (EVAL_TAGS names
-    without `eval/`) at theirs. Values are dyadic, exact in TensorBoard's float32."""
+    without `eval/`) at theirs, STORPO's `rollout/storpo_fallback_frac` a round if given. Values are dyadic, exact
+    in TensorBoard's float32."""
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     for step, total in round_tokens.items():
         writer.add_scalar("rollout/tokens_generated_total", total, step)
+    for step, frac in enumerate(fallback or []):
+        writer.add_scalar("rollout/storpo_fallback_frac", frac, step)
     for step, metrics in evals.items():
         for name, v in metrics.items():
             writer.add_scalar(f"eval/{name}", v, step)
@@ -229,8 +238,9 @@ def test_the_control_from_the_start_is_flat_over_the_trained_run(tmp_path):
     ] * 2
 
 
-def variants_runs(out: Path) -> None:
-    """Evaluations every few rounds; grpo's rounds cost 1000 tokens, storpo's 750.
+def variants_runs(out: Path, storpo_fallback: tuple[list[float], list[float]] = ([0.75, 0.25], [1.0, 1.0])) -> None:
+    """Evaluations every few rounds; grpo's rounds cost 1000 tokens, storpo's 750. STORPO sampled plainly 3/4,
+    then 1/4 of seed 0's prompts (branched from 1/2 of them), and every prompt of seed 1 (branched from none).
 
     grpo seed 0: 0.125 @0, 0.25 @2000, 0.5 @4000, 0.5 @5000 (end) -> 0.375 at 3000
     grpo seed 1: 0.125 @0, 0.375 @2000, 0.375 @4000, 0.5 @5000   -> 0.375 at 2000
@@ -246,9 +256,9 @@ def variants_runs(out: Path) -> None:
     write_run(out / "grpo_seed0", grpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 5: e(0.5)}, wall_s=600)
     write_run(out / "grpo_seed1", grpo_rounds, {0: e(0.125), 2: e(0.375), 4: e(0.375), 5: e(0.5)}, wall_s=660)
     write_run(out / "storpo_seed0", storpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 6: e(0.625), 7: e(0.625)},
-              wall_s=540)  # fmt: skip
+              wall_s=540, fallback=storpo_fallback[0])  # fmt: skip
     write_run(out / "storpo_seed1", storpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.25), 6: e(0.25), 7: e(0.25)},
-              wall_s=480)  # fmt: skip
+              wall_s=480, fallback=storpo_fallback[1])  # fmt: skip
 
 
 def test_variants_tables_by_hand(tmp_path, capsys):
@@ -264,13 +274,23 @@ def test_variants_tables_by_hand(tmp_path, capsys):
         # tokens to 0.375: grpo (3000 + 2000) / 2; storpo: seed 1 never; final pass@1 mean, interval envelope
         "| grpo | 2 | 2500 | 0.500 | [0.375, 0.625] |",
         "| storpo | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] |",
-        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | 10.0 |",
-        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | 11.0 |",
-        "| storpo | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 9.0 |",
-        "| storpo | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 8.0 |",
+        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | n/a | 10.0 |",
+        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | n/a | 11.0 |",
+        "| storpo | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 0.500 | 9.0 |",
+        "| storpo | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 0.000 | 8.0 |",
     ]
     assert "target pass@1: 0.375 (--target); tokens to it: linear interpolation" in text
+    assert "does not test branching" not in text  # a quarter of the prompts branched, on average
     assert (tmp_path / "variants.png").stat().st_size > 0
+
+
+def test_variants_say_when_storpo_hardly_branched(tmp_path, capsys):
+    """1/8 of seed 0's prompts branched in its second round (1/16 over its rounds), none of seed 1's: 1/32 on
+    average, under 10%."""
+    variants_runs(tmp_path, storpo_fallback=([1.0, 0.875], [1.0, 1.0]))
+    assert variants.main(["--experiment", "learn_cpu", "--seeds", "0", "1", "--out", str(tmp_path)]) == 0
+    assert "STORPO branched from 3.1% of its prompts (mean over runs and rounds)" in capsys.readouterr().out
+    assert "this comparison does not test branching" in (tmp_path / "variants.md").read_text()
 
 
 def test_default_target_is_halfway_to_the_lower_mean_final(tmp_path):
