@@ -56,8 +56,14 @@ PINNED = {
     "eval.seed": 1234,
 }
 """Settings both variants get, set explicitly (the budget and eval.every_n_rounds come from the options)."""
-STORPO_PINNED = {"variant.completions_per_step": 2, "variant.min_steps": 2, "variant.max_steps": 4}
-"""STORPO's own settings: K continuations from each of 2 to 4 branch points (docs/algorithm.md)."""
+STORPO_PINNED = {
+    "variant.completions_per_step": 2,
+    "variant.min_steps": 2,
+    "variant.max_steps": 4,
+    "variant.step_rule": "sentence",
+}
+"""STORPO's own settings: K continuations from each of 2 to 4 branch points, steps ending at sentences
+(docs/algorithm.md)."""
 
 
 def hydra_value(v) -> str:

@@ -324,7 +324,7 @@ def test_storpo_variant_keeps_prefix_ids(engine, tokenizer, monkeypatch):
     from grpo_lightning.variants import storpo
     from grpo_lightning.variants.storpo import STORPO
 
-    monkeypatch.setattr(storpo, "step_boundaries", lambda text: list(range(6, len(text), 6)))
+    monkeypatch.setattr(storpo, "step_boundaries", lambda text, rule: list(range(6, len(text), 6)))
     policy, gen = engine
     gen.sync_weights(policy)
     prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]

@@ -1,7 +1,8 @@
 """STORPO: branch continuations from the reasoning-step boundaries of one initial completion (docs/algorithm.md).
 
-Per prompt: sample ONE completion; find step boundaries in its decoded text with the regex of docs/algorithm.md (a
-period not after a digit, whitespace, then a capital or a digit); map each to a TOKEN boundary k of that
+Per prompt: sample ONE completion; find step boundaries in its decoded text by `step_rule` (docs/algorithm.md:
+`sentence`, a period not after a digit, whitespace, then a capital or a digit; `line`, the start of each
+non-empty line after the first; `both`, either); map each to a TOKEN boundary k of that
 completion; sample `completions_per_step` continuations from `prompt_ids + completion_ids[:k]`. The initial
 completion and all its continuations form ONE advantage group. A continuation trains only on its own tokens
 after the branch point (the shared prefix is the initial completion's, trained once there).
@@ -19,24 +20,39 @@ TreeRPO (arXiv 2506.05183), TreePO (arXiv 2508.17445).
 from __future__ import annotations
 
 import bisect
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from grpo_lightning.schema import check_settings, configures, integer, setting
+from grpo_lightning.schema import check_settings, choice, configures, integer, setting
 from grpo_lightning.types import Completion, Rollout
 from grpo_lightning.variants.base import GRPOVariant, register_variant
 
 if TYPE_CHECKING:
     from grpo_lightning.rewards.pipeline import RewardPipeline
 
+log = logging.getLogger(__name__)
+
+MOSTLY_PLAIN = 0.9
+"""A round in which at least this share of prompts fell back to plain groups warns, once a run: STORPO is then
+training on GRPO groups, which a user comparing the two would want to know before reading any curve."""
+
 STEP_BOUNDARY = re.compile(r"(?<![0-9])\.(?:\s+|\n+)(?=[A-Z0-9])")
+"""A sentence that ends a step: a period not after a digit ("$1.50. Then" never splits), whitespace, then a
+capital or a digit."""
+LINE_BOUNDARY = re.compile(r"\n\s*(?=\S)")
+"""A line that ends a step: a line break, then (after any blank lines and indentation) the next line's text. Small
+models often write their steps as lines (`1. Multiply 5 by 3`), which the sentence rule never splits."""
+STEP_RULES = {"sentence": (STEP_BOUNDARY,), "line": (LINE_BOUNDARY,), "both": (STEP_BOUNDARY, LINE_BOUNDARY)}
+"""`variant.step_rule`: the patterns whose match ends mark where a new step starts."""
 
 
-def step_boundaries(text: str) -> list[int]:
-    """Character offsets where a new reasoning step starts: the ends of the STEP_BOUNDARY matches."""
-    return [m.end() for m in STEP_BOUNDARY.finditer(text)]
+def step_boundaries(text: str, rule: str = "sentence") -> list[int]:
+    """Character offsets where a new reasoning step starts, ascending: the ends of the `rule`'s matches (`both`:
+    either rule's, once each). Every pattern looks ahead for the next step's text, so none is at the very end."""
+    return sorted({m.end() for pattern in STEP_RULES[rule] for m in pattern.finditer(text)})
 
 
 def token_boundaries(token_ids: Sequence[int], char_offsets: Sequence[int], decode: Callable) -> list[int]:
@@ -65,9 +81,9 @@ def evenly_spaced(items: Sequence[int], limit: int) -> list[int]:
     return [items[int((j + 0.5) * n / limit)] for j in range(limit)]
 
 
-def split_steps(text: str) -> list[str]:
+def split_steps(text: str, rule: str = "sentence") -> list[str]:
     """The reasoning steps of `text`: the pieces between consecutive step boundaries (they join back to it)."""
-    cuts = [0, *step_boundaries(text), len(text)]
+    cuts = [0, *step_boundaries(text, rule), len(text)]
     return [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
@@ -80,6 +96,9 @@ class STORPOSettings:
     max_steps: int = setting(4, integer(1), "at most this many branch points, evenly spaced")
     fallback_generations: int = setting(
         4, integer(2), "group size of a prompt sampled plainly (generator.num_generations by default)"
+    )
+    step_rule: str = setting(
+        "sentence", choice(*STEP_RULES), "where a step ends: sentence | line | both (docs/algorithm.md)"
     )
 
     def __post_init__(self) -> None:
@@ -96,22 +115,25 @@ class STORPO(GRPOVariant):
         min_steps: int = STORPOSettings.min_steps,
         max_steps: int = STORPOSettings.max_steps,
         fallback_generations: int = STORPOSettings.fallback_generations,
+        step_rule: str = STORPOSettings.step_rule,
     ) -> None:
         super().__init__()
-        STORPOSettings(completions_per_step, min_steps, max_steps, fallback_generations)
+        STORPOSettings(completions_per_step, min_steps, max_steps, fallback_generations, step_rule)
         if min_steps > max_steps:
             raise ValueError(f"variant.min_steps ({min_steps}) must be <= variant.max_steps ({max_steps})")
         self.completions_per_step = completions_per_step
         self.min_steps = min_steps
         self.max_steps = max_steps
         self.fallback_generations = fallback_generations
+        self.step_rule = step_rule
+        self._warned_plain = False
 
     def step_info(self, text: str, completion: Completion, branch_point: int, decode: Callable) -> dict:
         """The completion's reasoning steps and the step a continuation starts in (for `reward.step_transforms`)."""
         branch_chars = len(decode(completion.token_ids[:branch_point])) if branch_point else 0
         return {
-            "steps": split_steps(text),
-            "branch_step": sum(start <= branch_chars for start in step_boundaries(text)),
+            "steps": split_steps(text, self.step_rule),
+            "branch_step": sum(start <= branch_chars for start in step_boundaries(text, self.step_rule)),
         }
 
     def rollouts_per_round(self, num_prompts: int) -> int:
@@ -126,7 +148,8 @@ class STORPO(GRPOVariant):
         fallback: list[int] = []  # prompt indices sampled plainly
         for i, c in enumerate(initial):
             ks = evenly_spaced(
-                token_boundaries(c.token_ids, step_boundaries(decode(c.token_ids)), decode), self.max_steps
+                token_boundaries(c.token_ids, step_boundaries(decode(c.token_ids), self.step_rule), decode),
+                self.max_steps,
             )
             if len(ks) >= self.min_steps:
                 branches[i] = ks
@@ -144,7 +167,20 @@ class STORPO(GRPOVariant):
             for c, k in samples[i]
         ]
         self.metrics = self._metrics(len(prompts), initial, branches, fallback, rollouts)
+        self._warn_if_mostly_plain(len(fallback), len(prompts))
         return rollouts
+
+    def _warn_if_mostly_plain(self, plain: int, total: int) -> None:
+        if self._warned_plain or total == 0 or plain / total < MOSTLY_PLAIN:
+            return
+        self._warned_plain = True
+        log.warning(
+            "STORPO sampled %d of %d prompts as plain groups this round: their first completions had fewer than "
+            "variant.min_steps=%d step boundaries (variant.step_rule=%s), so these groups are GRPO's. Try "
+            "variant.step_rule=line or both, a prompt that asks for steps, or a larger generator.max_new_tokens "
+            "(docs/algorithm.md); rollout/storpo_fallback_frac logs the share every round. Said once a run.",
+            plain, total, self.min_steps, self.step_rule,
+        )  # fmt: skip
 
     def _branch(self, generator, prompts, initial: list[Completion], branches: dict[int, list[int]], samples) -> None:
         """Sample `completions_per_step` continuations from every branch point, within the token budget."""

@@ -1,7 +1,8 @@
 """The learning benchmarks (benchmarks/learning.py, benchmarks/variants.py): their pinned configs, composed as a
 run composes them, and their tables on synthetic run folders whose metrics are written here (TensorBoard event
 files), against hand-computed numbers. The overlap benchmark's two modes (benchmarks/overlap.py), composed. The
-job runner (grpo_lightning/app/jobs.py) on fake runs that record when they ran."""
+job runner (grpo_lightning/app/jobs.py) on fake runs that record when they ran. benchmarks/storpo_branching.py on
+the tiny model (slow tier)."""
 
 from __future__ import annotations
 
@@ -351,3 +352,26 @@ def test_a_failed_job_exits_naming_its_log_and_stops_the_others(tmp_path):
                  command=lambda job, d: _fake_run(job, d) if "fail" in job.name else [sys.executable, "-c",
                  "import time; time.sleep(60)"])  # fmt: skip
     assert not (tmp_path / "slow_seed0" / "wall_s.txt").exists()
+
+
+# ---- benchmarks/storpo_branching.py -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_storpo_branching_counts_each_rule_and_both_is_their_union(capsys):
+    """On the tiny model: a line per rule, shares in steps of 1/8 (8 prompts), and `both` branching wherever
+    either rule does (a union of boundaries has at least as many as each part)."""
+    from benchmarks import storpo_branching
+
+    argv = ["--prompts", "8", "--show", "8", "model=tiny", "generator.max_new_tokens=24", "eval.enabled=false"]
+    assert storpo_branching.main(argv) == 0
+    out = capsys.readouterr().out
+    shares = {}
+    for rule in ("sentence", "line", "both"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"step_rule={rule}"))
+        shares[rule] = float(line.split("boundaries) ")[1].split(",")[0])
+        assert (shares[rule] * 8).is_integer()
+    assert shares["both"] >= max(shares["sentence"], shares["line"])
+    shown = [x for x in out.splitlines() if x.startswith("--- boundaries")]
+    assert len(shown) == 8
+    for x in shown:  # each completion: its count under `both` is at least each rule's
+        counts = json.loads(x.split("boundaries ")[1].split("}")[0].replace("'", '"') + "}")
+        assert counts["both"] >= max(counts["sentence"], counts["line"])

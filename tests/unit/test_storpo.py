@@ -32,6 +32,27 @@ def test_step_boundaries_table(text, expected):
     assert step_boundaries(text) == expected
 
 
+LISTED = "To find 6 * 5:\n\n1. Multiply 6 by 5.\n2. The result is 30.\nSo 30"  # steps as lines, periods after digits
+
+
+@pytest.mark.parametrize(
+    ("text", "rule", "expected"),
+    [
+        (LISTED, "sentence", []),  # "1." and "2." follow digits, "5.\n2" and "30.\nSo" too
+        (LISTED, "line", [16, 36, 57]),  # the starts of "1.", "2." and "So" (blank line and all)
+        ("One line", "line", []),
+        ("Ends here\n", "line", []),  # a break with no text after it is no boundary
+        ("  indented\n   next", "line", [14]),  # the indentation goes with the line before
+        ("First step. Second\nThird", "line", [19]),
+        ("First step. Second\nThird", "both", [12, 19]),
+        ("Add them.\nThen multiply.", "both", [10]),  # both rules end at the same offset: once
+    ],
+)
+def test_step_boundaries_by_rule(text, rule, expected):
+    assert step_boundaries(text, rule) == expected
+    assert all(text[b - 1].isspace() and not text[b].isspace() for b in step_boundaries(text, rule))
+
+
 def test_evenly_spaced():
     assert evenly_spaced([1, 2, 3], 5) == [1, 2, 3]
     assert evenly_spaced(list(range(10)), 2) == [2, 7]  # middles of [0..4] and [5..9]
@@ -155,9 +176,37 @@ def test_masks_cover_exactly_the_tokens_after_each_branch_point(tokenizer):
     assert batch.branch_points.tolist() == [r.branch_point for r in rollouts]
 
 
+def test_a_listed_completion_branches_by_lines_and_falls_back_by_sentences(tokenizer, caplog):
+    def run(rule: str) -> tuple[STORPO, list]:
+        gen = ScriptedGenerator(tokenizer, {1000: LISTED, 1001: LISTED}, continuation=" So 30")
+        variant = STORPO(completions_per_step=1, min_steps=2, max_steps=4, fallback_generations=3, step_rule=rule)
+        rollouts = variant.generate_rollouts(
+            gen, _prompts(2), pipeline_from_function(lambda text, ans: 0.0), _decoder(tokenizer)
+        )
+        return variant, rollouts
+
+    by_lines, rollouts = run("line")
+    assert by_lines.metrics["rollout/storpo_fallback_frac"] == 0.0
+    assert by_lines.metrics["rollout/storpo_branches_mean"] == 3.0
+    assert len(rollouts) == 2 * (1 + 3)
+    assert "plain groups" not in caplog.text
+
+    by_sentences, rollouts = run("sentence")
+    assert by_sentences.metrics["rollout/storpo_fallback_frac"] == 1.0
+    assert len(rollouts) == 2 * 3  # plain groups of fallback_generations
+    assert caplog.text.count("STORPO sampled 2 of 2 prompts as plain groups") == 1
+    assert "variant.step_rule=sentence" in caplog.text
+    by_sentences.generate_rollouts(
+        ScriptedGenerator(tokenizer, {1000: LISTED}, continuation=""), _prompts(1),
+        pipeline_from_function(lambda text, ans: 0.0), _decoder(tokenizer),
+    )  # fmt: skip
+    assert caplog.text.count("as plain groups") == 1  # said once a run
+
+
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
+        ({"step_rule": "paragraph"}, "variant.step_rule"),
         ({"completions_per_step": 0}, "variant.completions_per_step"),
         ({"min_steps": 0}, "variant.min_steps"),
         ({"max_steps": 0}, "variant.max_steps"),
