@@ -176,9 +176,10 @@ class STORPO(GRPOVariant):
         self._warned_plain = True
         log.warning(
             "STORPO sampled %d of %d prompts as plain groups this round: their first completions had fewer than "
-            "variant.min_steps=%d step boundaries (variant.step_rule=%s), so these groups are GRPO's. Try "
-            "variant.step_rule=line or both, a prompt that asks for steps, or a larger generator.max_new_tokens "
-            "(docs/algorithm.md); rollout/storpo_fallback_frac logs the share every round. Said once a run.",
+            "variant.min_steps=%d step boundaries (variant.step_rule=%s), so these groups are GRPO's. Try another "
+            "variant.step_rule (sentence | line | both), a prompt that asks for steps, or a larger "
+            "generator.max_new_tokens (docs/algorithm.md); rollout/storpo_fallback_frac logs the share every "
+            "round. Said once a run.",
             plain, total, self.min_steps, self.step_rule,
         )  # fmt: skip
 
