@@ -50,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         overrides = ["experiment=learn_arith", *overrides]
     cfg = make_cfg(Path(tempfile.mkdtemp()), [*overrides, f"data.prompts_per_round={args.prompts}"])
     run = build_run(cfg)
-    datamodule, engine = run.datamodule, run.callbacks["rollout_loop"].generator
+    loop, datamodule = run.callbacks["rollout_loop"], run.datamodule
+    engine = loop.generator
     datamodule.setup("fit")
     checker = datamodule.dataset.checker()
     prompts = datamodule.prompts_for_round(0, engine.tokenizer)
     groups = engine.generate([p.prompt_ids for p in prompts], 1)
     rows = []
     for prompt, (completion,) in zip(prompts, groups, strict=True):
-        text = engine.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        text = loop.decode(completion.token_ids)  # the text STORPO finds its boundaries in
         verdict = checker.check(text, prompt.answer, prompt.record)
         boundaries = {rule: len(step_boundaries(text, rule)) for rule in STEP_RULES}
         rows.append((boundaries, verdict.correct, len(completion.token_ids), text))
