@@ -202,11 +202,11 @@ TARGET_RULE = (
 
 def branching_note(branched: dict) -> str | None:
     """A warning when the STORPO runs branched from fewer than FEW_BRANCHES of their prompts, on average."""
-    shares = [b for b in branched.values() if b is not None]
-    if not shares or sum(shares) / len(shares) >= FEW_BRANCHES:
+    mean = mean_or_none([b for b in branched.values() if b is not None])
+    if mean is None or mean >= FEW_BRANCHES:
         return None
     return (
-        f"STORPO branched from {sum(shares) / len(shares):.1%} of its prompts (mean over runs and rounds): the "
+        f"STORPO branched from {mean:.1%} of its prompts (mean over runs and rounds): the "
         "other initial completions had fewer than variant.min_steps step boundaries, so their prompts were sampled "
         "as plain groups. Both sides trained on GRPO groups; this comparison does not test branching."
     )
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {(v, s): read_run(args.out / f"{v}_seed{s}") for v in VARIANTS for s in args.seeds}
     points = {v: [eval_points(runs[v, s]) for s in args.seeds] for v in VARIANTS}
     branched = {key: branched_fraction(run) for key, run in runs.items()}
-    walls = {(v, s): wall_seconds(args.out / f"{v}_seed{s}") for v in VARIANTS for s in args.seeds}
+    walls = {key: wall_seconds(run.path) for key, run in runs.items()}
     target, note = (args.target, "--target") if args.target is not None else (default_target(points), DEFAULT_TARGET)
     text = results(points, args.seeds, walls, branched, target, note)
     print(text)
