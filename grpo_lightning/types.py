@@ -61,19 +61,24 @@ class Rollout:
     text: str = ""
     """Decoded completion, for logging."""
     advantage: float = 0.0
+    """The completion's scalar advantage (the reward pipeline's group transforms)."""
     branch_point: int = 0
     """Number of leading completion tokens NOT trained on (STORPO continuations); 0 trains on all."""
     answer_extracted: bool = False
     """Whether the reward function found an answer in the completion (format rate)."""
     reward_terms: dict[str, float] = field(default_factory=dict)
     """Unweighted value of each reward term (`reward.terms.<name>`); `reward` is their weighted, transformed sum."""
+    token_advantages: list[float] | None = None
+    """Per completion token, when the variant gives tokens their own credit (STORPO's `variant.advantage=tree`,
+    algorithm/tree_advantages.py); None: every trained token gets `advantage`."""
 
     def __post_init__(self) -> None:
-        if len(self.gen_logprobs) != len(self.completion_ids):
-            raise ValueError(
-                f"Rollout.gen_logprobs has {len(self.gen_logprobs)} entries for "
-                f"{len(self.completion_ids)} completion tokens"
-            )
+        for name in ("gen_logprobs", "token_advantages"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.completion_ids):
+                raise ValueError(
+                    f"Rollout.{name} has {len(values)} entries for {len(self.completion_ids)} completion tokens"
+                )
 
 
 @dataclass
@@ -88,12 +93,13 @@ class RolloutBatch:
     attention_mask: Tensor  # [B, P + C] long, 1 on real tokens
     completion_mask: Tensor  # [B, C] float, 1 on trained completion tokens (after the branch point)
     gen_logprobs: Tensor  # [B, C] float32, generator log-probs (0 on padding)
-    advantages: Tensor  # [B] float32
+    advantages: Tensor  # [B] float32, each completion's scalar advantage
     rewards: Tensor  # [B] float32
     group_ids: Tensor  # [B] long
     branch_points: Tensor  # [B] long, leading completion tokens not trained on (STORPO continuations; else 0)
     prompt_len: int
     """P: width of the left-padded prompt block."""
+    token_advantages: Tensor | None = None  # [B, C] float32 per-token advantages (0 on padding); None: `advantages`
     old_logprobs: Tensor | None = None  # [B, C] float32, policy log-probs before the round's first update
     num_tokens_in_step: float = 0.0
     """Trained tokens in the whole optimizer step this micro-batch belongs to (for loss.type=dapo)."""
@@ -101,6 +107,18 @@ class RolloutBatch:
     @property
     def completion_ids(self) -> Tensor:  # [B, C]
         return self.input_ids[:, self.prompt_len :]
+
+    @property
+    def loss_advantages(self) -> Tensor:  # [B] or [B, C]
+        """What the loss weighs tokens by: `token_advantages` when the variant set them, else the scalar per row."""
+        return self.advantages if self.token_advantages is None else self.token_advantages
+
+    @property
+    def advantages_per_token(self) -> Tensor:  # [B, C]
+        """Every completion column's advantage: `token_advantages`, or each row's scalar repeated along it."""
+        if self.token_advantages is not None:
+            return self.token_advantages
+        return self.advantages[:, None].expand(-1, self.completion_mask.shape[1])
 
     @property
     def sequence_mask(self) -> Tensor:  # [B, C] real (non-pad) completion tokens, trained or not

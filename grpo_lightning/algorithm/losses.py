@@ -19,7 +19,11 @@ Sources, and why each matters here:
 * GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071): a sequence-level ratio
   `s_i = exp(mean_t (logp - logp_old))`, clipped per completion (`importance_sampling_level: sequence`, TRL's
   name). With one advantage per completion this is also GSPO-token's value and gradient; the paper's clip range
-  is tiny (3e-4 / 4e-4) because a mean of log-ratios moves far less than one token's.
+  is tiny (3e-4 / 4e-4) because a mean of log-ratios moves far less than one token's. With per-token advantages
+  (STORPO's tree credit) the ratio is GSPO-token's `s_it = sg(s_i) * pi_t / sg(pi_t)`: the value of `s_i` on
+  every token, each token's gradient weighted by its own advantage (the paper's section 4.3).
+* Advantages are one per completion (`[B]`, every trained token weighs by it) or one per token (`[B, T]`); a
+  per-token tensor whose rows are constant gives the scalar path's loss and gradients.
 * CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv
   2506.13585): `-sg(min(rho, epsilon_high)) * A * logp`. The IS weight is clipped, not the update, so every token
   keeps a gradient (PPO's clip zeroes those outside the range). As in TRL, `epsilon_high` is the cap of the
@@ -137,7 +141,7 @@ def _check_inputs(
     logp: Tensor,  # [B, T]
     old_logp: Tensor,  # [B, T]
     ref_logp: Tensor | None,  # [B, T]
-    advantages: Tensor,  # [B]
+    advantages: Tensor,  # [B] or [B, T]
     mask: Tensor,  # [B, T]
 ) -> None:
     shape = logp.shape
@@ -146,8 +150,10 @@ def _check_inputs(
     for name, tensor in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"{name} must have the shape of logp {tuple(shape)} (got {tuple(tensor.shape)})")
-    if advantages.shape != shape[:1]:
-        raise ValueError(f"advantages must be [B] = {tuple(shape[:1])} (got {tuple(advantages.shape)})")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be [B] = {tuple(shape[:1])} or [B, T] = {tuple(shape)} (got {tuple(advantages.shape)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,7 @@ class GRPOLoss:
         logp: Tensor,  # [B, T] policy log-probs (differentiable)
         old_logp: Tensor,  # [B, T] the trainer's log-probs before the update (may be logp.detach())
         ref_logp: Tensor | None,  # [B, T] reference log-probs; None allowed only when beta == 0
-        advantages: Tensor,  # [B]
+        advantages: Tensor,  # [B] one per completion, or [B, T] one per token
         mask: Tensor,  # [B, T] 1 = trained token
         num_tokens_in_step: float | int | None = None,
         gen_logp: Tensor | None = None,  # [B, T] the generator's log-probs; needed when the rollout correction is on
@@ -235,8 +241,13 @@ class GRPOLoss:
         # Untrained positions are replaced by 0 up front: ratio 1, KL 0, finite values and an exact zero
         # gradient there, whatever garbage (e.g. padding log-probs) they held.
         logp = torch.where(keep, logp, 0.0)
-        adv = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
-        ratio = self.ratio(logp, torch.where(keep, old_logp.to(logp.dtype), 0.0), weights)  # [B, T] or [B, 1]
+        per_token_adv = advantages.dim() == 2
+        if per_token_adv:
+            adv = torch.where(keep, advantages.to(logp.dtype), 0.0)  # [B, T]
+        else:
+            adv = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
+        old = torch.where(keep, old_logp.to(logp.dtype), 0.0)
+        ratio = self.ratio(logp, old, weights, per_token_sequence=per_token_adv)  # [B, T] or [B, 1]
         if self.loss_type == "cispo":
             per_token = -torch.clamp(ratio, max=self.epsilon_high).detach() * adv * logp
         else:
@@ -268,17 +279,23 @@ class GRPOLoss:
         logp: Tensor,  # [B, T] 0 on untrained tokens
         old_logp: Tensor,  # [B, T] 0 on untrained tokens
         weights: Tensor,  # [B, T] 1.0 on trained tokens
-    ) -> Tensor:  # [B, T] (token level) or [B, 1] (sequence level: GSPO's s_i)
-        """pi_theta / pi_old per token, or GSPO's per completion: exp of the mean log-ratio over its trained tokens."""
+        per_token_sequence: bool = False,
+    ) -> Tensor:  # [B, T] (token level, GSPO-token) or [B, 1] (sequence level: GSPO's s_i)
+        """pi_theta / pi_old per token, or GSPO's per completion: exp of the mean log-ratio over its trained tokens.
+
+        `per_token_sequence` (per-token advantages at sequence level): GSPO-token's `sg(s_i) * exp(logp - sg(logp))`
+        on every token, whose value is `s_i` and whose gradient reaches each token through its own term."""
         log_ratio = logp - old_logp
         if self.importance_sampling_level == "sequence":
             log_ratio = log_ratio.sum(-1, keepdim=True) / weights.sum(-1, keepdim=True).clamp(min=1.0)
+            if per_token_sequence:
+                return torch.exp(log_ratio).detach() * torch.exp(logp - logp.detach())
         return torch.exp(log_ratio)
 
     def clip_fractions(
         self,
         ratio: Tensor,  # [B, T] or [B, 1]
-        adv: Tensor,  # [B, 1]
+        adv: Tensor,  # [B, 1] or [B, T]
         weights: Tensor,  # [B, T]
     ) -> tuple[Tensor, Tensor]:  # ([], [])
         """Fractions of trained tokens (of completions, at sequence level) where clipping was active, below and

@@ -19,7 +19,11 @@ from grpo_lightning.types import Rollout, RolloutBatch
 
 
 def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutBatch:
-    """Pad a list of rollouts into a `RolloutBatch` (prompts left-padded, completions right-padded)."""
+    """Pad a list of rollouts into a `RolloutBatch` (prompts left-padded, completions right-padded).
+
+    `token_advantages` is set only when some rollout carries per-token advantages (STORPO's tree credit); the
+    other rows of that batch then hold their scalar advantage on every token, so the loss sees one [B, C] tensor.
+    """
     if not rollouts:
         raise ValueError("collate_rollouts needs at least one rollout")
     p_max = max(len(r.prompt_ids) for r in rollouts)
@@ -29,6 +33,9 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutB
     attention_mask = torch.zeros((b, p_max + c_max), dtype=torch.long)
     completion_mask = torch.zeros((b, c_max), dtype=torch.float32)
     gen_logprobs = torch.zeros((b, c_max), dtype=torch.float32)
+    advantages = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)  # [B]
+    per_token = any(r.token_advantages is not None for r in rollouts)
+    token_advantages = torch.zeros((b, c_max), dtype=torch.float32) if per_token else None  # [B, C]
     for row, r in enumerate(rollouts):
         p, c = len(r.prompt_ids), len(r.completion_ids)
         input_ids[row, p_max - p : p_max] = torch.tensor(r.prompt_ids, dtype=torch.long)
@@ -37,16 +44,20 @@ def collate_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> RolloutB
             input_ids[row, p_max : p_max + c] = torch.tensor(r.completion_ids, dtype=torch.long)
             gen_logprobs[row, :c] = torch.tensor(r.gen_logprobs, dtype=torch.float32)
             completion_mask[row, min(r.branch_point, c) : c] = 1.0
+            if token_advantages is not None:  # a row without its own: its scalar on every token
+                row_values = r.token_advantages if r.token_advantages is not None else [r.advantage] * c
+                token_advantages[row, :c] = torch.tensor(row_values, dtype=torch.float32)
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         completion_mask=completion_mask,
         gen_logprobs=gen_logprobs,
-        advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+        advantages=advantages,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=torch.tensor([r.group_id for r in rollouts], dtype=torch.long),
         branch_points=torch.tensor([r.branch_point for r in rollouts], dtype=torch.long),
         prompt_len=p_max,
+        token_advantages=token_advantages,
     )
 
 

@@ -7,7 +7,8 @@ arXiv 2505.22617); what each metric estimates and how to read it: docs/probes.md
   from the training forward's own logits chunk by chunk as the chunked LM head computes them
   (`forward.completion_logprobs_with_entropy`: no second forward, no `[B, C, V]` tensor), in float64.
   Per-sequence entropy: mean over trained tokens. `token_mean`: mean over the step's trained tokens.
-- `adv_corr`: Pearson correlation over sequences of (sequence entropy, advantage).
+- `adv_corr`: Pearson correlation over sequences of (sequence entropy, advantage); with per-token advantages
+  (STORPO's tree credit) a sequence's advantage is their mean over its trained tokens.
 - `cov_logp_adv`: covariance over the step's trained tokens of (log p(y_t), A_t), centred by batch means (as
   verl's clip_cov). Cui's Lemma 1 (natural policy gradient, step eta): dH ~= -eta Cov(log p, A); logged as
   `projected_delta_cov` with eta = the current learning rate (Adam is not natural gradient: read its sign and
@@ -153,10 +154,14 @@ class EntropyProbe(Probe):
         entropy = terms.entropy * mask  # [B, C] float64
         tokens = mask.sum(-1)  # [B]
         self._seq_entropy.append((entropy.sum(-1) / tokens.clamp(min=1)).cpu())
-        self._advantages.append(batch.advantages.float().cpu())
+        token_adv = batch.advantages_per_token.double()  # [B, C]
+        if batch.token_advantages is None:
+            self._advantages.append(batch.advantages.float().cpu())
+        else:  # per-token credit: a sequence's advantage is the mean over its trained tokens
+            self._advantages.append(((token_adv * mask).sum(-1) / tokens.clamp(min=1)).float().cpu())
         keep = mask.bool()
         lp = logp.detach()[keep].double()
-        adv = batch.advantages.double()[:, None].expand_as(mask)[keep]
+        adv = token_adv[keep]
         sums = self._cov_sums
         sums["n"] += float(lp.numel())
         sums["logp"] += float(lp.sum())

@@ -192,7 +192,8 @@ class GRPOModule(L.LightningModule):
         self.last_old_logprobs = old_logp  # [B, C] the rollout loop compares the unscored ones with the generator's
         ref_logp = self.reference_logprobs(batch)
         mask, gen_logp = batch.completion_mask, batch.gen_logprobs  # the generator's: the rollout correction's
-        out = self.loss_fn(logp, old_logp, ref_logp, batch.advantages, mask, batch.num_tokens_in_step, gen_logp)
+        advantages = batch.loss_advantages  # [B], or [B, C] with per-token credit (STORPO's variant.advantage=tree)
+        out = self.loss_fn(logp, old_logp, ref_logp, advantages, mask, batch.num_tokens_in_step, gen_logp)
         loss = self.loss_fn.step_loss(out.loss, self.trainer.accumulate_grad_batches, self.trainer.world_size)
         b = len(batch)
         metrics = {

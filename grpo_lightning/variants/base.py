@@ -49,6 +49,11 @@ class GRPOVariant(ABC):
     def __init__(self) -> None:
         self.metrics = {}
 
+    def begin_round(self) -> None:
+        """Called before a round's first sampling call (dynamic sampling may make several): `metrics` then
+        describe the whole round."""
+        self.metrics = {}
+
     def generate_rollouts(
         self, generator: Generator, prompts: Sequence[Prompt], reward_fn: RewardPipeline, decode: Callable
     ) -> list[Rollout]:

@@ -1,104 +1,90 @@
-"""STORPO: branch continuations from the reasoning-step boundaries of one initial completion (docs/algorithm.md).
+"""STORPO: branch continuations from points inside one initial completion, and credit each segment (docs/algorithm.md).
 
-Per prompt: sample ONE completion; find step boundaries in its decoded text by `step_rule` (docs/algorithm.md:
-`sentence`, a period not after a digit, whitespace, then a capital or a digit; `line`, the start of each
-non-empty line after the first; `both`, either); map each to a TOKEN boundary k of that
-completion; sample `completions_per_step` continuations from `prompt_ids + completion_ids[:k]`. The initial
-completion and all its continuations form ONE advantage group. A continuation trains only on its own tokens
-after the branch point (the shared prefix is the initial completion's, trained once there).
+Per prompt: sample ONE completion; choose its branch points, token counts k (0 < k < its length), by
+`step_rule` (variants/branch_points.py): a text rule (`sentence`, `line`, `both`: reasoning-step boundaries in
+the decoded text, mapped to token boundaries) or a token rule (`uncertainty`: the sampled tokens with the highest
+-log p, at least `min_gap` apart; `fixed`: evenly spaced), which branches every completion of two or more tokens
+at min(`max_steps`, length - 1) points. A text rule that finds fewer than `min_steps` boundaries hands the
+completion to `fallback_rule` (a token rule, or `none`: the prompt is then sampled plainly, as is a one-token
+completion, which has no point inside it). From each branch point, `completions_per_step` continuations are
+sampled from `prompt_ids + completion_ids[:k]`. A continuation trains only on its own tokens after the branch
+point (the shared prefix is the initial completion's, trained once there, and generated once: the token budget
+counts it once).
+
+Credit, `advantage`: `group` puts the initial completion and all its continuations in ONE flat advantage group;
+`tree` gives each token the advantage of its segment, V(end) - V(start), with V(prefix) the mean over the
+completions through it (algorithm/tree_advantages.py: VinePPO, arXiv 2410.01679; SPO-chain, arXiv 2505.23564).
 
 Why token boundaries and never re-tokenised text: BPE merges across the cut ("dollars. Then" vs "dollars." +
 " Then") give other ids than the model sampled, so the continuation would condition on a prefix the policy never
-produced and the log-probs of the shared prefix would not be the initial completion's. The largest k whose
-decoded prefix fits inside the character boundary is used, so the prefix is exactly the first k sampled ids.
-
-Prompts with fewer than `min_steps` boundaries fall back to plain GRPO sampling (`fallback_generations`
-independent completions, the initial one included) and are counted. Related work: SPO-chain (arXiv 2505.23564),
-TreeRPO (arXiv 2506.05183), TreePO (arXiv 2508.17445).
+produced and the log-probs of the shared prefix would not be the initial completion's. Related work: TreeRL
+(arXiv 2506.11902), TreeRPO (arXiv 2506.05183), TreePO (arXiv 2508.17445).
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from grpo_lightning.algorithm.tree_advantages import chain_tree_advantages
 from grpo_lightning.schema import check_settings, choice, configures, integer, setting
 from grpo_lightning.types import Completion, Rollout
 from grpo_lightning.variants.base import GRPOVariant, register_variant
+from grpo_lightning.variants.branch_points import (
+    STEP_RULES,
+    TEXT_RULES,
+    TOKEN_RULES,
+    evenly_spaced,
+    split_steps,
+    step_boundaries,
+    token_boundaries,
+    token_rule_points,
+)
 
 if TYPE_CHECKING:
     from grpo_lightning.rewards.pipeline import RewardPipeline
+
+__all__ = ["STORPO", "STORPOSettings", "evenly_spaced", "step_boundaries", "token_boundaries", "split_steps"]
 
 log = logging.getLogger(__name__)
 
 MOSTLY_PLAIN = 0.9
 """A round in which at least this share of prompts fell back to plain groups warns, once a run: STORPO is then
 training on GRPO groups, which a user comparing the two would want to know before reading any curve."""
-
-STEP_BOUNDARY = re.compile(r"(?<![0-9])\.(?:\s+|\n+)(?=[A-Z0-9])")
-"""A sentence that ends a step: a period not after a digit ("$1.50. Then" never splits), whitespace, then a
-capital or a digit."""
-LINE_BOUNDARY = re.compile(r"\n\s*(?=\S)")
-"""A line that ends a step: a line break, then (after any blank lines and indentation) the next line's text. Small
-models often write their steps as lines (`1. Multiply 5 by 3`), which the sentence rule never splits."""
-STEP_RULES = {"sentence": (STEP_BOUNDARY,), "line": (LINE_BOUNDARY,), "both": (STEP_BOUNDARY, LINE_BOUNDARY)}
-"""`variant.step_rule`: the patterns whose match ends mark where a new step starts."""
-
-
-def step_boundaries(text: str, rule: str = "sentence") -> list[int]:
-    """Character offsets where a new reasoning step starts, ascending: the ends of the `rule`'s matches (`both`:
-    either rule's, once each). Every pattern looks ahead for the next step's text, so none is at the very end."""
-    return sorted({m.end() for pattern in STEP_RULES[rule] for m in pattern.finditer(text)})
-
-
-def token_boundaries(token_ids: Sequence[int], char_offsets: Sequence[int], decode: Callable) -> list[int]:
-    """Map character offsets of decode(token_ids) to token counts k (0 < k < len(token_ids)), deduplicated.
-
-    k is the largest prefix length whose decoded text is no longer than the offset, so the prefix ends at or
-    before the boundary (a token like " Then" that straddles it goes to the continuation).
-    """
-    lengths, longest = [], 0
-    for k in range(len(token_ids) + 1):
-        longest = max(longest, len(decode(list(token_ids[:k]))))  # running max: decoded lengths never shrink
-        lengths.append(longest)
-    ks = []
-    for offset in char_offsets:
-        k = bisect.bisect_right(lengths, offset) - 1
-        if 0 < k < len(token_ids) and k not in ks:
-            ks.append(k)
-    return ks
-
-
-def evenly_spaced(items: Sequence[int], limit: int) -> list[int]:
-    """At most `limit` items, spread evenly (the middle of each of `limit` equal slices)."""
-    n = len(items)
-    if n <= limit:
-        return list(items)
-    return [items[int((j + 0.5) * n / limit)] for j in range(limit)]
-
-
-def split_steps(text: str, rule: str = "sentence") -> list[str]:
-    """The reasoning steps of `text`: the pieces between consecutive step boundaries (they join back to it)."""
-    cuts = [0, *step_boundaries(text, rule), len(text)]
-    return [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+FALLBACK_RULES = ("none", *TOKEN_RULES)
+ADVANTAGES = ("group", "tree")
+STEPS_TEXT_RULE = "both"
+"""The text rule that splits a completion into reasoning steps for `reward.step_transforms` under a token rule."""
 
 
 @dataclass(frozen=True)
 class STORPOSettings:
-    """`variant=storpo`: where an initial completion branches and how many continuations each branch gets."""
+    """`variant=storpo`: where an initial completion branches, how many continuations each branch gets, and how
+    the branches are credited."""
 
     completions_per_step: int = setting(2, integer(1), "continuations sampled from each branch point")
-    min_steps: int = setting(2, integer(1), "a completion with fewer reasoning steps is sampled plainly instead")
-    max_steps: int = setting(4, integer(1), "at most this many branch points, evenly spaced")
+    min_steps: int = setting(
+        2, integer(1), "text rules: a completion with fewer boundaries goes to variant.fallback_rule"
+    )
+    max_steps: int = setting(4, integer(1), "at most this many branch points (text rules: evenly spaced)")
     fallback_generations: int = setting(
         4, integer(2), "group size of a prompt sampled plainly (generator.num_generations by default)"
     )
     step_rule: str = setting(
-        "sentence", choice(*STEP_RULES), "where a step ends: sentence | line | both (docs/algorithm.md)"
+        "uncertainty",
+        choice(*STEP_RULES),
+        "where to branch: uncertainty | fixed (every completion) | sentence | line | both (docs/algorithm.md)",
+    )
+    fallback_rule: str = setting(
+        "uncertainty",
+        choice(*FALLBACK_RULES),
+        "text rules: the token rule for a completion with fewer than min_steps boundaries; none: sample it plainly",
+    )
+    min_gap: int = setting(4, integer(1), "uncertainty: branch points at least this many tokens apart (where they fit)")
+    advantage: str = setting(
+        "tree", choice(*ADVANTAGES), "group: one flat group per prompt | tree: each segment's V(end) - V(start)"
     )
 
     def __post_init__(self) -> None:
@@ -116,9 +102,15 @@ class STORPO(GRPOVariant):
         max_steps: int = STORPOSettings.max_steps,
         fallback_generations: int = STORPOSettings.fallback_generations,
         step_rule: str = STORPOSettings.step_rule,
+        fallback_rule: str = STORPOSettings.fallback_rule,
+        min_gap: int = STORPOSettings.min_gap,
+        advantage: str = STORPOSettings.advantage,
     ) -> None:
         super().__init__()
-        STORPOSettings(completions_per_step, min_steps, max_steps, fallback_generations, step_rule)
+        STORPOSettings(
+            completions_per_step, min_steps, max_steps, fallback_generations, step_rule, fallback_rule, min_gap,
+            advantage,
+        )  # fmt: skip
         if min_steps > max_steps:
             raise ValueError(f"variant.min_steps ({min_steps}) must be <= variant.max_steps ({max_steps})")
         self.completions_per_step = completions_per_step
@@ -126,33 +118,59 @@ class STORPO(GRPOVariant):
         self.max_steps = max_steps
         self.fallback_generations = fallback_generations
         self.step_rule = step_rule
+        self.fallback_rule = fallback_rule
+        self.min_gap = min_gap
+        self.advantage = advantage
         self._warned_plain = False
+        self.begin_round()
+
+    # ---- where to branch ---------------------------------------------------------------------------------------
+    def branch_points(self, completion: Completion, decode: Callable) -> tuple[list[int], str]:
+        """The branch points of one initial completion (token counts, ascending) and the rule that gave them:
+        `step_rule`, then for a text rule that found fewer than `min_steps` boundaries `fallback_rule`; ([], "none")
+        when neither gives a point (the prompt is then sampled plainly)."""
+        if self.step_rule in TEXT_RULES:
+            text = decode(completion.token_ids)
+            ks = evenly_spaced(
+                token_boundaries(completion.token_ids, step_boundaries(text, self.step_rule), decode), self.max_steps
+            )
+            if len(ks) >= self.min_steps:
+                return ks, self.step_rule
+            rule = self.fallback_rule
+        else:
+            rule = self.step_rule
+        if rule == "none":
+            return [], "none"
+        ks = token_rule_points(rule, completion.logprobs, self.max_steps, self.min_gap)
+        return ks, (rule if ks else "none")
 
     def step_info(self, text: str, completion: Completion, branch_point: int, decode: Callable) -> dict:
-        """The completion's reasoning steps and the step a continuation starts in (for `reward.step_transforms`)."""
+        """The completion's reasoning steps and the step a continuation starts in (for `reward.step_transforms`):
+        split by the text rule, or by `both` (sentences or lines) under a token rule."""
+        rule = self.step_rule if self.step_rule in TEXT_RULES else STEPS_TEXT_RULE
         branch_chars = len(decode(completion.token_ids[:branch_point])) if branch_point else 0
         return {
-            "steps": split_steps(text, self.step_rule),
-            "branch_step": sum(start <= branch_chars for start in step_boundaries(text, self.step_rule)),
+            "steps": split_steps(text, rule),
+            "branch_step": sum(start <= branch_chars for start in step_boundaries(text, rule)),
         }
 
     def rollouts_per_round(self, num_prompts: int) -> int:
-        """Upper bound: every prompt branches at max_steps boundaries."""
+        """Upper bound: every prompt branches at max_steps points."""
         return num_prompts * max(1 + self.completions_per_step * self.max_steps, self.fallback_generations)
 
+    # ---- sampling ----------------------------------------------------------------------------------------------
     def sample_rollouts(
         self, generator, prompts: Sequence, reward_fn: RewardPipeline, decode: Callable
     ) -> list[Rollout]:
         initial = [group[0] for group in generator.generate([p.prompt_ids for p in prompts], 1)]
         branches: dict[int, list[int]] = {}  # prompt index -> branch points (token counts)
         fallback: list[int] = []  # prompt indices sampled plainly
+        by_token_rule = 0  # prompts whose points came from a token rule
         for i, c in enumerate(initial):
-            ks = evenly_spaced(
-                token_boundaries(c.token_ids, step_boundaries(decode(c.token_ids), self.step_rule), decode),
-                self.max_steps,
-            )
-            if len(ks) >= self.min_steps:
+            ks, rule = self.branch_points(c, decode)
+            if ks:
                 branches[i] = ks
+                by_token_rule += rule in TOKEN_RULES
             else:
                 fallback.append(i)
         samples: dict[int, list[tuple[Completion, int]]] = {i: [(c, 0)] for i, c in enumerate(initial)}
@@ -166,7 +184,7 @@ class STORPO(GRPOVariant):
             for i in range(len(prompts))
             for c, k in samples[i]
         ]
-        self.metrics = self._metrics(len(prompts), initial, branches, fallback, rollouts)
+        self._count(len(prompts), initial, branches, len(fallback), by_token_rule, rollouts)
         self._warn_if_mostly_plain(len(fallback), len(prompts))
         return rollouts
 
@@ -176,11 +194,11 @@ class STORPO(GRPOVariant):
         self._warned_plain = True
         log.warning(
             "STORPO sampled %d of %d prompts as plain groups this round: their first completions had fewer than "
-            "variant.min_steps=%d step boundaries (variant.step_rule=%s), so these groups are GRPO's. Try another "
-            "variant.step_rule (sentence | line | both), a prompt that asks for steps, or a larger "
-            "generator.max_new_tokens (docs/algorithm.md); rollout/storpo_fallback_frac logs the share every "
-            "round. Said once a run.",
-            plain, total, self.min_steps, self.step_rule,
+            "variant.min_steps=%d step boundaries (variant.step_rule=%s, variant.fallback_rule=%s) or a single "
+            "token, so these groups are GRPO's. A token rule branches every completion of two or more tokens: "
+            "variant.step_rule=uncertainty or fixed, or variant.fallback_rule=uncertainty (docs/algorithm.md); "
+            "rollout/storpo_fallback_frac logs the share every round. Said once a run.",
+            plain, total, self.min_steps, self.step_rule, self.fallback_rule,
         )  # fmt: skip
 
     def _branch(self, generator, prompts, initial: list[Completion], branches: dict[int, list[int]], samples) -> None:
@@ -197,22 +215,56 @@ class STORPO(GRPOVariant):
         for (i, k), completions in zip(jobs, continuations, strict=True):
             samples[i].extend((_join(initial[i], k, c), k) for c in completions)
 
-    def _metrics(self, num_prompts: int, initial, branches, fallback, rollouts: list[Rollout]) -> dict[str, float]:
-        n = max(num_prompts, 1)
-        metrics = {
-            "rollout/storpo_branches_mean": sum(len(ks) for ks in branches.values()) / n,
-            "rollout/storpo_fallback_frac": len(fallback) / n,
-        }
-        thirds: dict[str, list[float]] = {"early": [], "middle": [], "late": []}
+    # ---- credit ------------------------------------------------------------------------------------------------
+    def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardPipeline) -> None:
+        """The flat group's scalar advantages (the reward pipeline's group transforms); with `advantage=tree`,
+        each branched group's tokens also get their segment's advantage (algorithm/tree_advantages.py). A plain
+        group (no continuation) keeps its scalars: it has no inner node to credit."""
+        super().assign_advantages(rollouts, reward_fn)
+        if self.advantage != "tree":
+            return
+        groups: dict[int, list[Rollout]] = {}
+        for r in rollouts:
+            groups.setdefault(r.group_id, []).append(r)
+        for members in groups.values():
+            if not any(r.branch_point > 0 for r in members):
+                continue
+            per_token = chain_tree_advantages(
+                [r.advantage for r in members], [r.branch_point for r in members], [len(r.completion_ids) for r in members]
+            )
+            for r, values in zip(members, per_token, strict=True):
+                r.token_advantages = values
+
+    # ---- metrics -----------------------------------------------------------------------------------------------
+    def begin_round(self) -> None:
+        """Start counting a new round: the metrics sum over every sampling call of the round (dynamic sampling
+        draws several batches)."""
+        super().begin_round()
+        self._counts = {"prompts": 0, "branched": 0, "points": 0, "plain": 0, "token_rule": 0}
+        self._thirds: dict[str, list[float]] = {"early": [], "middle": [], "late": []}
+
+    def _count(self, num_prompts: int, initial, branches, plain: int, by_token_rule: int, rollouts) -> None:
+        counts = self._counts
+        counts["prompts"] += num_prompts
+        counts["branched"] += len(branches)
+        counts["points"] += sum(len(ks) for ks in branches.values())
+        counts["plain"] += plain
+        counts["token_rule"] += by_token_rule
         for r in rollouts:
             if r.branch_point > 0:
                 position = r.branch_point / max(len(initial[r.group_id].token_ids), 1)
                 name = "early" if position < 1 / 3 else "middle" if position < 2 / 3 else "late"
-                thirds[name].append(r.reward)
-        for name, rewards in thirds.items():
+                self._thirds[name].append(r.reward)
+        n = max(counts["prompts"], 1)
+        self.metrics = {
+            "rollout/storpo_branches_mean": counts["points"] / n,
+            "rollout/storpo_branched_frac": counts["branched"] / n,
+            "rollout/storpo_fallback_frac": counts["plain"] / n,
+            "rollout/storpo_token_rule_frac": counts["token_rule"] / n,
+        }
+        for name, rewards in self._thirds.items():
             if rewards:
-                metrics[f"rollout/storpo_reward_{name}"] = sum(rewards) / len(rewards)
-        return metrics
+                self.metrics[f"rollout/storpo_reward_{name}"] = sum(rewards) / len(rewards)
 
 
 def _join(initial: Completion, k: int, continuation: Completion) -> Completion:

@@ -10,6 +10,9 @@ from grpo_lightning.types import Completion, Prompt
 from grpo_lightning.variants.storpo import STORPO, evenly_spaced, step_boundaries, token_boundaries
 from tests.helpers import StubGenerator
 
+TEXT_ONLY = {"step_rule": "sentence", "fallback_rule": "none", "advantage": "group"}
+"""STORPO before token rules and tree credit: sentence boundaries or a plain group, one flat advantage group."""
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),
@@ -120,7 +123,7 @@ def test_groups_branch_points_and_prefix_ids(tokenizer):
         1001: "The answer is 7",  # no boundary -> fallback
     }
     gen = ScriptedGenerator(tokenizer, initial, continuation=" So #### 9")
-    variant = STORPO(completions_per_step=2, min_steps=2, max_steps=4, fallback_generations=3)
+    variant = STORPO(completions_per_step=2, min_steps=2, max_steps=4, fallback_generations=3, **TEXT_ONLY)
     rollouts = variant.generate_rollouts(
         gen, _prompts(2), pipeline_from_function(lambda text, ans: float("#### 9" in text)), _decoder(tokenizer)
     )
@@ -148,7 +151,7 @@ def test_groups_branch_points_and_prefix_ids(tokenizer):
 def test_advantages_span_the_whole_group(tokenizer):
     initial = {1000: "Step one. Step two. Step three. #### 5"}  # wrong (reward 0); continuations right (1)
     gen = ScriptedGenerator(tokenizer, initial, continuation=" #### 9")
-    variant = STORPO(completions_per_step=1, min_steps=1, max_steps=2, fallback_generations=2)
+    variant = STORPO(completions_per_step=1, min_steps=1, max_steps=2, fallback_generations=2, **TEXT_ONLY)
     rollouts = variant.generate_rollouts(
         gen, _prompts(1), pipeline_from_function(lambda text, ans: float("#### 9" in text)), _decoder(tokenizer)
     )
@@ -163,7 +166,7 @@ def test_advantages_span_the_whole_group(tokenizer):
 def test_masks_cover_exactly_the_tokens_after_each_branch_point(tokenizer):
     initial = {1000: "Step one. Step two. Step three. #### 5"}
     gen = ScriptedGenerator(tokenizer, initial, continuation=" #### 9")
-    rollouts = STORPO(completions_per_step=1, min_steps=1, max_steps=2).generate_rollouts(
+    rollouts = STORPO(completions_per_step=1, min_steps=1, max_steps=2, **TEXT_ONLY).generate_rollouts(
         gen, _prompts(1), pipeline_from_function(lambda text, ans: 0.0), _decoder(tokenizer)
     )
     batch = collate_rollouts(rollouts, pad_token_id=tokenizer.pad_token_id)
@@ -179,7 +182,10 @@ def test_masks_cover_exactly_the_tokens_after_each_branch_point(tokenizer):
 def test_a_listed_completion_branches_by_lines_and_falls_back_by_sentences(tokenizer, caplog):
     def run(rule: str) -> tuple[STORPO, list]:
         gen = ScriptedGenerator(tokenizer, {1000: LISTED, 1001: LISTED}, continuation=" So 30")
-        variant = STORPO(completions_per_step=1, min_steps=2, max_steps=4, fallback_generations=3, step_rule=rule)
+        variant = STORPO(
+            completions_per_step=1, min_steps=2, max_steps=4, fallback_generations=3, step_rule=rule,
+            fallback_rule="none", advantage="group",
+        )  # fmt: skip
         rollouts = variant.generate_rollouts(
             gen, _prompts(2), pipeline_from_function(lambda text, ans: 0.0), _decoder(tokenizer)
         )
