@@ -19,16 +19,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SENTENCE_GROUP = ["variant.step_rule=sentence", "variant.fallback_rule=none", "variant.advantage=group"]
+"""STORPO with sentence boundaries, a plain group where there are fewer than min_steps, and one flat group: the
+settings of the two storpo cases' first fingerprints, kept so those stay comparable."""
 CASES = {
     "grpo, 3 rounds": ["trainer.max_epochs=3"],
-    "storpo, 3 rounds": ["variant=storpo", "trainer.max_epochs=3"],
+    "storpo, 3 rounds": ["variant=storpo", "trainer.max_epochs=3", *SENTENCE_GROUP],
+    "storpo uncertainty, group, 3 rounds": [
+        "variant=storpo",
+        "variant.advantage=group",
+        "trainer.max_epochs=3",
+    ],  # fmt: skip
+    "storpo uncertainty, tree, 3 rounds": ["variant=storpo", "trainer.max_epochs=3"],
     "grpo, dapo, 2 passes, 4 steps a round": [
         "loss=dapo",
         "data.num_iterations=2",
         "trainer.accumulate_grad_batches=1",
         "trainer.max_epochs=2",
     ],  # fmt: skip
-    "storpo, beta 0.04, 2 rounds": ["variant=storpo", "loss.beta=0.04", "trainer.max_epochs=2"],
+    "storpo, beta 0.04, 2 rounds": ["variant=storpo", "loss.beta=0.04", "trainer.max_epochs=2", *SENTENCE_GROUP],
 }
 BASE = [
     "model=tiny",

@@ -5,15 +5,17 @@ their answers.
     python benchmarks/storpo_branching.py data.dataset.task_config.max_terms=4 \
         "data.dataset.system_prompt='Solve it step by step, one short sentence a step.'"
 
-STORPO samples one completion per prompt and branches from its reasoning-step boundaries (docs/algorithm.md); a
-prompt whose completion has fewer than `variant.min_steps` of them is sampled as a plain group of G. On a task
+STORPO samples one completion per prompt and branches from points inside it (docs/algorithm.md); under a text
+rule without a token fallback (`variant.fallback_rule=none`), a prompt whose completion has fewer than
+`variant.min_steps` reasoning-step boundaries is sampled as a plain group of G. On a task
 whose replies are one line STORPO trains on GRPO groups, and a comparison of the two variants says nothing about
 branching. This builds the run as the CLI does (overrides after the options; default `experiment=learn_arith`),
 samples one completion for each of `--prompts` training prompts with the run's engine and sampling settings (what
 STORPO's first call samples), and prints the share whose answer is right (the evaluation's format-free reading),
-the mean completion tokens, and for each `variant.step_rule` (sentence, line, both): the share of completions it
-would branch from (at least `--min-steps` boundaries), the mean boundaries and the share right among the
-branchable ones; then a few completions. A small model often writes its steps as lines (`1. Multiply ...`),
+the mean completion tokens, the share a token rule (`uncertainty`, `fixed`) branches from (every completion of
+two or more tokens), and for each text rule (sentence, line, both): the share of completions it would branch from
+(at least `--min-steps` boundaries), the mean boundaries and the share right among the branchable ones; then a few
+completions. A small model often writes its steps as lines (`1. Multiply ...`),
 which the sentence rule does not split (a period after a digit never splits).
 """
 
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from grpo_lightning.app.train import build_run
-    from grpo_lightning.variants.storpo import STEP_RULES, step_boundaries
+    from grpo_lightning.variants.branch_points import TEXT_RULES, step_boundaries
     from tests.conftest import make_cfg
 
     overrides = args.overrides or ["experiment=learn_arith"]
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for prompt, (completion,) in zip(prompts, groups, strict=True):
         text = loop.decode(completion.token_ids)  # the text STORPO finds its boundaries in
         verdict = checker.check(text, prompt.answer, prompt.record)
-        boundaries = {rule: len(step_boundaries(text, rule)) for rule in STEP_RULES}
+        boundaries = {rule: len(step_boundaries(text, rule)) for rule in TEXT_RULES}
         rows.append((boundaries, verdict.correct, len(completion.token_ids), text))
     n = len(rows)
     print(f"overrides: {' '.join(overrides)}")
@@ -69,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{n} prompts, one completion each, T={cfg.generator.temperature}, {cfg.generator.max_new_tokens} new "
         f"tokens: right {sum(r[1] for r in rows) / n:.3f}, mean tokens {sum(r[2] for r in rows) / n:.1f}"
     )
-    for rule in STEP_RULES:
+    two = sum(r[2] >= 2 for r in rows) / n
+    print(f"  step_rule=uncertainty | fixed: branchable (>= 2 tokens) {two:.3f}")
+    for rule in TEXT_RULES:
         branchable = [r for r in rows if r[0][rule] >= args.min_steps]
         right = sum(r[1] for r in branchable) / len(branchable) if branchable else float("nan")
         print(

@@ -1,28 +1,34 @@
-"""GRPO against STORPO at an equal budget of generated tokens: held-out pass@1 per generated token, over seeds.
+"""GRPO against STORPO's arms at an equal budget of generated tokens: held-out pass@1 per generated token, over seeds.
 
-Trains `variant=grpo` and `variant=storpo` on the recipe's task (`--experiment`, default learn_arith) for each
-seed. Every run stops at the first round end at which `rollout/tokens_generated_total` (every completion token
-sampled so far, dynamic sampling's dropped groups and STORPO's continuations included) reaches the budget
-(`max_tokens_generated`), so both variants spend the same generation compute, whatever each round costs them.
-Every setting the two sides compare is pinned here (PINNED, STORPO_PINNED), composed, checked equal on both
-sides and printed before anything runs. Writes into the output folder `variants.md` (printed too): the
-settings, a table per run (final pass@1 with its 95% Wilson interval, strict accuracy, format rate, tokens,
-tokens to the target, the share of prompts STORPO branched from, wall time) and per variant (tokens to reach the
-target pass@1, mean over seeds; the final pass@1), a warning when STORPO hardly branched (its prompts then fall
-back to plain groups, and the two sides train alike), and `variants.png`: held-out pass@1 against generated
-tokens, mean over seeds with a min..max band.
+Trains each arm (`--arms`, default all four) on the recipe's task (`--experiment`, default learn_arith) for each
+seed: `grpo`; `storpo_text`, STORPO as it was first built (sentence boundaries, a plain group where a first
+completion has fewer than 2, one flat advantage group); `storpo_token`, branch points at the most uncertain
+sampled tokens (`variant.step_rule=uncertainty`) with the flat group; `storpo_tree`, the same branch points with
+each segment credited V(end) - V(start) (`variant.advantage=tree`). Every run stops at the first round end at which
+`rollout/tokens_generated_total` (every completion token sampled so far, dynamic sampling's dropped groups
+included, a branch's shared prefix counted once) reaches the budget (`max_tokens_generated`), so every arm spends
+the same generation compute, whatever each round costs it. Every setting the arms compare is pinned here
+(PINNED, STORPO_PINNED, ARMS), composed, checked equal on every arm and printed before anything runs.
+
+Writes into the output folder `variants.md` (printed too): the settings; per arm the tokens to reach the target
+pass@1 (mean over seeds), the final pass@1 with the envelope of the seeds' 95% Wilson intervals, the share of
+prompts branched (the lowest round of any seed, and the mean), and the mean completion length; each arm against
+grpo paired by seed (the final pass@1 difference per seed, its mean, and how many seeds it won); a table per run;
+a warning when a STORPO arm hardly branched (its prompts then fall back to plain groups, and it trains as GRPO);
+and `variants.png`: held-out pass@1 against generated tokens, mean over seeds with a min..max band.
 
     python benchmarks/variants.py                              # learn_arith, seeds 0 1 2, 50000 tokens
-    python benchmarks/variants.py --budget 100000 --target 0.3 --seeds 0 1 2 3
+    python benchmarks/variants.py --arms grpo storpo_tree --budget 100000 --target 0.3 --seeds 0 1 2 3
 
 Runs that finished before (a `final_metrics.json` in their folder) are read, not rerun (`--force` reruns).
-Extra Hydra overrides after the options apply to both variants (and show in the printed settings).
+Extra Hydra overrides after the options apply to every arm (and show in the printed settings).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -30,7 +36,6 @@ from omegaconf import DictConfig
 from grpo_lightning.app.analysis import EvalPoint, RunData, band, eval_points, read_run, tokens_to_target
 from grpo_lightning.app.jobs import Job, compose, run_jobs, value, wall_seconds
 
-VARIANTS = ("grpo", "storpo")
 PINNED = {
     "generator.num_generations": 8,  # G: GRPO's group size, and STORPO's for a prompt it samples plainly
     "generator.temperature": 0.7,
@@ -55,15 +60,27 @@ PINNED = {
     "eval.num_problems": 128,
     "eval.seed": 1234,
 }
-"""Settings both variants get, set explicitly (the budget and eval.every_n_rounds come from the options)."""
+"""Settings every arm gets, set explicitly (the budget and eval.every_n_rounds come from the options)."""
 STORPO_PINNED = {
     "variant.completions_per_step": 2,
     "variant.min_steps": 2,
     "variant.max_steps": 4,
-    "variant.step_rule": "sentence",
+    "variant.min_gap": 4,
 }
-"""STORPO's own settings: K continuations from each of 2 to 4 branch points, steps ending at sentences
-(docs/algorithm.md)."""
+"""Every STORPO arm's branching size: K = 2 continuations from each of up to 4 branch points (docs/algorithm.md)."""
+ARMS = {
+    "grpo": {"variant": "grpo"},
+    "storpo_text": {
+        "variant": "storpo",
+        "variant.step_rule": "sentence",
+        "variant.fallback_rule": "none",
+        "variant.advantage": "group",
+    },
+    "storpo_token": {"variant": "storpo", "variant.step_rule": "uncertainty", "variant.advantage": "group"},
+    "storpo_tree": {"variant": "storpo", "variant.step_rule": "uncertainty", "variant.advantage": "tree"},
+}
+"""What each arm is: its variant and the settings that tell its STORPO apart."""
+STORPO_KEYS = ["variant._target_", *STORPO_PINNED, "variant.step_rule", "variant.fallback_rule", "variant.advantage"]
 
 
 def hydra_value(v) -> str:
@@ -78,15 +95,18 @@ def pinned(budget: int, eval_every: int) -> dict[str, object]:
     return {**PINNED, "max_tokens_generated": budget, "eval.every_n_rounds": eval_every}
 
 
-def variant_overrides(experiment: str, variant: str, shared: dict[str, object], extra: list[str]) -> list[str]:
-    """A run's overrides, seed aside: the recipe, the shared pins, the variant and its pins, then `extra`."""
-    own = STORPO_PINNED if variant == "storpo" else {}
+def arm_overrides(experiment: str, arm: str, shared: dict[str, object], extra: list[str]) -> list[str]:
+    """A run's overrides, seed aside: the recipe, the shared pins, the arm's variant and pins, then `extra`."""
+    own = dict(ARMS[arm])
+    variant = own.pop("variant")
+    if variant == "storpo":
+        own = {**STORPO_PINNED, **own}
     pins = [f"{k}={hydra_value(v)}" for k, v in {**shared, **own}.items()]
     return [f"experiment={experiment}", f"variant={variant}", *pins, *extra]
 
 
 def settings_table(configs: dict[str, DictConfig], keys: list[str]) -> str:
-    """The compared settings as each variant's composed config has them; exits if a shared one differs."""
+    """The compared settings as each arm's composed config has them."""
     lines = [f"| setting | {' | '.join(configs)} |", "|---|" + "---|" * len(configs)]
     for key in keys:
         values = [value(cfg, key) for cfg in configs.values()]
@@ -98,15 +118,15 @@ def check_equal(configs: dict[str, DictConfig], keys: list[str]) -> None:
     for key in keys:
         values = {name: value(cfg, key) for name, cfg in configs.items()}
         if len({hydra_value(v) for v in values.values()}) > 1:
-            raise SystemExit(f"{key} differs between the variants: {values}")
+            raise SystemExit(f"{key} differs between the arms: {values}")
 
 
-DEFAULT_TARGET = "default: halfway from the mean start to the lower variant's mean final"
+DEFAULT_TARGET = "default: halfway from the mean start to the lowest arm's mean final"
 
 
 def default_target(points: dict[str, list[list[EvalPoint]]]) -> float:
-    """Halfway from the mean start pass@1 (all runs) to the lower of the variants' mean final pass@1: a level
-    both variants' means reach, so the table compares how fast."""
+    """Halfway from the mean start pass@1 (all runs) to the lowest of the arms' mean final pass@1: a level every
+    arm's mean reaches, so the table compares how fast."""
     starts = [runs[0].accuracy for per_seed in points.values() for runs in per_seed]
     finals = [sum(runs[-1].accuracy for runs in per_seed) / len(per_seed) for per_seed in points.values()]
     start = sum(starts) / len(starts)
@@ -121,55 +141,121 @@ def num(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
-def branched_fraction(run: RunData) -> float | None:
-    """The share of its prompts a STORPO run branched from, mean over rounds (1 - `rollout/storpo_fallback_frac`);
-    None for a run that does not log it (GRPO). A prompt whose initial completion has fewer than
-    `variant.min_steps` step boundaries is sampled as a plain group: near 0, the STORPO run trained on plain GRPO
-    groups, and the comparison says nothing about branching."""
+def branched_per_round(run: RunData) -> list[float] | None:
+    """The share of its prompts a STORPO run branched from, each round (1 - `rollout/storpo_fallback_frac`); None
+    for a run that does not log it (GRPO). A prompt whose initial completion gave no branch point (a text rule's
+    too few boundaries with `fallback_rule=none`, or a one-token completion) is sampled as a plain group: near 0,
+    the run trained on plain GRPO groups, and the comparison says nothing about branching."""
     fallback = run.scalars.get("rollout/storpo_fallback_frac")
-    return None if not fallback else 1.0 - sum(v for _, v in fallback) / len(fallback)
+    return None if not fallback else [1.0 - v for _, v in sorted(fallback)]
+
+
+def branched_fraction(run: RunData) -> float | None:
+    """The mean over rounds of `branched_per_round`."""
+    rounds = branched_per_round(run)
+    return None if rounds is None else sum(rounds) / len(rounds)
+
+
+def mean_scalar(run: RunData, tag: str) -> float | None:
+    """A scalar's mean over the run's rounds; None when it was not logged."""
+    values = [v for _, v in run.scalars.get(tag, [])]
+    return sum(values) / len(values) if values else None
 
 
 FEW_BRANCHES = 0.1
 """Below this mean share of prompts branched, the results say that the comparison did not test branching."""
+BRANCHING_FLOOR = 0.9
+"""A token-rule arm branches from nearly every prompt in every round; the summary marks a lowest round below this."""
 
 
-def runs_table(
-    points: dict[str, list[list[EvalPoint]]], seeds: list[int], walls: dict, branched: dict, target: float
-) -> str:
+@dataclass(frozen=True)
+class RunSummary:
+    """What the tables need of one run beside its evaluations."""
+
+    wall_s: float | None
+    branched: list[float] | None
+    """Share of prompts branched, each round (None: not a STORPO run)."""
+    completion_len: float | None
+    """Mean completion tokens over the rounds (a continuation counted with its shared prefix)."""
+
+    @staticmethod
+    def of(run: RunData) -> RunSummary:
+        return RunSummary(wall_seconds(run.path), branched_per_round(run), mean_scalar(run, COMPLETION_LEN))
+
+
+COMPLETION_LEN = "rollout/completion_len_mean"
+
+
+def branched_cell(rounds: list[float] | None) -> str:
+    """`lowest / mean` share of prompts branched over the rounds ("n/a" for GRPO)."""
+    return "n/a" if rounds is None else f"{min(rounds):.3f} / {sum(rounds) / len(rounds):.3f}"
+
+
+def runs_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], runs: dict, target: float) -> str:
     lines = [
-        "| variant | seed | evaluations | tokens generated | pass@1 end [95% CI] | strict | format "
-        f"| tokens to pass@1 {target:.3f} | prompts branched | wall min |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | seed | evaluations | tokens generated | pass@1 end [95% CI] | strict | format "
+        f"| tokens to pass@1 {target:.3f} | prompts branched, lowest / mean round | completion tokens | wall min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for variant, per_seed in points.items():
-        for seed, runs in zip(seeds, per_seed, strict=True):
-            e, reached = runs[-1], tokens_to_target(runs, target)
+    for arm, per_seed in points.items():
+        for seed, evals in zip(seeds, per_seed, strict=True):
+            e, reached, run = evals[-1], tokens_to_target(evals, target), runs[arm, seed]
+            wall = None if run.wall_s is None else run.wall_s / 60
             lines.append(
-                f"| {variant} | {seed} | {len(runs)} | {e.tokens:.0f} | {num(e.accuracy)} [{num(e.low)}, "
+                f"| {arm} | {seed} | {len(evals)} | {e.tokens:.0f} | {num(e.accuracy)} [{num(e.low)}, "
                 f"{num(e.high)}] | {num(e.strict)} | {num(e.format_rate)} "
-                f"| {'not reached' if reached is None else f'{reached:.0f}'} | {num(branched[variant, seed])} "
-                f"| {num(walls[variant, seed] / 60, 1)} |"
+                f"| {'not reached' if reached is None else f'{reached:.0f}'} | {branched_cell(run.branched)} "
+                f"| {num(run.completion_len, 1)} | {num(wall, 1)} |"
             )
     return "\n".join(lines)
 
 
-def summary_table(points: dict[str, list[list[EvalPoint]]], target: float) -> str:
-    """Per variant: tokens to the target (mean over seeds; "not reached" unless every seed reached it), the
-    final pass@1 (mean over seeds) with the envelope of the seeds' 95% Wilson intervals."""
+def summary_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], runs: dict, target: float) -> str:
+    """Per arm: tokens to the target (mean over seeds; "not reached" unless every seed reached it), the final
+    pass@1 (mean over seeds) with the envelope of the seeds' 95% Wilson intervals, the share of prompts branched
+    (its lowest round over all seeds, and its mean), the mean completion tokens."""
     lines = [
-        f"| variant | seeds | tokens to pass@1 {target:.3f}, mean | final pass@1, mean | 95% interval (envelope "
-        "of the seeds' Wilson intervals) |",
-        "|---|---|---|---|---|",
+        f"| arm | seeds | tokens to pass@1 {target:.3f}, mean | final pass@1, mean | 95% interval (envelope "
+        "of the seeds' Wilson intervals) | prompts branched, lowest / mean round | completion tokens, mean |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for variant, per_seed in points.items():
-        reached = [tokens_to_target(runs, target) for runs in per_seed]
+    for arm, per_seed in points.items():
+        reached = [tokens_to_target(evals, target) for evals in per_seed]
         mean = mean_or_none(reached)
         n_reached = sum(r is not None for r in reached)
         tokens = f"{mean:.0f}" if mean is not None else f"not reached ({n_reached} of {len(reached)} seeds did)"
-        final = sum(runs[-1].accuracy for runs in per_seed) / len(per_seed)
-        low, high = min(runs[-1].low for runs in per_seed), max(runs[-1].high for runs in per_seed)
-        lines.append(f"| {variant} | {len(per_seed)} | {tokens} | {num(final)} | [{num(low)}, {num(high)}] |")
+        final = sum(evals[-1].accuracy for evals in per_seed) / len(per_seed)
+        low, high = min(evals[-1].low for evals in per_seed), max(evals[-1].high for evals in per_seed)
+        rounds = [runs[arm, s].branched for s in seeds]
+        branched = None if any(r is None for r in rounds) else [v for r in rounds for v in r]
+        lengths = mean_or_none([runs[arm, s].completion_len for s in seeds])
+        lines.append(
+            f"| {arm} | {len(per_seed)} | {tokens} | {num(final)} | [{num(low)}, {num(high)}] "
+            f"| {branched_cell(branched)} | {num(lengths, 1)} |"
+        )
+    return "\n".join(lines)
+
+
+def paired_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], baseline: str = "grpo") -> str | None:
+    """Each arm against `baseline`, paired by seed (the same seed draws the same prompts and evaluation set): the
+    final pass@1 difference per seed, its mean, and the seeds on which the arm ended higher / level / lower."""
+    if baseline not in points or len(points) < 2:
+        return None
+    lines = [
+        f"| arm - {baseline} | final pass@1 difference per seed ({', '.join(map(str, seeds))}) | mean difference "
+        "| seeds higher / level / lower |",
+        "|---|---|---|---|",
+    ]
+    base = [evals[-1].accuracy for evals in points[baseline]]
+    for arm, per_seed in points.items():
+        if arm == baseline:
+            continue
+        diffs = [evals[-1].accuracy - b for evals, b in zip(per_seed, base, strict=True)]
+        counts = (sum(d > 0 for d in diffs), sum(d == 0 for d in diffs), sum(d < 0 for d in diffs))
+        lines.append(
+            f"| {arm} | {', '.join(f'{d:+.3f}' for d in diffs)} | {sum(diffs) / len(diffs):+.3f} "
+            f"| {' / '.join(map(str, counts))} |"
+        )
     return "\n".join(lines)
 
 
@@ -180,9 +266,9 @@ def plot(points: dict[str, list[list[EvalPoint]]], target: float, budget: int, p
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for variant, per_seed in points.items():
-        x, mean, low, high = band([[(p.tokens, p.accuracy) for p in runs] for runs in per_seed])
-        (line,) = ax.plot(x, mean, marker="o", label=f"{variant} (mean of {len(per_seed)} seeds)")
+    for arm, per_seed in points.items():
+        x, mean, low, high = band([[(p.tokens, p.accuracy) for p in evals] for evals in per_seed])
+        (line,) = ax.plot(x, mean, marker="o", label=f"{arm} (mean of {len(per_seed)} seeds)")
         ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
     ax.axhline(target, color="gray", linestyle=":", label=f"target {target:.3f}")
     ax.axvline(budget, color="gray", linestyle="--", label=f"budget {budget}")
@@ -200,29 +286,38 @@ TARGET_RULE = (
 )
 
 
-def branching_note(branched: dict) -> str | None:
-    """A warning when the STORPO runs branched from fewer than FEW_BRANCHES of their prompts, on average."""
-    mean = mean_or_none([b for b in branched.values() if b is not None])
-    if mean is None or mean >= FEW_BRANCHES:
-        return None
-    return (
-        f"STORPO branched from {mean:.1%} of its prompts (mean over runs and rounds): the "
-        "other initial completions had fewer than variant.min_steps step boundaries, so their prompts were sampled "
-        "as plain groups. Both sides trained on GRPO groups; this comparison does not test branching."
-    )
+def branching_notes(runs: dict) -> list[str]:
+    """A warning for each STORPO arm that branched from fewer than FEW_BRANCHES of its prompts, on average."""
+    notes = []
+    for arm in dict.fromkeys(a for a, _ in runs):
+        rounds = [runs[key].branched for key in runs if key[0] == arm]
+        if any(r is None for r in rounds):
+            continue
+        mean = mean_or_none([sum(r) / len(r) for r in rounds])
+        if mean is not None and mean < FEW_BRANCHES:
+            notes.append(
+                f"{arm} branched from {mean:.1%} of its prompts (mean over runs and rounds): the other initial "
+                "completions gave no branch point, so their prompts were sampled as plain groups. It trained on GRPO "
+                "groups; its comparison does not test branching."
+            )
+    return notes
 
 
-def results(points, seeds: list[int], walls: dict, branched: dict, target: float, target_note: str) -> str:
-    """The tables after the settings: the target, per variant, per run; then the branching warning, if any."""
+def results(points, seeds: list[int], runs: dict, target: float, target_note: str) -> str:
+    """The tables after the settings: the target, per arm, paired by seed, per run; then the branching warnings."""
     rule = f"target pass@1: {target:.3f} ({target_note}); tokens to it: {TARGET_RULE}"
-    parts = [rule, summary_table(points, target), runs_table(points, seeds, walls, branched, target)]
-    note = branching_note(branched)
-    return "\n\n".join(parts if note is None else [*parts, note])
+    parts = [rule, summary_table(points, seeds, runs, target)]
+    paired = paired_table(points, seeds)
+    if paired is not None:
+        parts.append(paired)
+    parts.append(runs_table(points, seeds, runs, target))
+    return "\n\n".join([*parts, *branching_notes(runs)])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experiment", default="learn_arith", help="the recipe whose task both variants train on")
+    parser.add_argument("--experiment", default="learn_arith", help="the recipe whose task every arm trains on")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="the arms to compare")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--budget", type=int, default=50_000, help="completion tokens generated per run")
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many rounds")
@@ -230,27 +325,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/variants"))
     parser.add_argument("--force", action="store_true", help="rerun finished runs")
     parser.add_argument("--sequential", action="store_true", help="one run at a time (default: one a core)")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both variants")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every arm")
     args = parser.parse_args(argv)
     shared = pinned(args.budget, args.eval_every)
-    overrides = {v: variant_overrides(args.experiment, v, shared, args.overrides) for v in VARIANTS}
+    overrides = {a: arm_overrides(args.experiment, a, shared, args.overrides) for a in args.arms}
     try:  # a missing recipe or a bad override fails now, not hours later
-        configs = {v: compose(o) for v, o in overrides.items()}
+        configs = {a: compose(o) for a, o in overrides.items()}
     except ValueError as e:
         parser.error(str(e))
     check_equal(configs, list(shared))
-    settings = settings_table(configs, [*shared, "variant._target_", *STORPO_PINNED])
+    settings = settings_table(configs, [*shared, *STORPO_KEYS])
     header = f"experiment={args.experiment}, seeds {args.seeds}, extra overrides {args.overrides}\n\n{settings}"
     print(header, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = [Job(f"{v}_seed{seed}", (*overrides[v], f"seed={seed}")) for seed in args.seeds for v in VARIANTS]
+    jobs = [Job(f"{a}_seed{seed}", (*overrides[a], f"seed={seed}")) for seed in args.seeds for a in args.arms]
     run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
-    runs = {(v, s): read_run(args.out / f"{v}_seed{s}") for v in VARIANTS for s in args.seeds}
-    points = {v: [eval_points(runs[v, s]) for s in args.seeds] for v in VARIANTS}
-    branched = {key: branched_fraction(run) for key, run in runs.items()}
-    walls = {key: wall_seconds(run.path) for key, run in runs.items()}
+    data = {(a, s): read_run(args.out / f"{a}_seed{s}") for a in args.arms for s in args.seeds}
+    points = {a: [eval_points(data[a, s]) for s in args.seeds] for a in args.arms}
+    runs = {key: RunSummary.of(run) for key, run in data.items()}
     target, note = (args.target, "--target") if args.target is not None else (default_target(points), DEFAULT_TARGET)
-    text = results(points, args.seeds, walls, branched, target, note)
+    text = results(points, args.seeds, runs, target, note)
     print(text)
     (args.out / "variants.md").write_text(f"{header}\n\n{text}\n")
     plot(points, target, args.budget, args.out / "variants.png")

@@ -230,7 +230,9 @@ class STORPO(GRPOVariant):
             if not any(r.branch_point > 0 for r in members):
                 continue
             per_token = chain_tree_advantages(
-                [r.advantage for r in members], [r.branch_point for r in members], [len(r.completion_ids) for r in members]
+                [r.advantage for r in members],
+                [r.branch_point for r in members],
+                [len(r.completion_ids) for r in members],
             )
             for r, values in zip(members, per_token, strict=True):
                 r.token_advantages = values

@@ -53,9 +53,9 @@ def test_the_overlap_benchmark_modes_differ_in_the_overlap_only(engine):
 
 
 @pytest.mark.parametrize("experiment", RECIPES)
-def test_both_variants_get_the_same_pinned_settings(experiment):
+def test_every_arm_gets_the_same_pinned_settings(experiment):
     shared = variants.pinned(budget=12_345, eval_every=3)
-    configs = {v: compose(variants.variant_overrides(experiment, v, shared, [])) for v in variants.VARIANTS}
+    configs = {a: compose(variants.arm_overrides(experiment, a, shared, [])) for a in variants.ARMS}
     for name, cfg in configs.items():
         # by hand, the settings the comparison rests on (the recipe sets some of them otherwise, e.g. eval problems)
         assert value(cfg, "generator.num_generations") == 8, name
@@ -71,29 +71,38 @@ def test_both_variants_get_the_same_pinned_settings(experiment):
         for key, pinned in shared.items():  # and every other pin, as the script sets it
             assert value(cfg, key) == pinned, (name, key)
     assert value(configs["grpo"], "variant._target_").endswith("BaselineGRPO")
-    storpo = configs["storpo"]
-    assert value(storpo, "variant._target_").endswith("STORPO")
-    assert value(storpo, "variant.fallback_generations") == 8  # a prompt sampled plainly: GRPO's G
-    assert (value(storpo, "variant.completions_per_step"), value(storpo, "variant.min_steps")) == (2, 2)
-    assert value(storpo, "variant.max_steps") == 4
+    storpo = {a: configs[a] for a in ("storpo_text", "storpo_token", "storpo_tree")}
+    for cfg in storpo.values():
+        assert value(cfg, "variant._target_").endswith("STORPO")
+        assert value(cfg, "variant.fallback_generations") == 8  # a prompt sampled plainly: GRPO's G
+        assert (value(cfg, "variant.completions_per_step"), value(cfg, "variant.min_steps")) == (2, 2)
+        assert (value(cfg, "variant.max_steps"), value(cfg, "variant.min_gap")) == (4, 4)
+    arms = {a: tuple(value(cfg, f"variant.{k}") for k in ("step_rule", "fallback_rule", "advantage"))
+            for a, cfg in storpo.items()}  # fmt: skip
+    assert arms == {
+        "storpo_text": ("sentence", "none", "group"),  # as STORPO was first built
+        "storpo_token": ("uncertainty", "uncertainty", "group"),
+        "storpo_tree": ("uncertainty", "uncertainty", "tree"),
+    }
 
 
-def test_extra_overrides_reach_both_variants_and_the_printed_settings():
+def test_extra_overrides_reach_every_arm_and_the_printed_settings():
     shared = variants.pinned(budget=1000, eval_every=5)
     configs = {
-        v: compose(variants.variant_overrides("learn_cpu", v, shared, ["generator.temperature=0.9"]))
-        for v in variants.VARIANTS
+        a: compose(variants.arm_overrides("learn_cpu", a, shared, ["generator.temperature=0.9"]))
+        for a in ("grpo", "storpo_tree")
     }
     variants.check_equal(configs, list(shared))  # equal on both sides: no exit
-    table = variants.settings_table(configs, ["generator.temperature", "variant.min_steps"])
+    table = variants.settings_table(configs, ["generator.temperature", "variant.min_steps", "variant.advantage"])
     assert table.splitlines()[2:] == [
         "| `generator.temperature` | `0.9` | `0.9` |",
         "| `variant.min_steps` | `null` | `2` |",
+        "| `variant.advantage` | `null` | `tree` |",
     ]
 
 
 def test_check_equal_refuses_a_setting_that_differs():
-    configs = {v: compose(["experiment=learn_cpu", f"variant={v}"]) for v in variants.VARIANTS}
+    configs = {"grpo": compose(["experiment=learn_cpu", "variant=grpo"])}
     configs["storpo"] = compose(["experiment=learn_cpu", "variant=storpo", "generator.num_generations=4"])
     with pytest.raises(SystemExit, match="generator.num_generations differs"):
         variants.check_equal(configs, ["generator.num_generations"])
@@ -130,15 +139,18 @@ def write_run(
     evals: dict[int, dict[str, float]],
     wall_s=None,
     fallback: list[float] | None = None,
+    completion_len: list[float] | None = None,
 ):
     """A finished run folder: `rollout/tokens_generated_total` at the given steps, evaluations (EVAL_TAGS names
-    without `eval/`) at theirs, STORPO's `rollout/storpo_fallback_frac` a round if given. Values are dyadic, exact
-    in TensorBoard's float32."""
+    without `eval/`) at theirs, STORPO's `rollout/storpo_fallback_frac` and `rollout/completion_len_mean` a round
+    if given. Values are dyadic, exact in TensorBoard's float32."""
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     for step, total in round_tokens.items():
         writer.add_scalar("rollout/tokens_generated_total", total, step)
     for step, frac in enumerate(fallback or []):
         writer.add_scalar("rollout/storpo_fallback_frac", frac, step)
+    for step, length in enumerate(completion_len or []):
+        writer.add_scalar("rollout/completion_len_mean", length, step)
     for step, metrics in evals.items():
         for name, v in metrics.items():
             writer.add_scalar(f"eval/{name}", v, step)
@@ -240,8 +252,9 @@ def test_the_control_from_the_start_is_flat_over_the_trained_run(tmp_path):
 
 
 def variants_runs(out: Path, storpo_fallback: tuple[list[float], list[float]] = ([0.75, 0.25], [1.0, 1.0])) -> None:
-    """Evaluations every few rounds; grpo's rounds cost 1000 tokens, storpo's 750. STORPO sampled plainly 3/4,
-    then 1/4 of seed 0's prompts (branched from 1/2 of them), and every prompt of seed 1 (branched from none).
+    """Evaluations every few rounds; grpo's rounds cost 1000 tokens, storpo_tree's 750. STORPO sampled plainly 3/4,
+    then 1/4 of seed 0's prompts (branched from 1/4, then 3/4: 1/2 on average), and every prompt of seed 1
+    (branched from none). Completion lengths: grpo 20 and 30 tokens a round (seed 0), 40 (seed 1); storpo 10, 12.
 
     grpo seed 0: 0.125 @0, 0.25 @2000, 0.5 @4000, 0.5 @5000 (end) -> 0.375 at 3000
     grpo seed 1: 0.125 @0, 0.375 @2000, 0.375 @4000, 0.5 @5000   -> 0.375 at 2000
@@ -254,32 +267,46 @@ def variants_runs(out: Path, storpo_fallback: tuple[list[float], list[float]] = 
     def e(acc, fmt=0.75):
         return ev(acc, acc - 0.125, acc + 0.125, acc / 2, fmt)
 
-    write_run(out / "grpo_seed0", grpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 5: e(0.5)}, wall_s=600)
-    write_run(out / "grpo_seed1", grpo_rounds, {0: e(0.125), 2: e(0.375), 4: e(0.375), 5: e(0.5)}, wall_s=660)
-    write_run(out / "storpo_seed0", storpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 6: e(0.625), 7: e(0.625)},
-              wall_s=540, fallback=storpo_fallback[0])  # fmt: skip
-    write_run(out / "storpo_seed1", storpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.25), 6: e(0.25), 7: e(0.25)},
-              wall_s=480, fallback=storpo_fallback[1])  # fmt: skip
+    write_run(out / "grpo_seed0", grpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 5: e(0.5)}, wall_s=600,
+              completion_len=[20.0, 30.0])  # fmt: skip
+    write_run(out / "grpo_seed1", grpo_rounds, {0: e(0.125), 2: e(0.375), 4: e(0.375), 5: e(0.5)}, wall_s=660,
+              completion_len=[40.0])  # fmt: skip
+    write_run(out / "storpo_tree_seed0", storpo_rounds,
+              {0: e(0.125), 2: e(0.25), 4: e(0.5), 6: e(0.625), 7: e(0.625)},
+              wall_s=540, fallback=storpo_fallback[0], completion_len=[10.0])  # fmt: skip
+    write_run(out / "storpo_tree_seed1", storpo_rounds,
+              {0: e(0.125), 2: e(0.25), 4: e(0.25), 6: e(0.25), 7: e(0.25)},
+              wall_s=480, fallback=storpo_fallback[1], completion_len=[12.0])  # fmt: skip
+
+
+ARMS_ARGV = ["--experiment", "learn_cpu", "--arms", "grpo", "storpo_tree", "--seeds", "0", "1"]
 
 
 def test_variants_tables_by_hand(tmp_path, capsys):
     variants_runs(tmp_path)
-    argv = ["--experiment", "learn_cpu", "--seeds", "0", "1", "--budget", "5000", "--target", "0.375"]
+    argv = [*ARMS_ARGV, "--budget", "5000", "--target", "0.375"]
     assert variants.main([*argv, "--out", str(tmp_path)]) == 0
     assert "grpo_seed0: finished before, reading it" in capsys.readouterr().out
     text = (tmp_path / "variants.md").read_text()
     assert "| `max_tokens_generated` | `5000` | `5000` |" in text  # the settings, as composed
     assert "| `generator.num_generations` | `8` | `8` |" in text
-    rows = [line for line in text.splitlines() if line.startswith("| grpo") or line.startswith("| storpo")]
+    assert "| `variant.advantage` | `null` | `tree` |" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| grpo", "| storpo"))]
     assert rows == [
-        # tokens to 0.375: grpo (3000 + 2000) / 2; storpo: seed 1 never; final pass@1 mean, interval envelope
-        "| grpo | 2 | 2500 | 0.500 | [0.375, 0.625] |",
-        "| storpo | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] |",
-        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | n/a | 10.0 |",
-        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | n/a | 11.0 |",
-        "| storpo | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 0.500 | 9.0 |",
-        "| storpo | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 0.000 | 8.0 |",
+        # tokens to 0.375: grpo (3000 + 2000) / 2; storpo: seed 1 never; final pass@1 mean, interval envelope;
+        # branched: the lowest round of both seeds is 0 (seed 1), the mean of (1/4, 3/4, 0, 0) is 1/4;
+        # completion tokens: the mean of each run's round mean, (25 + 40) / 2 and (10 + 12) / 2
+        "| grpo | 2 | 2500 | 0.500 | [0.375, 0.625] | n/a | 32.5 |",
+        "| storpo_tree | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] | 0.000 / 0.250 | 11.0 |",
+        # paired by seed: 0.625 - 0.5 and 0.25 - 0.5
+        "| storpo_tree | +0.125, -0.250 | -0.062 | 1 / 0 / 1 |",
+        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | n/a | 25.0 | 10.0 |",
+        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | n/a | 40.0 | 11.0 |",
+        "| storpo_tree | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 0.250 / 0.500 | 10.0 | 9.0 |",
+        "| storpo_tree | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 0.000 / 0.000 | 12.0 "
+        "| 8.0 |",
     ]
+    assert "| arm - grpo | final pass@1 difference per seed (0, 1) | mean difference |" in text
     assert "target pass@1: 0.375 (--target); tokens to it: linear interpolation" in text
     assert "does not test branching" not in text  # a quarter of the prompts branched, on average
     assert (tmp_path / "variants.png").stat().st_size > 0
@@ -289,14 +316,15 @@ def test_variants_say_when_storpo_hardly_branched(tmp_path, capsys):
     """1/8 of seed 0's prompts branched in its second round (1/16 over its rounds), none of seed 1's: 1/32 on
     average, under 10%."""
     variants_runs(tmp_path, storpo_fallback=([1.0, 0.875], [1.0, 1.0]))
-    assert variants.main(["--experiment", "learn_cpu", "--seeds", "0", "1", "--out", str(tmp_path)]) == 0
-    assert "STORPO branched from 3.1% of its prompts (mean over runs and rounds)" in capsys.readouterr().out
-    assert "this comparison does not test branching" in (tmp_path / "variants.md").read_text()
+    assert variants.main([*ARMS_ARGV, "--out", str(tmp_path)]) == 0
+    assert "storpo_tree branched from 3.1% of its prompts (mean over runs and rounds)" in capsys.readouterr().out
+    assert "its comparison does not test branching" in (tmp_path / "variants.md").read_text()
 
 
 def test_default_target_is_halfway_to_the_lower_mean_final(tmp_path):
     variants_runs(tmp_path)
-    points = {v: [eval_points(read_run(tmp_path / f"{v}_seed{s}")) for s in (0, 1)] for v in variants.VARIANTS}
+    arms = ("grpo", "storpo_tree")
+    points = {a: [eval_points(read_run(tmp_path / f"{a}_seed{s}")) for s in (0, 1)] for a in arms}
     # start 0.125 everywhere; mean finals grpo 0.5, storpo (0.625 + 0.25) / 2 = 0.4375
     assert variants.default_target(points) == 0.125 + (0.4375 - 0.125) / 2
 
@@ -375,3 +403,6 @@ def test_storpo_branching_counts_each_rule_and_both_is_their_union(capsys):
     for x in shown:  # each completion: its count under `both` is at least each rule's
         counts = json.loads(x.split("boundaries ")[1].split("}")[0].replace("'", '"') + "}")
         assert counts["both"] >= max(counts["sentence"], counts["line"])
+    token_rules = next(x for x in out.splitlines() if x.strip().startswith("step_rule=uncertainty | fixed"))
+    lengths = [int(x.split(" tokens: ")[0].rsplit(", ", 1)[1]) for x in shown]
+    assert float(token_rules.split("tokens) ")[1]) == sum(n >= 2 for n in lengths) / 8  # every completion of 2+

@@ -81,7 +81,9 @@ def test_storpo_tree_credit_on_a_scripted_engine():
     assert all(r.token_advantages is None for r in baseline)
     group0 = [r for r in rollouts if r.group_id == 0]
     assert [r.branch_point for r in group0] == [0, 3, 3, 6, 6]
-    expected = chain_tree_advantages([r.advantage for r in group0], [0, 3, 3, 6, 6], [len(r.completion_ids) for r in group0])
+    expected = chain_tree_advantages(
+        [r.advantage for r in group0], [0, 3, 3, 6, 6], [len(r.completion_ids) for r in group0]
+    )
     assert [r.token_advantages for r in group0] == expected
     # the initial (reward 0) and four continuations ending in "z" (reward 1): the initial's last segment is the
     # only one whose outcome fell; the continuations' own tokens all rose
