@@ -345,6 +345,36 @@ def test_storpo_variant_keeps_prefix_ids(engine, tokenizer, monkeypatch):
         assert (trainer - torch.tensor(r.gen_logprobs)).abs().max() <= 10 * LOGP_DIFF_BOUND
 
 
+def test_storpo_branches_at_the_engines_most_uncertain_tokens(engine, tokenizer):
+    """STORPO's token rule on the engine's own log-probs: every initial completion of two or more tokens branches,
+    at the points the selection picks from the log-probs vLLM returned, those log-probs are the trainer's on the
+    same tokens, and the tree's per-token advantages reach each rollout."""
+    from grpo_lightning.rewards.pipeline import pipeline_from_function
+    from grpo_lightning.types import Prompt
+    from grpo_lightning.variants.branch_points import uncertainty_points
+    from grpo_lightning.variants.storpo import STORPO
+
+    policy, gen = engine
+    gen.sync_weights(policy)
+    prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]
+    variant = STORPO(completions_per_step=2, max_steps=3, min_gap=2, step_rule="uncertainty", advantage="tree")
+    reward = pipeline_from_function(lambda text, answer: float(len(text) % 2))
+    rollouts = variant.generate_rollouts(gen, prompts, reward, tokenizer.decode)
+    initial = {r.group_id: r for r in rollouts if r.branch_point == 0}
+    assert len(initial) == len(prompts)
+    for group, first in initial.items():
+        trainer = _trainer_logprobs(policy, first.prompt_ids, first.completion_ids)
+        assert (trainer - torch.tensor(first.gen_logprobs)).abs().max() <= 10 * LOGP_DIFF_BOUND
+        points = sorted({r.branch_point for r in rollouts if r.group_id == group and r.branch_point})
+        assert points == uncertainty_points(first.gen_logprobs, 3, 2)
+        assert len(points) == min(3, len(first.completion_ids) - 1)
+        members = [r for r in rollouts if r.group_id == group]
+        if points:
+            assert all(len(r.token_advantages) == len(r.completion_ids) for r in members)
+    long_enough = sum(len(r.completion_ids) >= 2 for r in initial.values()) / len(initial)
+    assert variant.metrics["rollout/storpo_branched_frac"] == long_enough
+
+
 def test_full_finetune_push_reaches_every_parameter(engine, shared_backend, llama_dir, tokenizer):
     from grpo_lightning.generation.vllm import VLLMGenerator
 
