@@ -24,6 +24,8 @@ class UnequalLengths:
         for k, r in enumerate(rollouts):
             keep = max(1, min(len(r.completion_ids), 2 + (5 * k) % 13))
             r.completion_ids, r.gen_logprobs = r.completion_ids[:keep], r.gen_logprobs[:keep]
+            if r.token_advantages is not None:  # STORPO's tree credit: one per kept token
+                r.token_advantages = r.token_advantages[:keep]
             r.truncated = False
         rollouts[-1].branch_point = len(rollouts[-1].completion_ids)
         return rollouts

@@ -36,11 +36,16 @@ class EntropyTruth(StepBatches):
             total = total + h.sum()
             tokens += float(mask.sum())
             seq.append((h.sum(-1) / mask.sum(-1).clamp(min=1)).detach())
-            adv.append(batch.advantages.double())
+            if batch.token_advantages is None:  # one advantage per completion, on each of its tokens
+                per_token = batch.advantages.double()[:, None].expand_as(mask)
+                adv.append(batch.advantages.double())
+            else:  # STORPO's tree credit: a sequence's advantage is the mean over its trained tokens
+                per_token = batch.token_advantages.double()
+                adv.append((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1))
             logp = torch.log_softmax(logits.double(), -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
             keep = mask.bool()
             lp.append(logp.detach()[keep])
-            tok_adv.append(batch.advantages.double()[:, None].expand_as(mask)[keep])
+            tok_adv.append(per_token[keep])
         return total / tokens, torch.cat(seq), torch.cat(adv), torch.cat(lp), torch.cat(tok_adv)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -77,10 +82,15 @@ class EntropyTruth(StepBatches):
         self.rows.append((dict(self.truth), dict(self.probe.last_metrics)))
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_entropy_probe_matches_a_plain_forward(tiny_cfg, lora):
+@pytest.mark.parametrize(
+    ("lora", "variant"),
+    [(True, []), (False, []), (True, ["variant=storpo", "variant.advantage=tree", "variant.step_rule=fixed"])],
+    ids=["lora", "full", "storpo-tree"],
+)
+def test_entropy_probe_matches_a_plain_forward(tiny_cfg, lora, variant):
     cfg = tiny_cfg(
         f"model.lora.enabled={lora}",
+        *variant,
         "probe=[entropy]",
         "probe.entropy.measure_actual=true",
         "probe.entropy.first_order=true",
@@ -96,6 +106,8 @@ def test_entropy_probe_matches_a_plain_forward(tiny_cfg, lora):
     truth = EntropyTruth(probe)
     run.trainer.callbacks.append(truth)
     run.fit()
+    if variant:  # per-token advantages reached the probe
+        assert any(b.token_advantages is not None for b in truth.batches)
     assert len(truth.rows) == 4
     for expected, logged in truth.rows:
         scale = abs(expected["actual_delta"]) + abs(expected["projected_delta_first_order"])
