@@ -54,6 +54,12 @@ def test_storpo_trains_end_to_end_on_the_tiny_model(tiny_cfg):
     fallback = run.cfg.variant.fallback_generations
     assert all(s == fallback or (s - 1) % 2 == 0 for s in sizes.values())
     assert metrics["rollout/logp_diff_mean"] < 1e-3
+    # The default rule (uncertainty) branches every completion of two or more tokens, at min(max_steps, L - 1)
+    # points, whatever its text; the default credit (tree) reaches the loss as per-token advantages.
+    assert metrics["rollout/storpo_branched_frac"] == 1.0 and metrics["rollout/storpo_fallback_frac"] == 0.0
+    assert metrics["rollout/storpo_branches_mean"] == run.cfg.variant.max_steps
+    assert all(s == 1 + 2 * run.cfg.variant.max_steps for s in sizes.values())
+    assert all(mb.token_advantages is not None for mb in run.datamodule.micro_batches)
 
 
 def test_dry_run_lists_the_registered_variants(tmp_path, capsys):
