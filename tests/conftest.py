@@ -9,10 +9,13 @@ import copy
 import os
 from pathlib import Path
 
+import hydra
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import initialize_config_dir
 from omegaconf import DictConfig, open_dict
+
+from tests import compose_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
@@ -30,6 +33,9 @@ def pytest_configure(config):
     MLflow's usage telemetry off, W&B offline (tests/test_tracking_runs.py also moves W&B's caches)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("WANDB_MODE", "offline")
+
+
+compose_cache.install(CONF_DIR)  # each distinct config composed once per process (tests/compose_cache.py)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,7 +59,7 @@ def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig
     import grpo_lightning  # noqa: F401 - registers the config's resolvers (hf_decode_dtype), as the CLI does
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides or []))
+        cfg = hydra.compose(config_name="config", overrides=list(overrides or []))  # cached: tests/compose_cache.py
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
     return cfg
