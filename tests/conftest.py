@@ -33,6 +33,28 @@ def pytest_configure(config):
     MLflow's usage telemetry off, W&B offline (tests/test_tracking_runs.py also moves W&B's caches)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("WANDB_MODE", "offline")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `pytest -n N`'s processes: N of them share the cores
+        one_thread_per_worker()
+
+
+def one_thread_per_worker() -> None:
+    """One torch (OpenMP) thread in this worker and in every process it starts (CLI runs, DDP ranks).
+
+    Two workers with a thread pool each as wide as the machine oversubscribe the cores, and OpenMP threads that
+    wait for a busy core spin: beside other busy processes a test of the fast tier took 13 s that way, 0.4 s
+    with one thread. Tests whose point is a thread count that changes and comes back take `two_torch_threads`."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_torch_threads():
+    """At least two torch threads during the test (a worker of `pytest -n` runs with one), then the count before:
+    for a test of thread shares and counts given back, which one thread would pass without showing anything."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
 
 
 compose_cache.install(CONF_DIR)  # each distinct config composed once per process (tests/compose_cache.py)
