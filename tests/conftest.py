@@ -61,19 +61,22 @@ compose_cache.install(CONF_DIR)  # each distinct config composed once per proces
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), and run the
-    real vLLM engines last.
+    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), run the files
+    with slow tests first and the real vLLM engines last.
 
     Beside explicit `@pytest.mark.slow` marks: everything under tests/slow/, the files in SLOW_FILES, and every
     test that uses the `tiny_cfg` fixture (a full training run, however tiny). The in-process vLLM engine
     (tests/test_vllm.py) initialises torch.distributed and keeps its memory for the session, so nothing else runs
-    after it in the same process.
+    after it in the same process. Files with slow tests first: `pytest -n` hands out whole files (`--dist
+    loadfile`) in this order, so the long ones start while the short ones fill the other workers, not at the end.
     """
     for item in items:
         path = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
         if path.startswith("tests/slow/") or path in SLOW_FILES or "tiny_cfg" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: file order otherwise
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    # stable: file order otherwise, and each file's tests in their order
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None, item.path not in slow_files))
 
 
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:
