@@ -35,6 +35,13 @@ def pytest_configure(config):
     os.environ.setdefault("WANDB_MODE", "offline")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `pytest -n N`'s processes: N of them share the cores
         one_thread_per_worker()
+    elif getattr(config.option, "numprocesses", None):  # the controller of `pytest -n N`, before its workers start
+        # OpenMP threads waiting at a barrier sleep instead of spinning: read when torch loads OpenMP, so only
+        # processes started from here on (the workers and theirs) get it. A test with two threads beside another
+        # worker (`two_torch_threads`), or the whole suite beside other jobs on the cores, would otherwise spin
+        # on cores others need: 3,000 small matmuls with 2 threads took 22 s that way beside two busy
+        # processes, 0.4 s with passive waiting.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def one_thread_per_worker() -> None:
