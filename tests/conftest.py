@@ -9,10 +9,13 @@ import copy
 import os
 from pathlib import Path
 
+import hydra
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import initialize_config_dir
 from omegaconf import DictConfig, open_dict
+
+from tests import compose_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "grpo_lightning" / "conf")
@@ -30,22 +33,57 @@ def pytest_configure(config):
     MLflow's usage telemetry off, W&B offline (tests/test_tracking_runs.py also moves W&B's caches)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("WANDB_MODE", "offline")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `pytest -n N`'s processes: N of them share the cores
+        one_thread_per_worker()
+    elif getattr(config.option, "numprocesses", None):  # the controller of `pytest -n N`, before its workers start
+        # OpenMP threads waiting at a barrier sleep instead of spinning: read when torch loads OpenMP, so only
+        # processes started from here on (the workers and theirs) get it. A test with two threads beside another
+        # worker (`two_torch_threads`), or the whole suite beside other jobs on the cores, would otherwise spin
+        # on cores others need: 3,000 small matmuls with 2 threads took 22 s that way beside two busy
+        # processes, 0.4 s with passive waiting.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def one_thread_per_worker() -> None:
+    """One torch (OpenMP) thread in this worker and in every process it starts (CLI runs, DDP ranks).
+
+    Two workers with a thread pool each as wide as the machine oversubscribe the cores, and OpenMP threads that
+    wait for a busy core spin: beside other busy processes a test of the fast tier took 13 s that way, 0.4 s
+    with one thread. Tests whose point is a thread count that changes and comes back take `two_torch_threads`."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_torch_threads():
+    """At least two torch threads during the test (a worker of `pytest -n` runs with one), then the count before:
+    for a test of thread shares and counts given back, which one thread would pass without showing anything."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
+compose_cache.install(CONF_DIR)  # each distinct config composed once per process (tests/compose_cache.py)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), and run the
-    real vLLM engines last.
+    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), run the files
+    with slow tests first and the real vLLM engines last.
 
     Beside explicit `@pytest.mark.slow` marks: everything under tests/slow/, the files in SLOW_FILES, and every
     test that uses the `tiny_cfg` fixture (a full training run, however tiny). The in-process vLLM engine
     (tests/test_vllm.py) initialises torch.distributed and keeps its memory for the session, so nothing else runs
-    after it in the same process.
+    after it in the same process. Files with slow tests first: `pytest -n` hands out whole files (`--dist
+    loadfile`) in this order, so the long ones start while the short ones fill the other workers, not at the end.
     """
     for item in items:
         path = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
         if path.startswith("tests/slow/") or path in SLOW_FILES or "tiny_cfg" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: file order otherwise
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    # stable: file order otherwise, and each file's tests in their order
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None, item.path not in slow_files))
 
 
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:
@@ -53,7 +91,7 @@ def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig
     import grpo_lightning  # noqa: F401 - registers the config's resolvers (hf_decode_dtype), as the CLI does
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides or []))
+        cfg = hydra.compose(config_name="config", overrides=list(overrides or []))  # cached: tests/compose_cache.py
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
     return cfg

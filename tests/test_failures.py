@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,10 +46,18 @@ class LrLog(L.Callback):
 BASE = [*TINY, *FAST, "optim.schedule.warmup_steps=0"]
 
 
+@pytest.fixture(scope="module")
+def finished_once(tmp_path_factory):
+    """A 1-round run with lr 1e-3, trained once for this file's resume tests; its output directory."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    train(make_cfg(run_dir, [*BASE, "trainer.max_epochs=1"]))
+    return run_dir
+
+
 @pytest.fixture
-def finished_run(tmp_path):
-    """A 1-round run with lr 1e-3; returns its output directory (holding checkpoints/last.ckpt)."""
-    train(make_cfg(tmp_path / "run", [*BASE, "trainer.max_epochs=1"]))
+def finished_run(finished_once, tmp_path):
+    """A copy of that run's output directory (holding checkpoints/last.ckpt) for one test: a resume writes in it."""
+    shutil.copytree(finished_once, tmp_path / "run", symlinks=True)
     return tmp_path / "run"
 
 

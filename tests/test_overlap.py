@@ -20,13 +20,14 @@ from grpo_lightning.app.train import build_run
 from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.hf import HFGenerator
 
+pytestmark = pytest.mark.usefixtures("two_torch_threads")  # a share of threads to give back (tests/conftest.py)
+
 ROUNDS = 3
 COMMON = [
     f"trainer.max_epochs={ROUNDS}",
     "generator.seed_per_prefix=true",
     "eval.enabled=false",
     "optim.optimizer.lr=0",
-    f"rollout.sampler_threads={torch.get_num_threads()}",
 ]
 SETUPS = {
     "grpo": ["data.dynamic_sampling.enabled=false"],
@@ -58,7 +59,8 @@ class RoundRecorder(L.Callback):
 
 
 def run_and_record(tiny_cfg, *overrides: str) -> tuple[RoundRecorder, dict, object]:
-    run = build_run(tiny_cfg(*COMMON, *overrides))
+    # the sampler gets as many threads as the sequential run samples with (read here: the test's count)
+    run = build_run(tiny_cfg(*COMMON, f"rollout.sampler_threads={torch.get_num_threads()}", *overrides))
     recorder = RoundRecorder()
     run.trainer.callbacks.append(recorder)
     metrics = run.fit()

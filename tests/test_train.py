@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from grpo_lightning.app.train import build_run, train
-from tests.conftest import make_cfg
+from tests.conftest import TINY, make_cfg
 
 EXPECTED_SCALARS = {
     "train/loss",
@@ -165,8 +165,15 @@ def test_each_loss_type_trains(tiny_cfg, loss):
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
 
 
+@pytest.fixture(scope="module")
+def correction_off_metrics(tmp_path_factory):
+    """The final metrics of a 1-round tiny run with the rollout correction as configured by default (auto: off
+    with the HF engine), run once for both levels below."""
+    return train(make_cfg(tmp_path_factory.mktemp("correction_off") / "run", [*TINY, "trainer.max_epochs=1"]))
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_rollout_correction_weighs_with_the_measured_generator_gap(tiny_cfg, level):
+def test_rollout_correction_weighs_with_the_measured_generator_gap(tiny_cfg, correction_off_metrics, level):
     """On: the ratios it logs are exp(logp_old - logp_gen), the very gap `rollout/logp_diff_*` measures by its own
     path (the HF engine samples from the policy itself: a ratio of 1 up to float rounding). Off (auto, here): none
     of its metrics. Two steps per round: the old log-probs are the scored ones."""
@@ -180,8 +187,7 @@ def test_rollout_correction_weighs_with_the_measured_generator_gap(tiny_cfg, lev
     assert math.exp(-gap) - 1e-6 <= metrics["train/is_ratio_mean"] <= math.exp(gap) + 1e-6
     assert math.exp(-gap) - 1e-6 <= metrics["train/is_ratio_max"] <= math.exp(gap) + 1e-6
     assert metrics["train/is_capped_frac"] == 0.0 and metrics["train/is_masked_frac"] == 0.0
-    off = train(tiny_cfg("trainer.max_epochs=1"))
-    assert not any(key.startswith("train/is_") for key in off)
+    assert not any(key.startswith("train/is_") for key in correction_off_metrics)
 
 
 def test_several_steps_per_round_use_old_logprobs_scored_before_the_update(tiny_cfg):

@@ -366,7 +366,8 @@ def test_parallel_jobs_run_a_slot_each_one_thread_each_and_finished_ones_are_rea
     assert "trained_seed4: finished before, reading it" in capsys.readouterr().out
 
 
-def test_sequential_jobs_run_one_at_a_time_with_every_thread(tmp_path):
+def test_sequential_jobs_run_one_at_a_time_with_every_thread(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's default (a worker of `pytest -n` sets 1)
     names = ["grpo_seed0", "storpo_seed0"]
     run_jobs(tmp_path, [Job(n, ()) for n in names], parallel=False, command=_fake_run)
     a, b = _spans(tmp_path, names).values()

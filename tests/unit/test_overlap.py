@@ -100,6 +100,7 @@ class ScriptedCopy(StubGenerator, BackgroundEngine):
         self.snapshot = dict(weights)
 
 
+@pytest.mark.usefixtures("two_torch_threads")
 def test_worker_samples_in_its_own_thread_with_its_thread_share_and_the_round_seed():
     engine = ScriptedCopy()
     background = BackgroundSampling(engine, ThreadShare.of(2, 1))
@@ -112,6 +113,7 @@ def test_worker_samples_in_its_own_thread_with_its_thread_share_and_the_round_se
     assert not background.in_flight
 
 
+@pytest.mark.usefixtures("two_torch_threads")
 def test_trainer_threads_then_all_threads():
     background = BackgroundSampling(ScriptedCopy(), ThreadShare(total=torch.get_num_threads(), sampler=1, trainer=1))
     background.trainer_threads()

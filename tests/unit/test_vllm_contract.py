@@ -607,6 +607,7 @@ def test_colocated_engine_goes_to_the_trainers_gpu(lora_policy, tokenizer, backe
         make_generator(lora_policy, tokenizer, backend, device="cuda:1", trainer_devices=(1,))
 
 
+@pytest.mark.usefixtures("two_torch_threads")
 def test_engine_start_leaves_the_process_settings_and_rngs_as_they_were(lora_policy, tokenizer, backend):
     """vLLM's worker sets threads to 1, the fp32 matmul precision to 'highest' and reseeds the global RNGs."""
     import random

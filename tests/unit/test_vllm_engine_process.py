@@ -93,6 +93,7 @@ def test_reseed_makes_the_engine_process_reproducible_and_leaves_the_trainer_rng
     assert torch.equal(torch.get_rng_state(), trainer_rng)
 
 
+@pytest.mark.usefixtures("two_torch_threads")
 def test_the_engine_process_takes_its_thread_count_past_vllms_no_op(policy, tokenizer):
     backend = ThreadFixingBackend(len(tokenizer), responder=threads_responder)
     gen = generator(policy, tokenizer, backend, engine_process=True)
