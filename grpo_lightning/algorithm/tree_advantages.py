@@ -50,7 +50,7 @@ def chain_tree_advantages(
     points = sorted(set(branch_points) - {0})  # b_1 < ... < b_n
 
     def value(b: int) -> float:  # V(b): mean over every completion whose prefix includes the first b tokens
-        through = [a for a, k in zip(advantages, branch_points, strict=True) if k >= b or k == 0]
+        through = [a for a, k in zip(advantages, branch_points, strict=True) if k == 0 or k >= b]
         return sum(through) / len(through)
 
     values = {b: value(b) for b in [0, *points]}  # V(root) = V(0): the whole group

@@ -46,8 +46,6 @@ from grpo_lightning.variants.branch_points import (
 if TYPE_CHECKING:
     from grpo_lightning.rewards.pipeline import RewardPipeline
 
-__all__ = ["STORPO", "STORPOSettings", "evenly_spaced", "step_boundaries", "token_boundaries", "split_steps"]
-
 log = logging.getLogger(__name__)
 
 MOSTLY_PLAIN = 0.9
