@@ -150,12 +150,6 @@ def branched_per_round(run: RunData) -> list[float] | None:
     return None if not fallback else [1.0 - v for _, v in sorted(fallback)]
 
 
-def branched_fraction(run: RunData) -> float | None:
-    """The mean over rounds of `branched_per_round`."""
-    rounds = branched_per_round(run)
-    return None if rounds is None else sum(rounds) / len(rounds)
-
-
 def mean_scalar(run: RunData, tag: str) -> float | None:
     """A scalar's mean over the run's rounds; None when it was not logged."""
     values = [v for _, v in run.scalars.get(tag, [])]
@@ -164,8 +158,6 @@ def mean_scalar(run: RunData, tag: str) -> float | None:
 
 FEW_BRANCHES = 0.1
 """Below this mean share of prompts branched, the results say that the comparison did not test branching."""
-BRANCHING_FLOOR = 0.9
-"""A token-rule arm branches from nearly every prompt in every round; the summary marks a lowest round below this."""
 
 
 @dataclass(frozen=True)
