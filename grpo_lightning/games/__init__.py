@@ -1,0 +1,22 @@
+"""Two-player text games for self-play (docs/selfplay.md): the interface, the built-in games, TextArena's."""
+
+from grpo_lightning.games import tictactoe as _tictactoe  # noqa: F401 - registers the built-in games
+from grpo_lightning.games.base import (
+    BUILTIN_GAMES,
+    StepResult,
+    TwoPlayerGame,
+    bracketed_move,
+    check_game_id,
+    make_game,
+    register_game,
+)
+
+__all__ = [
+    "BUILTIN_GAMES",
+    "StepResult",
+    "TwoPlayerGame",
+    "bracketed_move",
+    "check_game_id",
+    "make_game",
+    "register_game",
+]

@@ -1,0 +1,121 @@
+"""The two-player game interface every game source implements, and the registry of game ids.
+
+A game is a small state machine the self-play variant (variants/selfplay.py) drives in lockstep with many others:
+reset it by seed, ask whose turn it is and what that player sees, step it with the text of a move. It knows
+nothing of models, tokenizers or the trainer, and it never draws from a random state it does not own (Python's
+`random`, numpy's and torch's global generators stay as they were): a game seeded alike plays alike, whatever
+the trainer did before.
+
+Game ids: the built-in games by name (`tictactoe`, games/tictactoe.py, no third-party package), and TextArena's
+two-player games as `textarena:<EnvId>` (games/textarena_games.py; the `games` extra). `check_game_id` says in one
+line why an id cannot run here before anything loads (docs/selfplay.md lists which run offline).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MOVE_PATTERN = re.compile(r"\[[^\[\]\n]{1,40}\]")
+"""A move in a reply: text in square brackets, TextArena's convention (`[4]`, `[rock]`, `[take 2]`)."""
+
+
+def bracketed_move(reply: str) -> str | None:
+    """The first bracketed move in `reply` (`"I play [4] now"` -> `"[4]"`), or None when it has none."""
+    found = MOVE_PATTERN.search(reply)
+    return found.group(0) if found else None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one move did."""
+
+    illegal: bool
+    """The move was not one of the legal moves (or not a move at all): with `illegal_move_loses` the mover lost."""
+    done: bool
+    outcome: tuple[float, float] | None = None
+    """Once `done`: each seat's result, +1 win, 0 draw, -1 loss (seat 0 first); None while the game goes on."""
+
+
+class TwoPlayerGame(ABC):
+    """One game in progress between seat 0 and seat 1."""
+
+    game_id: str = "unnamed"
+
+    @abstractmethod
+    def reset(self, seed: int) -> None:
+        """Start a new game; the same seed gives the same game (deal, board, first mover)."""
+
+    @property
+    @abstractmethod
+    def current_player(self) -> int:
+        """The seat to move (0 or 1)."""
+
+    @property
+    @abstractmethod
+    def done(self) -> bool: ...
+
+    @abstractmethod
+    def observation(self, player: int) -> str:
+        """What `player` sees before moving: the rules, the state and how to answer (the user message)."""
+
+    @abstractmethod
+    def legal_moves(self) -> list[str]:
+        """The moves the player to move may make, each as it is written in a reply (`[4]`)."""
+
+    @abstractmethod
+    def step(self, reply: str) -> StepResult:
+        """Play the current player's reply (the model's whole text; the game finds the move in it)."""
+
+    @property
+    def outcome(self) -> tuple[float, float] | None:
+        """Each seat's result once done (+1 / 0 / -1), else None."""
+        return None
+
+
+GameFactory = Callable[[], TwoPlayerGame]
+BUILTIN_GAMES: dict[str, GameFactory] = {}
+
+
+def register_game(name: str):
+    """Class decorator: a built-in game, made by `make_game(name)` (docs/selfplay.md, "Adding a game")."""
+
+    def decorator(cls):
+        if name in BUILTIN_GAMES:
+            raise ValueError(f"game id {name!r} is already registered")
+        cls.game_id = name
+        BUILTIN_GAMES[name] = cls
+        return cls
+
+    return decorator
+
+
+TEXTARENA_PREFIX = "textarena:"
+
+
+def check_game_id(game_id) -> str | None:
+    """A rule (schema.py): what a game id must be, or None when it names a game that runs here."""
+    if not isinstance(game_id, str):
+        return f"must be a game id such as tictactoe or textarena:Nim-v0 (got {game_id!r})"
+    if game_id.startswith(TEXTARENA_PREFIX):
+        from grpo_lightning.games.textarena_games import textarena_problem
+
+        return textarena_problem(game_id[len(TEXTARENA_PREFIX) :])
+    if game_id not in BUILTIN_GAMES:
+        known = ", ".join(sorted(BUILTIN_GAMES))
+        return f"must be a built-in game ({known}) or textarena:<EnvId> (got {game_id!r})"
+    return None
+
+
+def make_game(game_id: str) -> TwoPlayerGame:
+    """A new game of `game_id` (check it with `check_game_id` first; this raises ValueError naming the problem)."""
+    problem = check_game_id(game_id)
+    if problem is not None:
+        raise ValueError(f"game id {problem}")
+    if game_id.startswith(TEXTARENA_PREFIX):
+        from grpo_lightning.games.textarena_games import TextArenaGame
+
+        return TextArenaGame(game_id[len(TEXTARENA_PREFIX) :])
+    return BUILTIN_GAMES[game_id]()
