@@ -31,6 +31,25 @@ class Prompt:
     None for GSM8K)."""
 
 
+@dataclass(frozen=True)
+class TurnRecord:
+    """One learner turn of a self-play game: what reward terms read as `info["record"]` (rewards/games.py)."""
+
+    game_id: str
+    seat: int
+    """The learner's seat (0 moves first)."""
+    turn: int
+    """The learner's turn number in its game, from 0."""
+    move: str | None
+    """The bracketed move found in the reply (`[4]`), None when the reply has none."""
+    illegal: bool
+    """The move was illegal (the game ended there, lost)."""
+    outcome: float
+    """The learner's result of the whole game: +1 win, 0 draw, -1 loss."""
+    opponent: str
+    """Who the learner played (`random`, `base`, `learner`, a snapshot's `round<NNN>`)."""
+
+
 @dataclass
 class Completion:
     """One sampled continuation of one prefix."""

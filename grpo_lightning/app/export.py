@@ -88,11 +88,18 @@ def reward_terms(cfg: DictConfig) -> str:
 
 
 def data_description(cfg: DictConfig) -> str:
-    """The training data in words: GSM8K (Cobbe et al. 2021) with its source, or a reasoning-gym task."""
+    """The training data in words: GSM8K (Cobbe et al. 2021) with its source, a reasoning-gym task, or a game."""
     dataset = cfg.data.dataset
+    if "game" in dataset:
+        return f"self-play games of `{dataset.game}` ({dataset.size} seeds; docs/selfplay.md)"
     if "task" in dataset:
         return f"reasoning-gym task `{dataset.task}` {dict(dataset.task_config)}, {dataset.size} problems"
     return f"`{dataset.source}` GSM8K, split `{dataset.split}` (Cobbe et al. 2021)"
+
+
+def data_tag(cfg: DictConfig) -> str:
+    dataset = cfg.data.dataset
+    return "self-play" if "game" in dataset else "reasoning-gym" if "task" in dataset else "gsm8k"
 
 
 def model_card(
@@ -113,7 +120,7 @@ def model_card(
         "---",
         "library_name: " + ("peft" if is_adapter else "transformers"),
         *([f"base_model: {base}"] if base and "/" in base and not base.startswith("/") else []),
-        f"tags: [grpo, {'reasoning-gym' if 'task' in cfg.data.dataset else 'gsm8k'}, grpo_lightning]",
+        f"tags: [grpo, {data_tag(cfg)}, grpo_lightning]",
         "---",
         "",
         "# GRPO policy trained with grpo_lightning",

@@ -41,10 +41,18 @@ def summary_metrics(
     return out
 
 
-EVAL_NAMES = ("format_rate", "gsm8k_accuracy", "accuracy", "accuracy_strict")
+EVAL_NAMES = (
+    "format_rate",
+    "gsm8k_accuracy",
+    "accuracy",
+    "accuracy_strict",
+    "win_rate_vs_random",
+    "win_rate_vs_base",
+    "illegal_move_rate",
+)
 """The evaluation metrics the summary compares (eval/<name>; docs/data.md, "Evaluation"): `accuracy` reads the
 answer without regard to its format, `accuracy_strict` only in the asked format, `gsm8k_accuracy` is GSM8K's
-own."""
+own; self-play's win rates and illegal-move rate (docs/selfplay.md)."""
 
 
 def render(metrics: dict[str, float], num_rounds: int, num_evals: int, window: int = 3) -> str:
@@ -57,6 +65,9 @@ def render(metrics: dict[str, float], num_rounds: int, num_evals: int, window: i
         ("eval_gsm8k_accuracy", f"eval/gsm8k_accuracy (first -> last of {num_evals} evaluations)"),
         ("eval_accuracy", f"eval/accuracy (first -> last of {num_evals} evaluations)"),
         ("eval_accuracy_strict", f"eval/accuracy_strict (first -> last of {num_evals} evaluations)"),
+        ("eval_win_rate_vs_random", f"eval/win_rate_vs_random (first -> last of {num_evals} evaluations)"),
+        ("eval_win_rate_vs_base", f"eval/win_rate_vs_base (first -> last of {num_evals} evaluations)"),
+        ("eval_illegal_move_rate", f"eval/illegal_move_rate (first -> last of {num_evals} evaluations)"),
     ]
     for key, label in labels:
         start, end = metrics.get(f"summary/{key}_start"), metrics.get(f"summary/{key}_end")

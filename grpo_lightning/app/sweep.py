@@ -29,6 +29,8 @@ DEFAULT_METRICS = (
     "rollout/tokens_generated_per_prompt",
     "rollout/tokens_generated_total",
 )
+GAME_PREFIXES = ("eval/win_rate_vs_", "eval/illegal_move_rate", "game/win_rate", "game/illegal_move_rate")
+"""Self-play's rates (docs/selfplay.md): columns of the summary when a job logged them."""
 
 
 def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -45,12 +47,15 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
 def write_summary(sweep_dir: Path, metrics: tuple[str, ...] = DEFAULT_METRICS) -> list[dict[str, Any]]:
     """Write `summary.csv` and `summary.md` in `sweep_dir`; returns the rows.
 
-    Besides `metrics`, every reward term any job logged (`reward/<term>_mean`) gets a column, so a sweep over
-    rewards (`-m reward=gsm8k,gsm8k_shaped`) shows each reward's terms; a job without that term leaves it blank.
+    Besides `metrics`, every game rate any job logged (self-play: `eval/win_rate_vs_<opponent>` and its interval,
+    the illegal-move rates) and every reward term (`reward/<term>_mean`) gets a column, so a sweep over rewards
+    (`-m reward=gsm8k,gsm8k_shaped`) shows each reward's terms; a job without one leaves it blank.
     """
     rows = collect_jobs(sweep_dir)
+    games = dict.fromkeys(k for row in rows for k in row if k.startswith(GAME_PREFIXES) and k not in metrics)
     terms = dict.fromkeys(k for row in rows for k in row if k.startswith("reward/") and k not in metrics)
-    columns = ["job", "overrides", *metrics, *sorted(terms, key=lambda k: (k != "reward/total_mean", k))]
+    columns = ["job", "overrides", *metrics, *sorted(games),
+               *sorted(terms, key=lambda k: (k != "reward/total_mean", k))]  # fmt: skip
     with (sweep_dir / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

@@ -250,6 +250,8 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     print(f"grpo_lightning plan (dry run):\n{plan.render()}")
     print(f"variants: {', '.join(sorted(VARIANTS))} (this run: {variant.name}; choose with variant=<name>)")
+    if not datamodule.dataset.has_solutions:  # games: nothing to score before playing
+        return {}
     return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}
 
 
@@ -313,6 +315,7 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
         fixed_settings=settings,
         forward_settings=forward_settings,
     )
+    variant.bind_data(datamodule.dataset, tokenizer)
     evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
     run_objects = {"generator": generator, "variant": variant, "reward_fn": reward_fn, "datamodule": datamodule,
                    "tokenizer": tokenizer, "evaluator": evaluator}  # fmt: skip

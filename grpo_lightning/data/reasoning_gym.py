@@ -94,6 +94,8 @@ class ReasoningGym:
 
     gives_records: ClassVar[bool] = True
     """Each problem carries a `TaskRecord` (entry, verifier, answer format) for the reward and the evaluation."""
+    has_solutions: ClassVar[bool] = True
+    """Its problems have reference solutions (a dry run scores them against the reward)."""
 
     task: str = setting("basic_arithmetic", task_name, "the reasoning-gym task (reasoning_gym.factory.DATASETS)")
     task_config: dict = setting(

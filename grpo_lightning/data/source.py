@@ -1,6 +1,7 @@
 """What every data source (`data.dataset`) gives: problems, the chat messages of a prompt, its test split and the
-answer checker its evaluation uses. Sources: GSM8K or any question/answer data set (data/gsm8k.py, the default)
-and reasoning-gym's procedural tasks (data/reasoning_gym.py); docs/data.md.
+answer checker its evaluation uses. Sources: GSM8K or any question/answer data set (data/gsm8k.py, the default),
+reasoning-gym's procedural tasks (data/reasoning_gym.py) and two-player games (data/games.py, variant=selfplay);
+docs/data.md.
 
 A source is a settings dataclass with:
 
@@ -8,7 +9,9 @@ A source is a settings dataclass with:
 - `messages(question) -> list[dict]`, the chat the model's template turns into the prompt;
 - `test_split(path, num_problems)`, the same source with its test split (`eval.dataset`);
 - `checker(reward) -> AnswerChecker`, how evaluation judges a reply (`eval.checker: null`);
-- the class attribute `gives_records`: whether its problems carry a `record` for reward terms that need one.
+- the class attribute `gives_records`: whether its problems carry a `record` for reward terms that need one;
+- the class attribute `has_solutions`: whether its problems have reference solutions a dry run can score (games:
+  no).
 """
 
 from __future__ import annotations

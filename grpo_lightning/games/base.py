@@ -74,6 +74,16 @@ class TwoPlayerGame(ABC):
         """Each seat's result once done (+1 / 0 / -1), else None."""
         return None
 
+    def optimal_moves(self) -> list[str]:
+        """The moves perfect play allows now (the `perfect` scripted player's); a game that is not solved here
+        cannot say, and the config check refuses `perfect` for it."""
+        raise NotImplementedError(f"{self.game_id} has no perfect player")
+
+    @property
+    def solved(self) -> bool:
+        """Whether `optimal_moves` is implemented (the `perfect` opponent can play this game)."""
+        return False
+
 
 GameFactory = Callable[[], TwoPlayerGame]
 BUILTIN_GAMES: dict[str, GameFactory] = {}
@@ -96,16 +106,17 @@ TEXTARENA_PREFIX = "textarena:"
 
 
 def check_game_id(game_id) -> str | None:
-    """A rule (schema.py): what a game id must be, or None when it names a game that runs here."""
+    """A rule (schema.py): what a game id must be, or None when it names a game that runs here (the caller adds
+    the key and the value to the message)."""
     if not isinstance(game_id, str):
-        return f"must be a game id such as tictactoe or textarena:Nim-v0 (got {game_id!r})"
+        return "must be a game id such as tictactoe or textarena:Nim-v0"
     if game_id.startswith(TEXTARENA_PREFIX):
         from grpo_lightning.games.textarena_games import textarena_problem
 
         return textarena_problem(game_id[len(TEXTARENA_PREFIX) :])
     if game_id not in BUILTIN_GAMES:
         known = ", ".join(sorted(BUILTIN_GAMES))
-        return f"must be a built-in game ({known}) or textarena:<EnvId> (got {game_id!r})"
+        return f"must be a built-in game ({known}) or textarena:<EnvId>"
     return None
 
 
@@ -113,7 +124,7 @@ def make_game(game_id: str) -> TwoPlayerGame:
     """A new game of `game_id` (check it with `check_game_id` first; this raises ValueError naming the problem)."""
     problem = check_game_id(game_id)
     if problem is not None:
-        raise ValueError(f"game id {problem}")
+        raise ValueError(f"game id {problem} (got {game_id!r})")
     if game_id.startswith(TEXTARENA_PREFIX):
         from grpo_lightning.games.textarena_games import TextArenaGame
 

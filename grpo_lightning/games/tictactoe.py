@@ -72,6 +72,10 @@ class TicTacToe(TwoPlayerGame):
     def legal_moves(self) -> list[str]:
         return [f"[{i}]" for i in _free(self.board)]
 
+    @property
+    def solved(self) -> bool:
+        return True
+
     def optimal_moves(self) -> list[str]:
         """The moves that keep the best result the player to move can force (the perfect player's choices)."""
         value = minimax_value(self.board, self.to_move)

@@ -104,6 +104,23 @@ class Generator(ABC):
             "cannot do yet; set rollout.max_staleness=0 or use generator=hf"
         )
 
+    def adapter_weights(self) -> dict[str, Tensor]:
+        """CPU copies of the weights training changes (LoRA) that this engine samples from, by parameter name: a
+        self-play snapshot (variant=selfplay plays the policy's earlier snapshots).
+
+        Default: this engine cannot (one line naming the key)."""
+        raise ValueError(
+            f"variant=selfplay plays opponents from snapshots of the policy, which {type(self).__name__} cannot "
+            "swap in yet; use generator=hf"
+        )
+
+    @contextlib.contextmanager
+    def sampling_from(self, weights: dict[str, Tensor]) -> Iterator[None]:
+        """Sample from `weights` (an `adapter_weights()` result) while the block runs, then from the policy again,
+        bit for bit (self-play's snapshot opponents). Default: this engine cannot (see `adapter_weights`)."""
+        self.adapter_weights()  # raises
+        yield
+
     @contextlib.contextmanager
     def rows_per_call(self, rows: int) -> Iterator[None]:
         """Decode up to `rows` rows per call while the block runs (the evaluator: many short greedy prompts).

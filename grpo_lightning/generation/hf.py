@@ -109,6 +109,34 @@ class HFGenerator(Generator):
         finally:
             self.batch_size = previous
 
+    def _trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the policy's trainable parameters (its LoRA adapter), by name."""
+        return {name: p.detach().to("cpu", copy=True) for name, p in self._trainable().items()}
+
+    @contextlib.contextmanager
+    def sampling_from(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Copy `weights` into the policy's trainable parameters in place while the block runs; the policy's own
+        values are copied back afterwards (exactly: a copy, not a sum). Nothing trains during sampling, so no
+        optimizer sees the borrowed values."""
+        params = self._trainable()
+        missing, unknown = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
+        if missing or unknown:
+            name = (missing or unknown)[0]
+            raise ValueError(f"the snapshot does not match the policy's trainable parameters (first: {name})")
+        saved = {name: p.detach().clone() for name, p in params.items()}
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(weights[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(saved[name])
+
     def _sampling_rng(self, prefix: list[int]):
         """With `seed_per_prefix`, a forked RNG seeded from (round seed, prefix tokens); else the global RNG."""
         if not self.seed_per_prefix:

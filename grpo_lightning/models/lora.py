@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from grpo_lightning.schema import boolean, check_settings, integer, number, setting, strings
 
@@ -48,3 +49,12 @@ def wrap_policy(model: nn.Module, lora: LoraSettings, needs_reference: bool) -> 
     if needs_reference:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     return model, reference
+
+
+def adapter_off(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter weights of the base model: every LoRA B matrix zero, so each layer's update B A x is exactly 0
+    (self-play's `base` opponent). Sampling through swapped weights keeps one code path for every opponent; peft's
+    `disable_adapter` would not reach the merged copies the HF engine samples through."""
+    if not any("lora_B" in name for name in weights):
+        raise ValueError("the policy has no LoRA adapter to turn off (model.lora.enabled=false?)")
+    return {name: torch.zeros_like(w) if "lora_B" in name else w for name, w in weights.items()}

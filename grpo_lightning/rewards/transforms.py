@@ -29,6 +29,7 @@ from torch import Tensor
 
 from grpo_lightning.algorithm.advantages import SCALE_REWARDS, group_advantages
 from grpo_lightning.rewards.base import Transform
+from grpo_lightning.types import TurnRecord
 
 # The advantage scaling each objective is defined with (`scale: auto`): Dr. GRPO drops the std division.
 LOSS_SCALE_REWARDS = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group"}
@@ -206,3 +207,55 @@ class EMABaseline(Transform):
 
     def describe_settings(self) -> str:
         return f"scale={self.scale}"
+
+
+class RoleBaseline(Transform):
+    """Self-play's role baseline (SPIRAL's role-conditioned advantage estimation; reward=selfplay_role): a turn's
+    reward minus a running mean of the rewards of its role, the (game, seat) pair, taken BEFORE the turn updates
+    it (`b <- decay * b + (1 - decay) * r`, b = 0 to start). It removes the first mover's advantage, which a
+    group of games in one seat does not see. A per-completion transform: it reads the turn's record
+    (`info["record"]`, types.TurnRecord), so it serves variant=selfplay only. Its state is saved in every
+    checkpoint."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        _finite("decay", decay)
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1) (got {decay!r})")
+        self.decay = decay
+        self.baselines: dict[str, float] = {}
+
+    def __call__(self, reward: float, **info) -> float:
+        record = info.get("record")
+        if not isinstance(record, TurnRecord):
+            raise TypeError(f"RoleBaseline needs a self-play turn's record (variant=selfplay); got {record!r}")
+        role = f"{record.game_id}/seat{record.seat}"
+        baseline = self.baselines.get(role, 0.0)
+        self.baselines[role] = self.decay * baseline + (1.0 - self.decay) * reward
+        return reward - baseline
+
+    def state_dict(self) -> dict:
+        return {"baselines": dict(self.baselines)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.baselines = dict(state["baselines"])
+
+    def describe_settings(self) -> str:
+        return f"decay={self.decay:g}"
+
+
+class BatchNormalize(Transform):
+    """The round's rewards centred on the round's mean and divided by its std + eps (a batch z-score, eps inside
+    the division: a round of equal rewards gives zeros, not a division by zero). Groups play no part: the
+    baseline is the round's (with RoleBaseline before it, reward=selfplay_role)."""
+
+    def __init__(self, eps: float = 1e-4) -> None:
+        _finite("eps", eps)
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0 (got {eps!r})")
+        self.eps = eps
+
+    def __call__(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        values = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+        if values.numel() < 2:
+            return torch.zeros_like(values)
+        return (values - values.mean()) / (values.std() + self.eps)

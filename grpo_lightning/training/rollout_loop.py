@@ -142,6 +142,7 @@ class RolloutLoop(L.Callback):
             "pending": None if self.pending is None else [dataclasses.asdict(r) for r in self.pending],
             "rng": capture_rng(),
             "reward": self.reward_fn.state_dict(),  # e.g. an EMA baseline across rounds
+            "variant": self.variant.state_dict(),  # e.g. self-play's opponent pool, as after the pending round
         }
         sampler = self.background.state_dict() if self.background is not None and self.pending is None else None
         return {
@@ -248,6 +249,7 @@ class RolloutLoop(L.Callback):
         self.history = [tuple(h) for h in state.get("history", [])]
         if mine.get("reward"):
             self.reward_fn.load_state_dict(mine["reward"])
+        self.variant.load_state_dict(mine.get("variant") or {})
         if mine["pending"] is None:
             restore_rng(mine["rng"])
             self.produce_now(trainer, pl_module, state["next_round"], state.get("sampler"))

@@ -53,7 +53,7 @@ class RoundSampler:
         `group` for dynamic sampling's collective."""
         rank, world_size = rank_and_world()
         start = time.perf_counter()
-        self.variant.begin_round()
+        self.variant.begin_round(round_index)
         if self.datamodule.dynamic_sampling.enabled:
             prompts, rollouts, sampled, metrics, cursor = self.sample_informative(
                 engine, cursor, rank, world_size, group

@@ -2,6 +2,7 @@
 
 from grpo_lightning.variants.base import VARIANTS, GRPOVariant, register_variant
 from grpo_lightning.variants.baseline import BaselineGRPO
+from grpo_lightning.variants.selfplay import SelfPlay
 from grpo_lightning.variants.storpo import STORPO
 
-__all__ = ["STORPO", "VARIANTS", "BaselineGRPO", "GRPOVariant", "register_variant"]
+__all__ = ["STORPO", "VARIANTS", "BaselineGRPO", "GRPOVariant", "SelfPlay", "register_variant"]

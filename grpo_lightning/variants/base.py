@@ -49,9 +49,13 @@ class GRPOVariant(ABC):
     def __init__(self) -> None:
         self.metrics = {}
 
-    def begin_round(self) -> None:
-        """Called before a round's first sampling call (dynamic sampling may make several): `metrics` then
-        describe the whole round."""
+    def bind_data(self, source, tokenizer) -> None:  # noqa: B027 - a no-op default, not an abstract method
+        """Take the run's data source (`data.dataset`) and tokenizer before the first round (train.py). No-op: a
+        variant that samples the prompts it is given needs neither; self-play builds its prompts from games."""
+
+    def begin_round(self, round_index: int) -> None:
+        """Called before round `round_index`'s first sampling call (dynamic sampling may make several): `metrics`
+        then describe the whole round."""
         self.metrics = {}
 
     def generate_rollouts(
@@ -75,6 +79,19 @@ class GRPOVariant(ABC):
     def rollouts_per_round(self, num_prompts: int) -> int:
         """How many rollouts a round of `num_prompts` prompts yields (for the dry-run plan)."""
         raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to sample on as this run would have (self-play: the opponent pool); saved with
+        the rollout loop's state in every checkpoint. Empty: the variant keeps no state between rounds."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; a variant without state refuses a non-empty one (a checkpoint of another variant)."""
+        if state:
+            raise ValueError(
+                f"ckpt_path: the checkpoint holds variant state ({', '.join(sorted(state))}) that variant "
+                f"{self.name!r} does not keep; resume with the same variant"
+            )
 
     def step_info(self, text: str, completion: Completion, branch_point: int, decode: Callable) -> dict:
         """What a variant that knows reasoning steps tells the reward: `steps` and `branch_step` (none here)."""

@@ -120,7 +120,7 @@ class STORPO(GRPOVariant):
         self.min_gap = min_gap
         self.advantage = advantage
         self._warned_plain = False
-        self.begin_round()
+        self.begin_round(0)
 
     # ---- where to branch ---------------------------------------------------------------------------------------
     def branch_points(self, completion: Completion, decode: Callable) -> tuple[list[int], str]:
@@ -236,10 +236,10 @@ class STORPO(GRPOVariant):
                 r.token_advantages = values
 
     # ---- metrics -----------------------------------------------------------------------------------------------
-    def begin_round(self) -> None:
+    def begin_round(self, round_index: int) -> None:
         """Start counting a new round: the metrics sum over every sampling call of the round (dynamic sampling
         draws several batches)."""
-        super().begin_round()
+        super().begin_round(round_index)
         self._counts = {"prompts": 0, "branched": 0, "points": 0, "plain": 0, "token_rule": 0}
         self._thirds: dict[str, list[float]] = {"early": [], "middle": [], "late": []}
 

@@ -1,0 +1,134 @@
+"""Evaluation of self-play by playing (data=games, variant=selfplay; docs/selfplay.md): win / draw / loss rates
+against fixed opponents, each with its 95% Wilson interval, and the illegal-move rate.
+
+Every evaluation plays the same games: `eval.num_problems` test seeds (disjoint from training's), each from both
+seats, against each of `eval.opponents` (default the random-move player and the base model, adapter off). The
+policy samples at the training temperature (greedy play of a deterministic game would give one game per seat),
+under a forked RNG seeded from `eval.seed`, so evaluations differ only by the policy, and training's random state
+never moves. Metrics: `eval/win_rate_vs_<opponent>` with `_ci95_low` / `_ci95_high`, `eval/draw_rate_vs_<o>`,
+`eval/loss_rate_vs_<o>`, `eval/illegal_move_rate` over all the learner's moves (`eval/learner_moves`) with its
+interval, and `eval/games`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+
+from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
+from grpo_lightning.games.base import make_game
+from grpo_lightning.models.lora import adapter_off
+from grpo_lightning.schema import check_settings, configures, integer, setting
+from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
+from grpo_lightning.variants.game_play import SCRIPTED, Match, ModelPlayer, play
+from grpo_lightning.variants.selfplay import opponent_names
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GameEvalSettings:
+    """`eval` keys of the game evaluator, beside the shared ones (`num_problems`: test seeds, each played from both
+    seats against every opponent)."""
+
+    opponents: list[str] = setting(
+        rule=opponent_names, factory=lambda: ["random", "base"],
+        help="data=games: who the policy is evaluated against: random | perfect | base",
+    )  # fmt: skip
+    max_turns: int = setting(30, integer(1), "data=games: moves before a game is called a draw (variant.max_turns)")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "eval")
+
+
+def rate_metrics(name: str, scores: list[float]) -> dict[str, float]:
+    """Win / draw / loss rates of the learner's `scores` (+1 / 0 / -1) against `name`, the win rate's interval."""
+    n = max(len(scores), 1)
+    wins = sum(s > 0 for s in scores)
+    low, high = wilson_interval(wins, len(scores))
+    return {
+        f"eval/win_rate_vs_{name}": wins / n,
+        f"eval/win_rate_vs_{name}_ci95_low": low,
+        f"eval/win_rate_vs_{name}_ci95_high": high,
+        f"eval/draw_rate_vs_{name}": sum(s == 0 for s in scores) / n,
+        f"eval/loss_rate_vs_{name}": sum(s < 0 for s in scores) / n,
+    }
+
+
+class GameEvaluator(Evaluator):
+    """The evaluator of data=games: `at_fit_start`, `after_round` and the history as `Evaluator`'s; `evaluate`
+    plays. `reward` and `checker` are the shared `eval` node's and unused here (set `eval.reward: null`)."""
+
+    def __init__(self, dataset, opponents=("random", "base"), max_turns: int = 30, reward=None, checker=None,
+                 **settings) -> None:  # fmt: skip
+        opponents = list(opponents)
+        GameEvalSettings(opponents, max_turns)
+        super().__init__(dataset, reward=None, checker=_NoChecker(), **settings)
+        self.opponents, self.max_turns = opponents, max_turns
+        self.seeds: list[int] = []
+
+    def at_fit_start(self, trainer: L.Trainer) -> None:
+        if not self.enabled:
+            return
+        self.seeds = [p.record.seed for p in self.dataset.load()][: self.num_problems]
+        if self.at_start and trainer.ckpt_path is None:
+            self.evaluate(trainer)
+
+    @torch.no_grad()
+    def evaluate(self, trainer: L.Trainer) -> dict[str, float]:
+        start = time.perf_counter()
+        rank, world_size = rank_and_world()
+        own = self.generator.adapter_weights()
+        matches = []
+        for name in self.opponents:
+            opponent = SCRIPTED[name]() if name in SCRIPTED else ModelPlayer("base", adapter_off(own))
+            for seed in self.seeds[rank::world_size]:
+                for seat in (0, 1):
+                    game = make_game(self.dataset.game)
+                    game.reset(seed)
+                    rng = random.Random(derive_seed(self.seed, "eval", name, seed, seat))
+                    matches.append(Match(game, seat, opponent, rng))
+
+        def encode(observation: str) -> list[int]:
+            return self.dataset.encode(self.tokenizer, observation)
+
+        with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves training's RNG
+            torch.manual_seed(self.seed)
+            play(matches, self.generator, encode, self._decode, self.dataset.reply_prefix, self.max_turns,
+                 self.max_new_tokens)  # fmt: skip
+        parts = gather_objects([(m.opponent.name, m.learner_score, [t.illegal for t in m.turns]) for m in matches])
+        games = [g for part in parts for g in part]
+        metrics: dict[str, float] = {}
+        for name in self.opponents:
+            metrics |= rate_metrics(name, [score for opp, score, _ in games if opp == name])
+        illegal = [flag for _, _, flags in games for flag in flags]
+        low, high = wilson_interval(sum(illegal), len(illegal))
+        metrics["eval/illegal_move_rate"] = sum(illegal) / max(len(illegal), 1)
+        metrics["eval/illegal_move_rate_ci95_low"], metrics["eval/illegal_move_rate_ci95_high"] = low, high
+        metrics["eval/learner_moves"] = float(len(illegal))
+        metrics["eval/games"] = float(len(games))
+        metrics["time/eval_s"] = time.perf_counter() - start
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)
+        log.info("eval at step %d: %s", trainer.global_step,
+                 ", ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/win_rate_vs_")
+                           and not k.endswith(("low", "high"))))  # fmt: skip
+        self.final_metrics = metrics
+        self.history.append((trainer.global_step, metrics))
+        return metrics
+
+
+class _NoChecker:
+    """Games are judged by their outcome, not by an answer checker."""
+
+    def check(self, completion, reference, record=None):
+        raise RuntimeError("games are judged by playing them")
+
+
+configures(GameEvaluator, EvalSettings, GameEvalSettings)

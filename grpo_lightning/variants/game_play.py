@@ -1,0 +1,169 @@
+"""Playing a batch of two-player games in lockstep on one engine (self-play's rounds and its evaluation).
+
+Every game of the batch advances one move per step. The model players' moves of a step are sampled together:
+one batched `generate` for every game where the learner (or its mirror) is to move, and one per other model
+opponent (a snapshot or the base model, sampled through `Generator.sampling_from`); scripted players move
+from their own seeded `random.Random`. Only the learner's turns are recorded, each as the exact prompt it was
+sampled from (the chat template, the observation and the reply prefix) and its reply.
+
+An opponent's illegal move is replaced by a random legal move when the game lists its legal moves (counted in
+`opponent_illegal`): a weak opponent that lost on its first move would leave the learner nothing to play, and
+what the learner should learn is to beat moves, not to wait for mistakes. The learner's illegal move ends the game
+as a loss. A game still going after `max_turns` moves is a draw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from grpo_lightning.games.base import TwoPlayerGame, bracketed_move
+from grpo_lightning.types import Completion
+
+
+class Player(ABC):
+    name: str
+
+
+class ModelPlayer(Player):
+    """The policy sampled through `weights` (an adapter snapshot, or the base model's); None: the engine's own
+    current weights (the learner, and its mirror)."""
+
+    def __init__(self, name: str, weights: dict[str, Tensor] | None = None) -> None:
+        self.name, self.weights = name, weights
+
+
+class ScriptedPlayer(Player):
+    @abstractmethod
+    def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
+        """The reply of this player to the position of `game` (a move in the game's format)."""
+
+
+class RandomMovePlayer(ScriptedPlayer):
+    """A uniformly random legal move."""
+
+    name = "random"
+
+    def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
+        moves = game.legal_moves()
+        if not moves:
+            raise ValueError(f"{game.game_id} does not list its legal moves: the random player cannot play it")
+        return rng.choice(moves)
+
+
+class PerfectPlayer(ScriptedPlayer):
+    """A uniformly random move among those perfect play allows (solved games only: TicTacToe)."""
+
+    name = "perfect"
+
+    def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
+        return rng.choice(game.optimal_moves())
+
+
+SCRIPTED = {"random": RandomMovePlayer, "perfect": PerfectPlayer}
+
+
+@dataclass
+class LearnerTurn:
+    """One move of the learner: the prompt it was sampled from and what it replied."""
+
+    prompt_ids: list[int]
+    completion: Completion
+    reply: str
+    """`reply_prefix` + the decoded completion: the text the game was given."""
+    move: str | None
+    illegal: bool
+
+
+@dataclass
+class Match:
+    """One game of the batch: the learner in `learner_seat` against `opponent`."""
+
+    game: TwoPlayerGame
+    learner_seat: int
+    opponent: Player
+    rng: random.Random
+    """The scripted opponent's draws and the substitutes for an opponent's illegal moves."""
+    group_id: int = 0
+    turns: list[LearnerTurn] = field(default_factory=list)
+    moves: int = 0
+    opponent_illegal: int = 0
+    capped: bool = False
+    """Called a draw at `max_turns`."""
+
+    @property
+    def done(self) -> bool:
+        return self.capped or self.game.done
+
+    @property
+    def learner_score(self) -> float:
+        """+1 the learner won, 0 draw, -1 lost (once done)."""
+        if self.capped:
+            return 0.0
+        return self.game.outcome[self.learner_seat]
+
+
+LEARNER_PLAYER = ModelPlayer("learner")
+
+
+def play(
+    matches: Sequence[Match],
+    engine,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    reply_prefix: str,
+    max_turns: int,
+    max_new_tokens: int | None = None,
+    on_step: Callable[[Sequence[Match]], None] | None = None,
+) -> None:
+    """Play every match to its end, in lockstep (`encode`: an observation's prompt ids; `on_step` is called after
+    every move of the batch, for progress)."""
+    while True:
+        active = [m for m in matches if not m.done]
+        if not active:
+            return
+        movers = {id(m): (LEARNER_PLAYER if m.game.current_player == m.learner_seat else m.opponent) for m in active}
+        replies: dict[int, tuple[str, list[int] | None, Completion | None]] = {}
+        model_groups: dict[str, list[Match]] = {}
+        weights_of: dict[str, dict[str, Tensor] | None] = {}
+        for m in active:
+            player = movers[id(m)]
+            if isinstance(player, ModelPlayer):
+                model_groups.setdefault(player.name, []).append(m)
+                weights_of[player.name] = player.weights
+            else:
+                replies[id(m)] = (player.choose(m.game, m.rng), None, None)
+        for name in sorted(model_groups, key=lambda n: (n != "learner", n)):  # the learner's batch first
+            group, weights = model_groups[name], weights_of[name]
+            prompts = [encode(m.game.observation(m.game.current_player)) for m in group]
+            swap = engine.sampling_from(weights) if weights is not None else contextlib.nullcontext()
+            with swap:
+                completions = [c[0] for c in engine.generate(prompts, 1, max_new_tokens)]
+            for m, prompt, completion in zip(group, prompts, completions, strict=True):
+                replies[id(m)] = (reply_prefix + decode(completion.token_ids), prompt, completion)
+        for m in active:
+            reply, prompt, completion = replies[id(m)]
+            is_learner = movers[id(m)] is LEARNER_PLAYER
+            legal = m.game.legal_moves()
+            result = m.game.step(reply) if is_learner or not legal else _opponent_step(m, reply, legal)
+            if is_learner:
+                m.turns.append(LearnerTurn(prompt, completion, reply, bracketed_move(reply), result.illegal))
+            m.moves += 1
+            if not m.game.done and m.moves >= max_turns:
+                m.capped = True
+        if on_step is not None:
+            on_step(matches)
+
+
+def _opponent_step(match: Match, reply: str, legal: list[str]):
+    """An opponent's move; an illegal one is replaced by a random legal move (counted)."""
+    move = bracketed_move(reply)
+    if move is None or move not in legal:
+        match.opponent_illegal += 1
+        reply = match.rng.choice(legal)
+    return match.game.step(reply)

@@ -1,0 +1,258 @@
+"""Self-play on two-player text games (docs/selfplay.md): turns of games as rollouts, opponents from a rated pool of
+the policy's own snapshots, the base model and scripted players.
+
+A round deals `data.prompts_per_round` game seeds (data=games). For each seed it draws one opponent from the pool
+and a seat for the learner, and plays `games_per_group` games of that seed from that seat against that opponent:
+the round's games all advance together, one batched generate per move (variants/game_play.py). Every move the
+learner made becomes a Rollout of exactly the prompt it was sampled from and its reply, scored by the reward
+pipeline with the turn's record (`types.TurnRecord`: the game's outcome, whether the move was legal, the move).
+
+Groups: the turns of a seed's games share an advantage group. Why those: the games of a group differ only by the
+sampling, so the group's mean is a baseline of the same game, seat and opponent; a first mover's advantage or a
+weak opponent lifts every turn of the group alike and cancels, instead of being credited to the moves. The
+peer's role baseline is the alternative (reward=selfplay_role: a running mean per game and seat, then a batch
+z-score).
+
+Snapshots: at the start of every `snapshot_every`-th round (round 0 included) the policy's adapter joins the pool
+(`round<NNN>`). The pool, its ratings and its snapshots are saved in every checkpoint; a resumed run plays on
+exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from grpo_lightning.distributed import derive_seed
+from grpo_lightning.games.base import make_game
+from grpo_lightning.models.lora import adapter_off
+from grpo_lightning.schema import check_settings, choice, configures, integer, setting, strings
+from grpo_lightning.types import Rollout, TurnRecord
+from grpo_lightning.variants.base import GRPOVariant, register_variant
+from grpo_lightning.variants.game_play import LEARNER_PLAYER, SCRIPTED, Match, ModelPlayer, Player, play
+from grpo_lightning.variants.opponent_pool import FIXED_OPPONENTS, LEARNER, SAMPLING_MODES, OpponentPool
+from grpo_lightning.variants.selfplay_progress import SelfPlayProgress
+
+
+def opponent_names(value) -> str | None:
+    """A rule: a list of fixed opponents."""
+    problem = strings(value)
+    if problem is not None or isinstance(value, str):
+        return f"must be a list of {', '.join(FIXED_OPPONENTS)}"
+    unknown = [v for v in value if v not in FIXED_OPPONENTS]
+    if unknown:
+        return f"must name only {', '.join(FIXED_OPPONENTS)} ({unknown[0]!r} is none of them)"
+    if len(set(value)) != len(value):
+        return "must not name an opponent twice"
+    return None
+
+
+@dataclass(frozen=True)
+class SelfPlaySettings:
+    """`variant` for variant=selfplay."""
+
+    games_per_group: int = setting(4, integer(2), "games a group: same seed, learner seat and opponent (G)")
+    opponent_sampling: str = setting(
+        "random", choice(*SAMPLING_MODES), "mirror | lagged | random | match_quality (rating-aware)"
+    )
+    fixed_opponents: list[str] = setting(
+        rule=opponent_names, factory=lambda: ["random", "base"],
+        help="opponents besides the snapshots: random (legal move) | perfect (solved games) | base (adapter off)",
+    )  # fmt: skip
+    snapshot_every: int = setting(2, integer(1), "rounds between snapshots of the policy joining the pool")
+    max_snapshots: int = setting(4, integer(1), "the oldest snapshots beyond this leave the pool")
+    lagged_window: int = setting(2, integer(1), "lagged: uniform over the newest this many snapshots")
+    max_turns: int = setting(30, integer(1), "moves (both players) before a game is called a draw")
+    seed: int = setting(0, integer(0), "opponents, seats and scripted moves (the run's seed)")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "variant")
+
+
+@register_variant("selfplay")
+class SelfPlay(GRPOVariant):
+    def __init__(
+        self,
+        games_per_group: int = SelfPlaySettings.games_per_group,
+        opponent_sampling: str = SelfPlaySettings.opponent_sampling,
+        fixed_opponents: Sequence[str] = ("random", "base"),
+        snapshot_every: int = SelfPlaySettings.snapshot_every,
+        max_snapshots: int = SelfPlaySettings.max_snapshots,
+        lagged_window: int = SelfPlaySettings.lagged_window,
+        max_turns: int = SelfPlaySettings.max_turns,
+        seed: int = SelfPlaySettings.seed,
+    ) -> None:
+        super().__init__()
+        fixed_opponents = list(fixed_opponents)
+        SelfPlaySettings(games_per_group, opponent_sampling, fixed_opponents, snapshot_every, max_snapshots,
+                         lagged_window, max_turns, seed)  # fmt: skip
+        self.games_per_group, self.snapshot_every, self.max_turns, self.seed = (
+            games_per_group, snapshot_every, max_turns, seed
+        )  # fmt: skip
+        self.pool = OpponentPool(opponent_sampling, tuple(fixed_opponents), max_snapshots, lagged_window)
+        self.source = None
+        """The game data source (data/games.py GameSeeds): how an observation becomes a prompt (`bind_data`)."""
+        self.tokenizer = None
+        self.progress_listeners: list[Callable[[SelfPlayProgress], None]] = []
+        """Called with the round's progress after every move of its games (training/live_view.py)."""
+        self.round_index = 0
+        self._snapshot_taken = False
+        self._counts: dict[str, float] = {}
+
+    def bind_data(self, source, tokenizer) -> None:
+        """The run's game source (data=games) and tokenizer, given once by train.py."""
+        self.source, self.tokenizer = source, tokenizer
+
+    def rollouts_per_round(self, num_prompts: int) -> int:
+        """At most: every game lasts `max_turns` moves, half of them the learner's."""
+        return num_prompts * self.games_per_group * math.ceil(self.max_turns / 2)
+
+    # ---- a round -----------------------------------------------------------------------------------------------
+    def begin_round(self, round_index: int) -> None:
+        super().begin_round(round_index)
+        self.round_index, self._snapshot_taken = round_index, False
+        self._counts = dict.fromkeys(("games", "wins", "draws", "losses", "turns", "illegal", "opp_moves_fixed",
+                                      "capped", "extra_games"), 0.0)  # fmt: skip
+
+    def sample_rollouts(self, generator, prompts: Sequence, reward_fn, decode: Callable) -> list[Rollout]:
+        if self.source is None:
+            raise RuntimeError("variant=selfplay needs its game source: call bind_data first (train.py does)")
+        if not self._snapshot_taken:  # once a round, before its first game
+            self._snapshot_taken = True
+            if self.round_index % self.snapshot_every == 0:
+                self.pool.add_snapshot(f"round{self.round_index:03d}", generator.adapter_weights())
+        matches = self.deal(generator, prompts)
+        self.play(matches, generator, decode)
+        for group_id in range(len(prompts)):  # a group whose learner never moved (possible in a game whose
+            tries = 0  # opponent can end it first): more of its games until it has a turn
+            while not any(m.turns for m in matches if m.group_id == group_id):
+                tries += 1
+                if tries > 8:
+                    raise RuntimeError(f"{prompts[group_id].question}: the learner never got to move in 8 games")
+                extra = self.deal(generator, [prompts[group_id]], first_group=group_id, games=1, salt=tries)
+                self.play(extra, generator, decode)
+                matches.extend(extra)
+                self._counts["extra_games"] += 1
+        for m in matches:
+            self.pool.record(m.opponent.name, m.learner_score)
+        self.metrics.update(self.round_metrics())
+        return self.rollouts_of(matches, reward_fn)
+
+    def deal(self, generator, prompts: Sequence, first_group: int = 0, games: int | None = None, salt: int = 0):
+        """The matches of each prompt's group: one opponent and one seat a group, `games_per_group` games."""
+        matches = []
+        for offset, prompt in enumerate(prompts):
+            group_id = first_group + offset
+            game_seed = prompt.record.seed
+            rng = random.Random(derive_seed(self.seed, "selfplay", self.round_index, game_seed, group_id, salt))
+            opponent = self.player(self.pool.sample(rng), generator)
+            seat = rng.randrange(2)
+            for g in range(games or self.games_per_group):
+                game = make_game(prompt.record.game_id)
+                game.reset(game_seed)
+                game_rng = random.Random(derive_seed(self.seed, "game", self.round_index, game_seed, group_id, g, salt))
+                matches.append(Match(game, seat, opponent, game_rng, group_id))
+        return matches
+
+    def player(self, name: str, generator) -> Player:
+        if name == LEARNER:
+            return LEARNER_PLAYER
+        if name in SCRIPTED:
+            return SCRIPTED[name]()
+        if name == "base":
+            return ModelPlayer("base", adapter_off(generator.adapter_weights()))
+        return ModelPlayer(name, self.pool.snapshots[name])
+
+    def play(self, matches: list[Match], generator, decode: Callable) -> None:
+        def encode(observation: str) -> list[int]:
+            return self.source.encode(self.tokenizer, observation)
+
+        on_step = self._report if self.progress_listeners else None
+        play(matches, generator, encode, decode, self.source.reply_prefix, self.max_turns, on_step=on_step)
+
+    def rollouts_of(self, matches: list[Match], reward_fn) -> list[Rollout]:
+        rollouts = []
+        for m in matches:
+            score = m.learner_score
+            for turn_index, turn in enumerate(m.turns):
+                record = TurnRecord(m.game.game_id, m.learner_seat, turn_index, turn.move, turn.illegal, score,
+                                    m.opponent.name)  # fmt: skip
+                completion = turn.completion
+                result = reward_fn.score_completion(
+                    turn.reply, "", truncated=not completion.finished, num_tokens=len(completion.token_ids),
+                    record=record,
+                )  # fmt: skip
+                rollouts.append(
+                    Rollout(
+                        prompt_ids=list(turn.prompt_ids),
+                        completion_ids=completion.token_ids,
+                        gen_logprobs=completion.logprobs,
+                        reward=result.reward,
+                        group_id=m.group_id,
+                        truncated=not completion.finished,
+                        text=turn.reply,
+                        answer_extracted=result.extracted is not None,
+                        reward_terms=dict(result.terms or {}),
+                    )
+                )
+            self._count(m)
+        return rollouts
+
+    # ---- counting -----------------------------------------------------------------------------------------------
+    def _count(self, m: Match) -> None:
+        c = self._counts
+        score = m.learner_score
+        c["games"] += 1
+        c["wins" if score > 0 else "losses" if score < 0 else "draws"] += 1
+        c["turns"] += len(m.turns)
+        c["illegal"] += sum(t.illegal for t in m.turns)
+        c["opp_moves_fixed"] += m.opponent_illegal
+        c["capped"] += m.capped
+
+    def round_metrics(self) -> dict[str, float]:
+        c = self._counts
+        games, turns = max(c["games"], 1.0), max(c["turns"], 1.0)
+        return {
+            "game/games": c["games"],
+            "game/win_rate": c["wins"] / games,
+            "game/draw_rate": c["draws"] / games,
+            "game/loss_rate": c["losses"] / games,
+            "game/illegal_move_rate": c["illegal"] / turns,
+            "game/learner_turns_mean": c["turns"] / games,
+            "game/opponent_moves_replaced": c["opp_moves_fixed"],
+            "game/draws_at_max_turns": c["capped"],
+            **self.pool.metrics(),
+        }
+
+    def _report(self, matches: Sequence[Match]) -> None:
+        finished = [m for m in matches if m.done]
+        scores = [m.learner_score for m in finished]
+        turns = [t for m in matches for t in m.turns]
+        progress = SelfPlayProgress(
+            round_index=self.round_index,
+            game_id=matches[0].game.game_id if matches else "",
+            games_total=len(matches),
+            games_finished=len(finished),
+            wins=sum(s > 0 for s in scores),
+            draws=sum(s == 0 for s in scores),
+            losses=sum(s < 0 for s in scores),
+            learner_turns=len(turns),
+            illegal_moves=sum(t.illegal for t in turns),
+            pool=self.pool.entries(),
+        )
+        for listener in self.progress_listeners:
+            listener(progress)
+
+    # ---- state ----------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"pool": self.pool.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "pool" not in state:
+            raise ValueError("ckpt_path: the checkpoint holds no self-play pool (written by another variant?)")
+        self.pool.load_state_dict(state["pool"])
+
+
+configures(SelfPlay, SelfPlaySettings)
