@@ -103,6 +103,7 @@ def write(path: Path, text: str) -> Path:
 
 
 # ---- mistakes caught before any model is loaded (dry run and real run alike) ------------------------------------
+SELFPLAY = ["experiment=selfplay_tictactoe"]
 CONFIG_MISTAKES = [
     ("unknown group option", ["loss=foo"], ["Could not find 'loss/foo'"]),
     ("unknown key", ["generator.num_generation=4"], ["generator.num_generation"]),
@@ -123,6 +124,16 @@ CONFIG_MISTAKES = [
     ("storpo gap 0", ["variant=storpo", "variant.min_gap=0"], ["variant.min_gap must be >= 1"]),
     ("storpo gap text", ["variant=storpo", "variant.min_gap=two"], ["variant.min_gap must be an integer"]),
     ("storpo credit", ["variant=storpo", "variant.advantage=vine"], ["variant.advantage must be one of group, tree"]),
+    ("game unknown", [*SELFPLAY, "data.dataset.game=chess"], ["data.dataset.game must be a built-in game", "chess"]),
+    ("game not offline", [*SELFPLAY, "data.dataset.game=textarena:Wordle-v0"], ["data.dataset.game", "Wordle-v0"]),
+    ("game group 1", [*SELFPLAY, "variant.games_per_group=1"], ["variant.games_per_group must be >= 2"]),
+    ("game sampling", [*SELFPLAY, "variant.opponent_sampling=elo"], ["variant.opponent_sampling must be one of"]),
+    ("game opponent", [*SELFPLAY, "variant.fixed_opponents=[random,gpt]"], ["variant.fixed_opponents", "'gpt'"]),
+    ("game opponents text", [*SELFPLAY, "variant.fixed_opponents=random"], ["variant.fixed_opponents must be a list"]),
+    ("game twice", [*SELFPLAY, "variant.fixed_opponents=[base,base]"], ["variant.fixed_opponents must not name"]),
+    ("game eval opponent", [*SELFPLAY, "eval.opponents=[stockfish]"], ["eval.opponents", "'stockfish'"]),
+    ("game max turns", [*SELFPLAY, "variant.max_turns=0"], ["variant.max_turns must be >= 1"]),
+    ("game seeds overlap", [*SELFPLAY, "data.dataset.eval_seed=10"], ["data.dataset.eval_seed (10) must be >="]),
     ("unknown target", ["optim.optimizer._target_=torch.optim.Nope"], ["optim.optimizer._target_", "Nope"]),
     ("unknown argument", ["+optim.schedule.speed=2"], ["optim.schedule"]),
     ("missing model path", ["model=local", "model.source.path=/nope"], ["model.source.path is not a directory"]),
@@ -424,6 +435,18 @@ VALIDATION_MISTAKES = [
         ["seed=abc", "model.lora.r=abc", "data.prompts_per_round=-2"],
         ["seed must be", "model.lora.r must be", "data.prompts_per_round must be >= 1"],
     ),
+    ("games without self-play", [*SELFPLAY, "variant=grpo"], ["data=games is played by variant=selfplay"]),
+    ("self-play without games", ["variant=selfplay"], ["variant=selfplay plays games: choose data=games"]),
+    ("self-play on vllm", [*SELFPLAY, "generator=vllm"], ["generator=vllm cannot do yet", "generator=hf"]),
+    ("self-play overlapped", [*SELFPLAY, "rollout.max_staleness=1"], ["set rollout.max_staleness=0"]),
+    ("self-play perfect textarena", [*SELFPLAY, "data.dataset.game=textarena:Nim-v0", "variant.fixed_opponents=[perfect]"],
+     ["variant.fixed_opponents: 'perfect' plays solved games only"]),
+    ("self-play random unlisted", [*SELFPLAY, "data.dataset.game=textarena:Othello-v0"],
+     ["variant.fixed_opponents: 'random' plays a random legal move", "Othello-v0"]),
+    ("self-play full fine-tune", [*SELFPLAY, "model.lora.enabled=false"], ["LoRA snapshots", "model.lora.enabled"]),
+    ("self-play gsm8k reward", [*SELFPLAY, "reward=reasoning_gym"], ["reward.terms.", "use reward=selfplay"]),
+    ("self-play answer eval", [*SELFPLAY, "eval._target_=grpo_lightning.training.evaluation.Evaluator"],
+     ["eval._target_ must be grpo_lightning.training.game_evaluation.GameEvaluator"]),
     (
         "eval data path missing",
         ["data.dataset.source=path", "data.dataset.path=/dev/null"],

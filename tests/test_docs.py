@@ -134,6 +134,9 @@ NON_DEFAULT = {
     "data=reasoning_gym": "the reasoning-gym source's keys (docs/data.md)",
     "reward=reasoning_gym_shaped": "the shaped reasoning-gym reward's terms (docs/data.md)",
     "experiment=learn_arith": "a reasoning-gym task's own keys as the recipe sets them (docs/data.md)",
+    "experiment=selfplay_tictactoe": "self-play's keys: the variant, the game source, its rewards, the evaluator that "
+    "plays (docs/selfplay.md)",
+    "reward=selfplay_role": "the role baseline's transforms (docs/selfplay.md)",
     "probe=[gns,entropy]": "a probe's keys exist only when it is selected (docs/probes.md)",
     "logger=[tensorboard,csv,mlflow,wandb]": "a tracker's keys exist only when it is selected (docs/tracking.md)",
 }

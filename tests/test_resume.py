@@ -52,7 +52,25 @@ SETUPS = {
     "overlap": ["rollout.max_staleness=1"],
     "overlap_storpo_two_passes": [*STORPO_TWO_PASSES, "rollout.max_staleness=4"],  # 2 micro-batches x 2 passes
     "overlap_dynamic_sampling": [*DYNAMIC_SAMPLING, "rollout.max_staleness=1"],
+    # Self-play (docs/selfplay.md): the opponent pool (snapshots every round, ratings after every game) is
+    # checkpointed with the round; rating-aware sampling makes every later opponent depend on it.
+    "selfplay": [
+        "experiment=selfplay_tictactoe",
+        "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",  # a spread a random model can move
+        "variant.games_per_group=2",
+        "variant.snapshot_every=1",
+        "variant.opponent_sampling=match_quality",
+        "variant.fixed_opponents=[random,base,perfect]",
+        "generator.max_new_tokens=4",
+        "eval.opponents=[random]",
+    ],
 }
+NOT_BASE = {"selfplay": ("~reward.terms.gsm8k", "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward")}
+"""BASE overrides a setup replaces (self-play's reward has no gsm8k term to remove)."""
+
+
+def args(setup: str) -> list[str]:
+    return [*(a for a in BASE if a not in NOT_BASE.get(setup, ())), *SETUPS[setup]]
 
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -99,6 +117,7 @@ def final_state(run_dir: Path) -> dict:
         "adam": ckpt["optimizer_states"][0]["state"],
         "global_step": ckpt["global_step"],
         "epoch": ckpt["epoch"],
+        "variant": ckpt["callbacks"]["RolloutCallback"]["ranks"][0].get("variant") or {},
     }
 
 
@@ -110,13 +129,20 @@ def assert_bitwise_equal(a: dict, b: dict, context: str = "") -> None:
     for index, state in a["adam"].items():
         for key, value in state.items():
             assert torch.equal(value, b["adam"][index][key]), f"adam {index} {key} {context}"
+    pool_a, pool_b = a["variant"].get("pool"), b["variant"].get("pool")  # self-play: ratings and snapshots
+    assert (pool_a is None) == (pool_b is None), context
+    if pool_a is not None:
+        assert pool_a["ratings"] == pool_b["ratings"], context
+        assert list(pool_a["snapshots"]) == list(pool_b["snapshots"]), context
+        for name, weights in pool_a["snapshots"].items():
+            assert all(torch.equal(w, pool_b["snapshots"][name][k]) for k, w in weights.items()), f"{name} {context}"
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The truth: each setup run once without interruption (started together: 2 cores)."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    procs = {name: start(root / name, *BASE, *extra) for name, extra in SETUPS.items()}
+    procs = {name: start(root / name, *args(name)) for name in SETUPS}
     for proc in procs.values():
         finish(proc)
     return {name: final_state(root / name) for name in SETUPS}
@@ -128,13 +154,13 @@ def test_sigkill_at_a_random_point_then_resume_is_bitwise_equal(tmp_path, uninte
     rng = random.Random(seed)
     writes, fraction = rng.randint(1, ROUNDS - 2), rng.uniform(0.0, 0.9)  # kill inside round `writes`, anywhere
     run_dir = tmp_path / "run"
-    proc = start(run_dir, *BASE, *SETUPS[setup])
+    proc = start(run_dir, *args(setup))
     round_s = wait_for(run_dir / "checkpoints" / "last.ckpt", proc, writes)
     time.sleep(fraction * (round_s if writes > 1 else 1.0))
     assert proc.poll() is None, f"the run finished before the kill (RESUME_TEST_SEED={seed})"
     proc.kill()  # SIGKILL: no handler runs
     proc.wait()
-    err = finish(start(run_dir, *BASE, *SETUPS[setup], "ckpt_path=last"))
+    err = finish(start(run_dir, *args(setup), "ckpt_path=last"))
     assert "resuming from" in err
     assert_bitwise_equal(uninterrupted[setup], final_state(run_dir), context=f"RESUME_TEST_SEED={seed}")
 
@@ -142,7 +168,7 @@ def test_sigkill_at_a_random_point_then_resume_is_bitwise_equal(tmp_path, uninte
 @pytest.mark.parametrize("setup", ["grpo", "overlap"])
 def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterrupted, setup):
     run_dir = tmp_path / "run"
-    proc = start(run_dir, *BASE, *SETUPS[setup])
+    proc = start(run_dir, *args(setup))
     wait_for(run_dir / "checkpoints" / "last.ckpt", proc)  # round 0 done; round 1 is being generated or trained
     proc.send_signal(signal.SIGINT)
     err = finish(proc, expect=128 + signal.SIGINT)
@@ -150,7 +176,7 @@ def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterru
     assert "stopped after round" in err and "ckpt_path=" in err and "Traceback" not in err
     stopped = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert 1 <= stopped["epoch"] < ROUNDS - 1  # stopped early, at a round boundary
-    finish(start(run_dir, *BASE, *SETUPS[setup], "ckpt_path=last"))
+    finish(start(run_dir, *args(setup), "ckpt_path=last"))
     assert_bitwise_equal(uninterrupted[setup], final_state(run_dir))
 
 

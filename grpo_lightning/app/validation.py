@@ -251,8 +251,16 @@ def check_selfplay(cfg: DictConfig) -> None:
     if not cfg.model.lora.enabled:
         raise ValueError("variant=selfplay keeps its opponents as LoRA snapshots: set model.lora.enabled=true")
     game = make_game(cfg.data.dataset.game)
-    if "perfect" in cfg.variant.fixed_opponents and not game.solved:
-        raise ValueError(f"variant.fixed_opponents: 'perfect' plays solved games only, and {game.game_id} is not one")
+    game.reset(0)
+    eval_opponents = list(cfg.eval.get("opponents") or []) if cfg.eval.enabled else []
+    for key, names in (("variant.fixed_opponents", cfg.variant.fixed_opponents), ("eval.opponents", eval_opponents)):
+        if "perfect" in names and not game.solved:
+            raise ValueError(f"{key}: 'perfect' plays solved games only (tictactoe), and {game.game_id} is not one")
+        if "random" in names and not game.legal_moves():
+            raise ValueError(
+                f"{key}: 'random' plays a random legal move, and {cfg.data.dataset.game} does not list its legal "
+                "moves here (docs/selfplay.md); leave it out"
+            )
     for place in ("terms", "transforms"):
         for name, spec in (cfg.reward.get(place) or {}).items():
             stage = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None

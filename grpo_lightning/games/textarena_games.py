@@ -358,27 +358,29 @@ NOT_HERE: dict[str, str] = {
 
 
 def textarena_problem(env_id: Any) -> str | None:
-    """A rule: None when `env_id` names a two-player TextArena game that runs offline here, else what it must be."""
+    """A rule: None when `env_id` names a two-player TextArena game that runs offline here, else what it must be
+    (the caller adds the key and the value)."""
     if not isinstance(env_id, str):
-        return f"must be a TextArena env id such as Nim-v0 (got {env_id!r})"
+        return "must be a TextArena env id such as Nim-v0"
     if importlib.util.find_spec("textarena") is None:
         return "needs textarena: pip install -e '.[games]' (make install does)"
     installed = importlib.metadata.version("textarena")
     if installed != TEXTARENA_VERSION:
         return (
-            f"needs textarena=={TEXTARENA_VERSION}, the release whose games were surveyed: "
-            f"pip install -e '.[games]' (got {installed})"
+            f"needs textarena=={TEXTARENA_VERSION}, the release whose games were surveyed ({installed} is installed): "
+            "pip install -e '.[games]'"
         )
     if env_id in OFFLINE_TWO_PLAYER:
         return None
     if env_id in NOT_HERE:
         return (
-            f"must be a two-player TextArena game that runs offline; textarena:{env_id} {NOT_HERE[env_id]} "
-            "(docs/selfplay.md)"
+            "must be a two-player TextArena game that runs offline (docs/selfplay.md); "
+            f"textarena:{env_id} {NOT_HERE[env_id]}"
         )
     close = difflib.get_close_matches(env_id, sorted(OFFLINE_TWO_PLAYER | NOT_HERE.keys()), n=3)
-    hint = f"close: {', '.join(close)}" if close else "docs/selfplay.md lists them"
-    return f"must be a TextArena env id (got {env_id!r}); {hint}"
+    if close:
+        return f"must be a TextArena env id; close: {', '.join(close)}"
+    return "must be a TextArena env id (docs/selfplay.md lists them)"
 
 
 def _tictactoe_moves(state) -> list[str]:

@@ -127,7 +127,8 @@ def play(
         active = [m for m in matches if not m.done]
         if not active:
             return
-        movers = {id(m): (LEARNER_PLAYER if m.game.current_player == m.learner_seat else m.opponent) for m in active}
+        learners = {id(m) for m in active if m.game.current_player == m.learner_seat}
+        movers = {id(m): (LEARNER_PLAYER if id(m) in learners else m.opponent) for m in active}
         replies: dict[int, tuple[str, list[int] | None, Completion | None]] = {}
         model_groups: dict[str, list[Match]] = {}
         weights_of: dict[str, dict[str, Tensor] | None] = {}
@@ -148,7 +149,7 @@ def play(
                 replies[id(m)] = (reply_prefix + decode(completion.token_ids), prompt, completion)
         for m in active:
             reply, prompt, completion = replies[id(m)]
-            is_learner = movers[id(m)] is LEARNER_PLAYER
+            is_learner = id(m) in learners  # a mirror opponent is the policy too, but not the learner's seat
             legal = m.game.legal_moves()
             result = m.game.step(reply) if is_learner or not legal else _opponent_step(m, reply, legal)
             if is_learner:

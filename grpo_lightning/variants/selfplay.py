@@ -137,8 +137,9 @@ class SelfPlay(GRPOVariant):
                 self._counts["extra_games"] += 1
         for m in matches:
             self.pool.record(m.opponent.name, m.learner_score)
-        self.metrics.update(self.round_metrics())
-        return self.rollouts_of(matches, reward_fn)
+        rollouts = self.rollouts_of(matches, reward_fn)
+        self.metrics.update(self.round_metrics())  # the round so far (dynamic sampling may call again)
+        return rollouts
 
     def deal(self, generator, prompts: Sequence, first_group: int = 0, games: int | None = None, salt: int = 0):
         """The matches of each prompt's group: one opponent and one seat a group, `games_per_group` games."""

@@ -30,9 +30,9 @@ LEGAL_MOVE_GAMES = (
 )
 
 
-def play(game: TextArenaGame, replies: list[str]):
-    results = [game.step(reply) for reply in replies]
-    return results
+def play(game: TextArenaGame, replies: list[str]) -> list:
+    """Each reply's StepResult, in order."""
+    return [game.step(reply) for reply in replies]
 
 
 # ---- the id rule ------------------------------------------------------------------------------------------------
@@ -52,9 +52,10 @@ def test_offline_two_player_games_pass(env_id):
 
 def test_an_unknown_id_names_close_ones():
     problem = check_game_id("textarena:TicTacToe-v9")
-    assert problem.startswith("must be a TextArena env id (got 'TicTacToe-v9'); close: ")
-    assert "TicTacToe-v0" in problem
-    assert check_game_id("textarena:Zzzzzz") == "must be a TextArena env id (got 'Zzzzzz'); docs/selfplay.md lists them"
+    assert problem.startswith("must be a TextArena env id; close: ") and "TicTacToe-v0" in problem
+    assert check_game_id("textarena:Zzzzzz") == "must be a TextArena env id (docs/selfplay.md lists them)"
+    with pytest.raises(ValueError, match=r"game id must be a TextArena env id; close: .* \(got 'textarena:Nim-v9'\)"):
+        make_game("textarena:Nim-v9")
 
 
 @pytest.mark.parametrize(
@@ -71,7 +72,7 @@ def test_an_unknown_id_names_close_ones():
 )
 def test_games_that_cannot_run_here_say_why(env_id, reason):
     assert check_game_id(f"textarena:{env_id}") == (
-        f"must be a two-player TextArena game that runs offline; textarena:{env_id} {reason} (docs/selfplay.md)"
+        f"must be a two-player TextArena game that runs offline (docs/selfplay.md); textarena:{env_id} {reason}"
     )
 
 
@@ -106,7 +107,7 @@ def test_a_scripted_tictactoe_win_for_seat_0():
 def test_a_scripted_tictactoe_win_for_seat_1_and_a_draw():
     game = TextArenaGame("TicTacToe-v0-raw")
     *_, last = play(game, ["[0]", "[4]", "[1]", "[2]", "[8]", "[6]"])  # seat 1: 4, 2, 6 (a diagonal)
-    assert last == last.__class__(illegal=False, done=True, outcome=(-1.0, 1.0))
+    assert (last.illegal, last.done, last.outcome) == (False, True, (-1.0, 1.0))
     game.reset(1)
     results = play(game, ["[4]", "[0]", "[2]", "[6]", "[3]", "[5]", "[1]", "[7]", "[8]"])
     assert not any(r.illegal for r in results) and results[-1].done and results[-1].outcome == (0.0, 0.0)
