@@ -274,7 +274,9 @@ REWARD = {
         "outcome": {"_target_": "grpo_lightning.rewards.games.GameOutcome"},
         "legal": {"_target_": "grpo_lightning.rewards.games.LegalMove"},
     },
-    "group_transforms": {"normalize": {"_target_": "grpo_lightning.rewards.transforms.GroupNormalize", "scale": "group"}},
+    "group_transforms": {
+        "normalize": {"_target_": "grpo_lightning.rewards.transforms.GroupNormalize", "scale": "group"}
+    },
 }
 
 
@@ -386,8 +388,9 @@ def test_evaluation_is_the_same_for_the_same_weights_and_leaves_the_rng_alone(to
     logged = []
     trainer = SimpleNamespace(is_global_zero=True, global_step=0, ckpt_path=None,
                               loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append(m))])  # fmt: skip
+    engine = MoveEngine(tokenizer, random_cell)
     evaluator = GameEvaluator(source().test_split(num_problems=6), opponents=["random", "base"], num_problems=6,
-                              at_start=False, generator=MoveEngine(tokenizer, random_cell), tokenizer=tokenizer)  # fmt: skip
+                              at_start=False, generator=engine, tokenizer=tokenizer)  # fmt: skip
     evaluator.at_fit_start(trainer)
     torch.manual_seed(0)
     state = torch.get_rng_state()
@@ -424,9 +427,8 @@ def test_sampling_from_swaps_and_restores_bit_for_bit(tiny_model, tokenizer):
     assert as_base.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
     after = engine.adapter_weights()
     assert all(torch.equal(own[k], after[k]) for k in own)
-    with pytest.raises(ValueError, match="does not match"):
-        with engine.sampling_from({"nope": torch.zeros(1)}):
-            pass
+    with pytest.raises(ValueError, match="does not match"), engine.sampling_from({"nope": torch.zeros(1)}):
+        pass
 
 
 # ---- docs/selfplay.md's example game -----------------------------------------------------------------------------
