@@ -12,10 +12,12 @@ Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` per seed, reads eve
 The control (`--control lr0`, the default) is the same recipe with `optim.optimizer.lr=0`. `--control start`
 runs none: an lr=0 run never changes its weights, and the game evaluation samples under a fixed seed
 (`eval.seed`), so its every evaluation plays exactly the games of the trained run's start-of-run evaluation
-(tests/test_selfplay.py checks that two evaluations of unchanged weights are identical).
+(tests/unit/test_selfplay.py checks that two evaluations of unchanged weights are identical, and the table says
+whether a finished lr=0 run's evaluations all equal its trained run's start). A seed whose lr=0 run has finished
+in the output folder is compared with it either way.
 
     python benchmarks/selfplay.py                         # seeds 0 1 2, trained + lr=0 controls
-    python benchmarks/selfplay.py --control start         # half the compute: control = each run's start
+    python benchmarks/selfplay.py --seeds 1 2 --control start   # half the compute: control = each run's start
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_lightning.app.analysis import read_run
-from grpo_lightning.app.jobs import Job, compose, run_jobs, wall_seconds
+from grpo_lightning.app.jobs import Job, compose, finished, run_jobs, wall_seconds
 
 WIN = "eval/win_rate_vs_random"
 WIN_BASE = "eval/win_rate_vs_base"
@@ -62,6 +64,11 @@ def evaluations(run_dir: Path) -> list[Point]:
     return points
 
 
+def finished_seeds(out: Path) -> set[int]:
+    """Seeds whose trained run has finished in `out` (read into the table whatever `--seeds` says)."""
+    return {int(d.name.removeprefix("trained_seed")) for d in out.glob("trained_seed*") if finished(d)}
+
+
 def fmt(rate: tuple[float, float, float] | None) -> str:
     if rate is None:
         return "n/a"
@@ -74,19 +81,20 @@ def beyond(trained: tuple[float, float, float], control: tuple[float, float, flo
     return low > control[0] if higher_is_better else high < control[0]
 
 
-def report(runs: dict[int, tuple[list[Point], list[Point], float]], control_label: str) -> str:
-    """`runs`: seed -> (trained evaluations, control evaluations, trained wall seconds)."""
+def report(runs: dict[int, tuple[list[Point], list[Point], float]], labels: dict[int, str]) -> str:
+    """`runs`: seed -> (trained evaluations, control evaluations, trained wall seconds); `labels`: each seed's
+    control, `control (lr=0)` or `control (start)`."""
     lines = [
         "| seed | arm | win vs random, start -> end | win vs base, end | illegal-move rate, start -> end | wall |",
         "|---|---|---|---|---|---|",
     ]
     gaps = [
-        f"| seed | win vs random: trained end - {control_label} | beyond | illegal-move rate: trained end - "
-        f"{control_label} | beyond |",
-        "|---|---|---|---|---|",
+        "| seed | control | win vs random: trained end - control | beyond | illegal-move rate: trained end - "
+        "control | beyond |",
+        "|---|---|---|---|---|---|",
     ]
     for seed, (trained, control, wall) in sorted(runs.items()):
-        for arm, points, seconds in (("trained", trained, wall), (control_label, control, None)):
+        for arm, points, seconds in (("trained", trained, wall), (labels[seed], control, None)):
             start, end = points[0].rates, points[-1].rates
             lines.append(
                 f"| {seed} | {arm} | {fmt(start.get(WIN))} -> {fmt(end.get(WIN))} | {fmt(end.get(WIN_BASE))} | "
@@ -94,9 +102,12 @@ def report(runs: dict[int, tuple[list[Point], list[Point], float]], control_labe
                 f"{'' if seconds is None else f'{seconds / 60:.1f} min'} |"
             )
         t, c = trained[-1].rates, control[-1].rates
+        win_beyond = "yes" if beyond(t[WIN], c[WIN], True) else "no"
+        illegal_beyond = "yes" if beyond(t[ILLEGAL], c[ILLEGAL], False) else "no"
+        control_kind = labels[seed].removeprefix("control (").removesuffix(")")
         gaps.append(
-            f"| {seed} | {t[WIN][0] - c[WIN][0]:+.3f} | {'yes' if beyond(t[WIN], c[WIN], True) else 'no'} | "
-            f"{t[ILLEGAL][0] - c[ILLEGAL][0]:+.3f} | {'yes' if beyond(t[ILLEGAL], c[ILLEGAL], False) else 'no'} |"
+            f"| {seed} | {control_kind} | {t[WIN][0] - c[WIN][0]:+.3f} | {win_beyond} | "
+            f"{t[ILLEGAL][0] - c[ILLEGAL][0]:+.3f} | {illegal_beyond} |"
         )
     return "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST
 
@@ -147,13 +158,23 @@ def main(argv: list[str] | None = None) -> int:
         for arm, extra in arms.items()
     ]
     run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
-    runs = {}
-    for seed in args.seeds:
+    runs, labels, notes = {}, {}, []
+    for seed in sorted({*args.seeds, *finished_seeds(args.out)}):
         trained = evaluations(args.out / f"trained_seed{seed}")
-        control = evaluations(args.out / f"control_seed{seed}") if args.control == "lr0" else trained[:1]
+        control_dir = args.out / f"control_seed{seed}"
+        if finished(control_dir):
+            control, labels[seed] = evaluations(control_dir), "control (lr=0)"
+            same = all(p.rates == trained[0].rates for p in control)
+            notes.append(
+                f"seed {seed}: every evaluation of the lr=0 run {'equals' if same else 'DIFFERS from'} the trained "
+                "run's start-of-run evaluation"
+            )
+        else:
+            control, labels[seed] = trained[:1], "control (start)"
         runs[seed] = (trained, control, wall_seconds(args.out / f"trained_seed{seed}"))
-    label = "control (lr=0)" if args.control == "lr0" else "control (start)"
-    text = f"experiment={args.experiment}, seeds {args.seeds}\n\n" + report(runs, label)
+    text = f"experiment={args.experiment}, seeds {sorted(runs)}\n\n" + report(runs, labels)
+    if notes:
+        text += "\n\n" + "\n".join(f"- {n}" for n in notes)
     print(text)
     (args.out / "selfplay.md").write_text(text + "\n")
     plot(runs, args.out / "selfplay.png")

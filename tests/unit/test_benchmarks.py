@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 
-from benchmarks import learning, overlap, variants
+from benchmarks import learning, overlap, selfplay, variants
 from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, tokens_to_target
 from grpo_lightning.app.jobs import CONF_DIR, Job, compose, run_jobs, value
 
@@ -240,6 +240,35 @@ def test_learning_tables_by_hand(tmp_path, from_start, capsys):
             in rows
         )
     assert (tmp_path / "learning.png").stat().st_size > 0
+
+
+def game_eval(win, win_low, win_high, illegal, illegal_low, illegal_high):
+    return {"win_rate_vs_random": win, "win_rate_vs_random_ci95_low": win_low,
+            "win_rate_vs_random_ci95_high": win_high, "win_rate_vs_base": 0.5, "win_rate_vs_base_ci95_low": 0.25,
+            "win_rate_vs_base_ci95_high": 0.75, "illegal_move_rate": illegal,
+            "illegal_move_rate_ci95_low": illegal_low, "illegal_move_rate_ci95_high": illegal_high}  # fmt: skip
+
+
+def test_selfplay_tables_by_hand(tmp_path, capsys):
+    """Seed 0: an lr=0 run, the win rate up beyond its interval, the illegal rate down but not beyond; seed 1: no
+    control run (its start), both beyond."""
+    start = game_eval(0.125, 0.0625, 0.25, 0.5, 0.375, 0.625)
+    rounds = {0: 10.0, 1: 20.0}
+    write_run(tmp_path / "trained_seed0", rounds, {0: start, 2: game_eval(0.5, 0.375, 0.625, 0.375, 0.25, 0.5)},
+              wall_s=600)  # fmt: skip
+    write_run(tmp_path / "control_seed0", rounds, {0: start, 2: start}, wall_s=600)
+    write_run(tmp_path / "trained_seed1", rounds, {0: start, 2: game_eval(0.375, 0.25, 0.5, 0.25, 0.125, 0.375)},
+              wall_s=480)  # fmt: skip
+    assert selfplay.main(["--seeds", "1", "--control", "start", "--out", str(tmp_path)]) == 0
+    assert "trained_seed1: finished before, reading it" in capsys.readouterr().out
+    text = (tmp_path / "selfplay.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert "| 0 | trained | 0.125 [0.062, 0.250] -> 0.500 [0.375, 0.625] | 0.500 [0.250, 0.750] | " \
+           "0.500 [0.375, 0.625] -> 0.375 [0.250, 0.500] | 10.0 min |" in rows  # fmt: skip
+    assert "| 0 | lr=0 | +0.375 | yes | -0.125 | no |" in rows  # 0.375 > 0.125; 0.5 is not below 0.5
+    assert "| 1 | start | +0.250 | yes | -0.250 | yes |" in rows  # 0.25 > 0.125; 0.375 < 0.5
+    assert "seed 0: every evaluation of the lr=0 run equals the trained run's start-of-run evaluation" in text
+    assert (tmp_path / "selfplay.png").stat().st_size > 0
 
 
 def test_the_control_from_the_start_is_flat_over_the_trained_run(tmp_path):
