@@ -31,6 +31,11 @@ PROCESS_BASELINE = int(0.75 * GIB)
 ROLLOUT_BYTES_PER_TOKEN = 48
 """A rollout's per-token state: ids, masks, log-probs (engine, old, reference) and advantages, in tensors."""
 CPU_ENGINE_KV_GIB = 1.0  # generator.kv_cache_gib=null on vLLM's CPU build (generation/vllm_io.py)
+DECODE_STEP_LOGIT_COPIES = 7
+"""[rows, vocab] float32 arrays alive at once at the peak of one HF decode step, measured: 7.0x one such array
+above the process's level before the call, on the tiny model at 1,024, 2,048 and 4,096 rows (prompts of 6 and 201
+tokens; tests/slow/test_memory_bound.py measures it again). The rows of a call are the group's G samples of one
+prompt at least, whatever generator.batch_size says."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,8 @@ class RunShape:
     engine: str
     """'hf' or 'vllm'."""
     hf_batch_rows: int = 16
-    """Sequences per HF generate call: generator.batch_size, or eval.batch_size's greedy rows when larger."""
+    """Sequences per HF generate call at most: generator.batch_size, the group's G samples of one prompt (a call
+    never splits a prompt's samples), or eval.batch_size's greedy rows, whichever is largest."""
     trainer_on_gpu: bool = False
     engine_separate: bool = False
     """vLLM on its own GPU (generator.device=cuda:N)."""
@@ -191,8 +197,9 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     engine_terms: list[Term] = []
     if run.engine == "hf":
         kv = run.hf_batch_rows * sequence * 2 * shape.layers * shape.kv_width * weight_bytes
-        step_logits = run.hf_batch_rows * shape.vocab * 4 * 2
-        generation = Term("generation", kv + step_logits, "generator.batch_size")
+        step_logits = run.hf_batch_rows * shape.vocab * 4 * DECODE_STEP_LOGIT_COPIES
+        key = "generator.num_generations" if run.hf_batch_rows == run.group_size else "generator.batch_size"
+        generation = Term("generation", kv + step_logits, key)
     else:
         generation = Term("generation", 0, "")
     rollouts = Term("rollouts", run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN, "data.prompts_per_round")
@@ -300,7 +307,9 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         share_prefix=bool(forward.get("share_prefix", False)),
         logits_chunk_tokens=forward.get("logits_chunk_tokens"),
         engine="vllm" if is_vllm(cfg) else "hf",
-        hf_batch_rows=max(cfg.generator.get("batch_size", 16), cfg.eval.batch_size if cfg.eval.enabled else 0),
+        hf_batch_rows=max(
+            cfg.generator.get("batch_size", 16), group_size, cfg.eval.batch_size if cfg.eval.enabled else 0
+        ),
         trainer_on_gpu=bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda"),
         overlap=bool(cfg.get("rollout", {}).get("max_staleness", 0)),
     )

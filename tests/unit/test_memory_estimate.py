@@ -68,7 +68,7 @@ def test_overlap_holds_generation_beside_the_activations_and_a_copy_of_the_train
     plain = _terms(estimate(SHAPE, _run(lora=lora)).cpu)
     overlapped = _terms(estimate(SHAPE, _run(lora=lora, overlap=True)).cpu)
     kv = 2 * 15 * 2 * 2 * 4 * 4  # 2 rows x 15 positions x (k, v) x 2 layers x kv width 4 x float32
-    step_logits = 2 * 50 * 4 * 2
+    step_logits = 2 * 50 * 4 * 7  # 2 rows x vocab 50 x float32 x the 7 arrays a decode step holds (measured)
     assert overlapped == plain | {"generation": kv + step_logits, "sampler copy": (500 if lora else 10_000) * 4}
 
 
@@ -92,6 +92,16 @@ def test_colocated_engine_wakes_beside_the_resident_training_state():
     separate = estimate(SHAPE, _run(engine="vllm", trainer_on_gpu=True, engine_separate=True, engine_gpu_bytes=gpu))
     assert _terms(separate.engine_gpu) == {"vLLM engine": int(0.3 * gpu)}
     assert "vLLM engine" not in _terms(separate.trainer_gpu)
+
+
+def test_the_decode_rows_are_the_group_at_least():
+    """A call never splits one prompt's G samples: G rows whatever generator.batch_size says, so a huge group is
+    counted (and refused) by its decode step's [G, vocab] logits, naming generator.num_generations."""
+    run = _run(group_size=1000, hf_batch_rows=1000, overlap=True)  # overlap: both phases listed
+    kv = 1000 * 15 * 2 * 2 * 4 * 4
+    assert _terms(estimate(SHAPE, run).cpu)["generation"] == kv + 1000 * 50 * 4 * 7
+    (term,) = [t for t in estimate(SHAPE, run).cpu if t.name == "generation"]
+    assert term.key == "generator.num_generations"
 
 
 def test_refusal_names_the_key_of_the_largest_term():
@@ -135,5 +145,6 @@ def test_the_plan_prints_the_estimate(tmp_path):
     result = cli("model=tiny", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     (line,) = [x for x in result.stdout.splitlines() if "memory_cpu_ram" in x]
-    assert "GiB (" in line and "activations" in line and "weights" in line
+    assert "GiB (" in line and "weights" in line
+    assert "activations" in line or "generation" in line  # the larger of the two phases, never both at once
     assert torch.cuda.is_available() or "memory_gpu" not in result.stdout  # trainer=cpu: no GPU estimate
