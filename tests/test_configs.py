@@ -17,7 +17,16 @@ OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for opti
 
 def test_expected_groups_exist():
     assert GROUPS["loss"] == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo"]
-    assert GROUPS["model"] == ["local", "qwen0.5b", "qwen1.5b", "smollm2_135m", "tiny"]
+    assert GROUPS["model"] == [
+        "local",
+        "qwen0.5b",
+        "qwen1.5b",
+        "random_qwen0.5b",
+        "random_qwen1.5b",
+        "random_qwen7b",
+        "smollm2_135m",
+        "tiny",
+    ]  # random_*: published shapes with random weights (speed and memory only)
     assert GROUPS["trainer"] == ["cpu", "ddp", "default", "fsdp", "gpu"]  # default: what the others share
     assert GROUPS["reward"] == [
         "gsm8k", "gsm8k_math_verify", "gsm8k_shaped", "reasoning_gym", "reasoning_gym_shaped", "selfplay",

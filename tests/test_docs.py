@@ -128,6 +128,7 @@ NON_DEFAULT = {
     "model=qwen0.5b": "a Hub model's repo_id and revision",
     "model=local": "model.source.path",
     "model=tiny": "the random test model's shape and its tokenizer source",
+    "model=random_qwen0.5b": "a published architecture with random weights (docs/gpu.md)",
     "trainer=ddp": "trainer.num_nodes and trainer.strategy (docs/multiprocess.md)",
     "trainer=fsdp": "the FSDP strategy's keys (docs/multiprocess.md)",
     "reward=gsm8k_shaped": "the shaped reward's terms (docs/rewards.md)",

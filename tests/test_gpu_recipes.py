@@ -81,3 +81,36 @@ def test_recipe_that_cannot_fit_names_the_key(tmp_path, cuda_machine, recipe):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "GiB of GPU memory" in line and "lower data.groups_per_micro_batch" in line
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_login_node_prints_the_plan_and_gpu_estimate_before_what_it_lacks(tmp_path, monkeypatch, recipe):
+    """No GPU, no vLLM, no network and an empty Hub cache: the plan and its GPU memory estimate come from the
+    published architecture (models/architectures.py), and only then the line saying what this machine lacks."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = cli(f"experiment={recipe}", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode != 0
+    plan = dict(line.split(None, 1) for line in result.stdout.splitlines() if line.startswith("  "))
+    weights = float(plan["memory_gpu_trainer"].split("weights ")[1].split(",")[0].rstrip(")")) * GIB
+    assert weights / 2 == pytest.approx(CARD_PARAMETERS[RECIPES[recipe]], rel=0.01)
+    (line,) = result.stderr.strip().splitlines()
+    assert "generator=vllm needs vLLM" in line and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("architecture", "card"),
+    [("Qwen/Qwen2.5-0.5B-Instruct", 0.49e9), ("Qwen/Qwen2.5-1.5B-Instruct", 1.54e9),
+     ("Qwen/Qwen2.5-3B-Instruct", 3.09e9), ("Qwen/Qwen2.5-7B-Instruct", 7.61e9)],
+)  # fmt: skip
+def test_random_weight_presets_have_the_published_parameter_counts(architecture, card):
+    """The model cards' counts, against the architecture built on the meta device (no weights)."""
+    from grpo_lightning.app.memory import model_shape
+    from grpo_lightning.models.sources import ArchitectureSource
+
+    shape = model_shape(ArchitectureSource(architecture=architecture).config(), 16, "all-linear")
+    assert shape.parameters == pytest.approx(card, abs=0.006e9)  # the cards give two decimals of a billion

@@ -36,7 +36,13 @@ from grpo_lightning.app.memory import (
 from grpo_lightning.app.quiet import quiet_third_party
 from grpo_lightning.app.summary import render as render_summary
 from grpo_lightning.app.summary import summary_metrics
-from grpo_lightning.app.validation import check_fresh_or_resume, trainer_devices, validate, world_size
+from grpo_lightning.app.validation import (
+    check_fresh_or_resume,
+    check_platform,
+    trainer_devices,
+    validate,
+    world_size,
+)
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.errors import RunInterrupted, TrainingStopped
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
@@ -229,9 +235,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 def dry_run(cfg: DictConfig) -> dict[str, float]:
-    """Validate the config, load the data, score the reference answers, print the plan; no model load."""
+    """Validate the config, load the data, score the reference answers, print the plan; no model load.
+
+    What this machine lacks (vLLM, a GPU) is reported after the plan: a GPU recipe's plan and memory estimate are
+    worth reading on a login node before the job is submitted."""
     quiet_third_party()
-    validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
+    validate(cfg, platform=False)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
     source = build(cfg.model.source)  # its own checks (a local folder's config.json and weights)
     build(cfg.loss)
@@ -250,6 +259,7 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
     print(f"grpo_lightning plan (dry run):\n{plan.render()}")
     print(f"variants: {', '.join(sorted(VARIANTS))} (this run: {variant.name}; choose with variant=<name>)")
+    check_platform(cfg)  # after the plan: vLLM or a GPU this machine lacks ends the dry run here
     if not datamodule.dataset.has_solutions:  # games: nothing to score before playing
         return {}
     return {"dry_run/reference_reward_mean": score_references(datamodule, reward_fn)}

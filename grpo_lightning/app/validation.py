@@ -103,9 +103,10 @@ def target_schemas(target: str) -> tuple[type, ...]:
 
 
 # ---- the checks --------------------------------------------------------------------------------------------------
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, platform: bool = True) -> None:
     """Check every key's type and range, then the combinations, before anything is loaded (each error names
-    its key; all of them are reported at once)."""
+    its key; all of them are reported at once). `platform=False` leaves out what this machine must have (vLLM, a
+    GPU: `check_platform`), for a dry run that prints a GPU recipe's plan on a machine without them first."""
     check_moved_keys(cfg)  # reward.format_bonus, loss.scale_rewards: a one-line message naming the new key
     if "dataset" not in cfg.data:
         raise ValueError(
@@ -136,13 +137,20 @@ def validate(cfg: DictConfig) -> None:
             f"(trainer.devices x trainer.num_nodes = {processes}); train on one device (colocated, or "
             "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
         )
-    check_vllm(cfg)
+    if platform:
+        check_platform(cfg)
     check_logger_packages(cfg)
-    check_accelerator(cfg)
     check_data_files(cfg)
     check_cache_dir(cfg.paths.cache_dir)
     check_writable(Path(cfg.paths.output_dir))
     check_fresh_or_resume(cfg)
+
+
+def check_platform(cfg: DictConfig) -> None:
+    """What this machine must have for the run: the vLLM build the generator needs, and a GPU where the trainer or
+    the engine asks for one."""
+    check_vllm(cfg)
+    check_accelerator(cfg)
 
 
 def check_combinations(cfg: DictConfig) -> None:

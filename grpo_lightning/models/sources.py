@@ -33,7 +33,8 @@ from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_lightning.errors import RunInterrupted
-from grpo_lightning.schema import check_settings, integer, number, optional, setting, text
+from grpo_lightning.models.architectures import ARCHITECTURES, known_config
+from grpo_lightning.schema import check_settings, choice, integer, number, optional, setting, text
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +114,15 @@ class HubSource(ModelSource):
 
     def config(self, trust_remote_code: bool = False):
         """The model's config.json (for the memory estimate): from the HF cache, else from the Hub when it can be
-        reached; None when neither (the estimate then says it is unknown)."""
+        reached, else the published architecture when models/architectures.py knows the id; None otherwise (the
+        estimate then says it is unknown)."""
         from huggingface_hub import constants, try_to_load_from_cache
 
         cached = try_to_load_from_cache(self.repo_id, "config.json", revision=self.revision)
         if isinstance(cached, str):
             return AutoConfig.from_pretrained(Path(cached).parent, trust_remote_code=trust_remote_code)
         if constants.HF_HUB_OFFLINE or not endpoint_reachable(constants.ENDPOINT, self.connect_timeout_s):
-            return None
+            return known_config(self.repo_id)  # a published architecture (models/architectures.py), or None
         return AutoConfig.from_pretrained(self.repo_id, revision=self.revision, trust_remote_code=trust_remote_code)
 
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
@@ -352,6 +354,36 @@ class RandomSource(ModelSource):
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
         tokenizer = self.tokenizer_source.load_tokenizer()
         config = self.config(vocab_size=len(tokenizer))
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        with torch.random.fork_rng():
+            torch.manual_seed(self.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model, tokenizer
+
+
+@dataclass
+class ArchitectureSource(ModelSource):
+    """A published architecture with random weights (models/architectures.py): for speed and memory measurement
+    only, never for learning. The tokenizer is the embedded one; the vocabulary is the architecture's, so the
+    output projection costs what the real model's does (ids past the tokenizer's decode to nothing)."""
+
+    tokenizer_source: PackagedGGUFSource = field(default_factory=PackagedGGUFSource)
+    architecture: str = setting("Qwen/Qwen2.5-0.5B-Instruct", choice(*ARCHITECTURES), "the published shape")
+    seed: int = setting(0, integer(0), "the random weights' seed")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "model.source")
+
+    def describe(self) -> str:
+        return f"random-weights:{self.architecture} (speed and memory measurement only)"
+
+    def config(self, trust_remote_code: bool = False):
+        return known_config(self.architecture)
+
+    def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
+        tokenizer = self.tokenizer_source.load_tokenizer()
+        config = self.config()
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
         with torch.random.fork_rng():
