@@ -125,15 +125,16 @@ class SelfPlay(GRPOVariant):
                 self.pool.add_snapshot(f"round{self.round_index:03d}", generator.adapter_weights())
         matches = self.deal(generator, prompts)
         self.play(matches, generator, decode)
-        for group_id in range(len(prompts)):  # a group whose learner never moved (possible in a game whose
-            tries = 0  # opponent can end it first): more of its games until it has a turn
+        for group_id, prompt in enumerate(prompts):  # a group whose learner never moved (possible in a game
+            first = next(m for m in matches if m.group_id == group_id)  # whose opponent can end it first): more
+            tries = 0  # of its games, same seed, seat and opponent, until it has a move
             while not any(m.turns for m in matches if m.group_id == group_id):
                 tries += 1
                 if tries > 8:
-                    raise RuntimeError(f"{prompts[group_id].question}: the learner never got to move in 8 games")
-                extra = self.deal(generator, [prompts[group_id]], first_group=group_id, games=1, salt=tries)
-                self.play(extra, generator, decode)
-                matches.extend(extra)
+                    raise RuntimeError(f"{prompt.question}: the learner never got to move in 8 games")
+                extra = self.match(prompt, group_id, first.learner_seat, first.opponent, self.games_per_group + tries)
+                self.play([extra], generator, decode)
+                matches.append(extra)
                 self._counts["extra_games"] += 1
         for m in matches:
             self.pool.record(m.opponent.name, m.learner_score)
@@ -141,21 +142,23 @@ class SelfPlay(GRPOVariant):
         self.metrics.update(self.round_metrics())  # the round so far (dynamic sampling may call again)
         return rollouts
 
-    def deal(self, generator, prompts: Sequence, first_group: int = 0, games: int | None = None, salt: int = 0):
+    def deal(self, generator, prompts: Sequence) -> list[Match]:
         """The matches of each prompt's group: one opponent and one seat a group, `games_per_group` games."""
         matches = []
-        for offset, prompt in enumerate(prompts):
-            group_id = first_group + offset
-            game_seed = prompt.record.seed
-            rng = random.Random(derive_seed(self.seed, "selfplay", self.round_index, game_seed, group_id, salt))
+        for group_id, prompt in enumerate(prompts):
+            rng = random.Random(derive_seed(self.seed, "selfplay", self.round_index, prompt.record.seed, group_id, 0))
             opponent = self.player(self.pool.sample(rng), generator)
             seat = rng.randrange(2)
-            for g in range(games or self.games_per_group):
-                game = make_game(prompt.record.game_id)
-                game.reset(game_seed)
-                game_rng = random.Random(derive_seed(self.seed, "game", self.round_index, game_seed, group_id, g, salt))
-                matches.append(Match(game, seat, opponent, game_rng, group_id))
+            matches += [self.match(prompt, group_id, seat, opponent, g) for g in range(self.games_per_group)]
         return matches
+
+    def match(self, prompt, group_id: int, seat: int, opponent: Player, game_index: int) -> Match:
+        """Game `game_index` of a group, reset to the prompt's seed, with its own seeded draws."""
+        seed = prompt.record.seed
+        game = make_game(prompt.record.game_id)
+        game.reset(seed)
+        rng = random.Random(derive_seed(self.seed, "game", self.round_index, seed, group_id, game_index, 0))
+        return Match(game, seat, opponent, rng, group_id)
 
     def player(self, name: str, generator) -> Player:
         if name == LEARNER:
@@ -224,6 +227,7 @@ class SelfPlay(GRPOVariant):
             "game/learner_turns_mean": c["turns"] / games,
             "game/opponent_moves_replaced": c["opp_moves_fixed"],
             "game/draws_at_max_turns": c["capped"],
+            "game/extra_games": c["extra_games"],
             **self.pool.metrics(),
         }
 
