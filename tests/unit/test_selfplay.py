@@ -455,3 +455,56 @@ def test_the_docs_example_game_plays_by_its_rules():
         assert result.illegal and game.outcome == (-1.0, 1.0)
     finally:
         BUILTIN_GAMES.pop("take_one_or_two", None)
+
+
+class EndOrPass:
+    """A game the first mover can end at once ([end]: seat 0 wins) or hand over ([pass]); then any move by seat 1
+    ends it in a draw. A learner in seat 1 facing a random first mover may not get to move in a game."""
+
+    def __init__(self) -> None:
+        from grpo_lightning.games.base import StepResult
+
+        self.StepResult, self.game_id = StepResult, "end_or_pass"
+
+    def reset(self, seed):
+        self.to_move, self._outcome = 0, None
+
+    current_player = property(lambda self: self.to_move)
+    done = property(lambda self: self._outcome is not None)
+    outcome = property(lambda self: self._outcome)
+
+    def legal_moves(self):
+        return ["[end]", "[pass]"] if self.to_move == 0 else ["[draw]"]
+
+    def observation(self, player):
+        return "Legal moves: " + ", ".join(self.legal_moves()) + "\n"
+
+    def step(self, reply):
+        if self.to_move == 0 and "[end]" in reply:
+            self._outcome = (1.0, -1.0)
+        elif self.to_move == 0:
+            self.to_move = 1
+            return self.StepResult(illegal=False, done=False)
+        else:
+            self._outcome = (0.0, 0.0)
+        return self.StepResult(illegal=False, done=True, outcome=self._outcome)
+
+
+def test_a_group_whose_learner_never_moved_gets_more_games_of_the_same_seat_and_opponent(tokenizer, monkeypatch):
+    import grpo_lightning.variants.selfplay as selfplay
+
+    monkeypatch.setattr(selfplay, "make_game", lambda game_id: EndOrPass())
+    v = variant(tokenizer, games_per_group=2)
+    dealt = []
+    original = v.match
+    monkeypatch.setattr(v, "match", lambda *a: dealt.append(original(*a)) or dealt[-1])
+    prompts_ = [Prompt([], "", f"seed {s}", s, record=GameSeed("end_or_pass", s)) for s in range(40)]
+    v.begin_round(0)
+    rollouts = v.generate_rollouts(MoveEngine(tokenizer, lambda text, who: "draw]"), prompts_, build_reward(REWARD),
+                                   tokenizer.decode)  # fmt: skip
+    assert {r.group_id for r in rollouts} == set(range(40))  # every group has a move of the learner
+    extra = v.metrics["game/extra_games"]
+    assert extra > 0 and len(dealt) == 80 + extra  # about 1 in 8 games: seat 1, and the opponent ended it
+    for g in range(40):
+        group = [m for m in dealt if m.group_id == g]
+        assert len({(m.learner_seat, m.opponent.name) for m in group}) == 1  # the same seat and opponent
