@@ -353,13 +353,17 @@ class RandomSource(ModelSource):
 
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
         tokenizer = self.tokenizer_source.load_tokenizer()
-        config = self.config(vocab_size=len(tokenizer))
-        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
-        with torch.random.fork_rng():
-            torch.manual_seed(self.seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return model, tokenizer
+        return random_weights(self.config(vocab_size=len(tokenizer)), tokenizer, self.seed, dtype), tokenizer
+
+
+def random_weights(config, tokenizer, seed: int, dtype: torch.dtype):
+    """The model of `config` with weights drawn from `seed` (the global RNG untouched), with `tokenizer`'s special
+    token ids: what the random-weight sources (RandomSource, ArchitectureSource) load."""
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 @dataclass
@@ -383,10 +387,4 @@ class ArchitectureSource(ModelSource):
 
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
         tokenizer = self.tokenizer_source.load_tokenizer()
-        config = self.config()
-        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
-        with torch.random.fork_rng():
-            torch.manual_seed(self.seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return model, tokenizer
+        return random_weights(self.config(), tokenizer, self.seed, dtype), tokenizer
