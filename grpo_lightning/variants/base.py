@@ -108,16 +108,32 @@ class GRPOVariant(ABC):
     ) -> Rollout:
         """Decode and score one completion of `prompt`; `branch_point` leading tokens are not trained on."""
         text = decode(completion.token_ids)
-        info = {
-            "truncated": not completion.finished,
-            "num_tokens": len(completion.token_ids),
-            "branch_point": branch_point,
-            "record": prompt.record,
-            **self.step_info(text, completion, branch_point, decode),
-        }
-        result = reward_fn.score_completion(text, prompt.answer, **info)
+        step_info = self.step_info(text, completion, branch_point, decode)
+        return self.scored_rollout(
+            prompt.prompt_ids, completion, text, prompt.answer, group_id, reward_fn, branch_point,
+            record=prompt.record, **step_info,
+        )  # fmt: skip
+
+    @staticmethod
+    def scored_rollout(
+        prompt_ids: Sequence[int],
+        completion: Completion,
+        text: str,
+        reference: str,
+        group_id: int,
+        reward_fn: RewardPipeline,
+        branch_point: int = 0,
+        **info,
+    ) -> Rollout:
+        """The Rollout of `completion`, sampled from `prompt_ids`, scored on `text` (the completion as the reward
+        reads it: self-play's includes the reply prefix) against `reference`; `info` goes to the reward terms
+        beside `truncated`, `num_tokens` and `branch_point`."""
+        result = reward_fn.score_completion(
+            text, reference, truncated=not completion.finished, num_tokens=len(completion.token_ids),
+            branch_point=branch_point, **info,
+        )  # fmt: skip
         return Rollout(
-            prompt_ids=list(prompt.prompt_ids),
+            prompt_ids=list(prompt_ids),
             completion_ids=completion.token_ids,
             gen_logprobs=completion.logprobs,
             reward=result.reward,

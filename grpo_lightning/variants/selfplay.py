@@ -183,23 +183,10 @@ class SelfPlay(GRPOVariant):
             for turn_index, turn in enumerate(m.turns):
                 record = TurnRecord(m.game.game_id, m.learner_seat, turn_index, turn.move, turn.illegal, score,
                                     m.opponent.name)  # fmt: skip
-                completion = turn.completion
-                result = reward_fn.score_completion(
-                    turn.reply, "", truncated=not completion.finished, num_tokens=len(completion.token_ids),
-                    record=record,
-                )  # fmt: skip
                 rollouts.append(
-                    Rollout(
-                        prompt_ids=list(turn.prompt_ids),
-                        completion_ids=completion.token_ids,
-                        gen_logprobs=completion.logprobs,
-                        reward=result.reward,
-                        group_id=m.group_id,
-                        truncated=not completion.finished,
-                        text=turn.reply,
-                        answer_extracted=result.extracted is not None,
-                        reward_terms=dict(result.terms or {}),
-                    )
+                    self.scored_rollout(
+                        turn.prompt_ids, turn.completion, turn.reply, "", m.group_id, reward_fn, record=record
+                    )  # fmt: skip
                 )
             self._count(m)
         return rollouts
