@@ -55,7 +55,13 @@ class TwoPlayerGame(ABC):
 
     @property
     @abstractmethod
-    def done(self) -> bool: ...
+    def outcome(self) -> tuple[float, float] | None:
+        """Each seat's result once the game is over (+1 win, 0 draw, -1 loss; seat 0 first), else None."""
+
+    @property
+    def done(self) -> bool:
+        """Over: a game has an outcome exactly when it is done."""
+        return self.outcome is not None
 
     @abstractmethod
     def observation(self, player: int) -> str:
@@ -68,11 +74,6 @@ class TwoPlayerGame(ABC):
     @abstractmethod
     def step(self, reply: str) -> StepResult:
         """Play the current player's reply (the model's whole text; the game finds the move in it)."""
-
-    @property
-    def outcome(self) -> tuple[float, float] | None:
-        """Each seat's result once done (+1 / 0 / -1), else None."""
-        return None
 
     def optimal_moves(self) -> list[str]:
         """The moves perfect play allows now (the `perfect` scripted player's); a game that is not solved here

@@ -506,10 +506,6 @@ class TextArenaGame(TwoPlayerGame):
         return int(self.state.current_player_id)
 
     @property
-    def done(self) -> bool:
-        return self._outcome is not None
-
-    @property
     def outcome(self) -> tuple[float, float] | None:
         return self._outcome
 

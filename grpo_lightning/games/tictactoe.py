@@ -62,10 +62,6 @@ class TicTacToe(TwoPlayerGame):
         return self.to_move
 
     @property
-    def done(self) -> bool:
-        return self._outcome is not None
-
-    @property
     def outcome(self) -> tuple[float, float] | None:
         return self._outcome
 
