@@ -237,15 +237,22 @@ class Evaluator(L.Callback):
         if self.pass_k:
             metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct, self.pass_k)
         metrics["time/eval_s"] = max(gather_objects(time.perf_counter() - start))  # ranks decode in parallel
+        self.record(trainer, metrics)
         if trainer.is_global_zero:
-            for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
             self._log_table(trainer, replies)
         log.info("eval at step %d: accuracy %.3f on %d problems", trainer.global_step, metrics["eval/accuracy"],
                  len(replies))  # fmt: skip
-        self.final_metrics, self.last_replies = metrics, replies
-        self.history.append((trainer.global_step, metrics))
+        self.last_replies = replies
         return metrics
+
+    def record(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
+        """An evaluation's metrics: to the loggers at the current optimizer step (rank 0), as `final_metrics`,
+        and into the history the run summary reads."""
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)
+        self.final_metrics = metrics
+        self.history.append((trainer.global_step, metrics))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -113,14 +113,10 @@ class GameEvaluator(Evaluator):
         metrics["eval/learner_moves"] = float(len(illegal))
         metrics["eval/games"] = float(len(games))
         metrics["time/eval_s"] = time.perf_counter() - start
-        if trainer.is_global_zero:
-            for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
+        self.record(trainer, metrics)
         log.info("eval at step %d: %s", trainer.global_step,
                  ", ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/win_rate_vs_")
                            and not k.endswith(("low", "high"))))  # fmt: skip
-        self.final_metrics = metrics
-        self.history.append((trainer.global_step, metrics))
         return metrics
 
 
