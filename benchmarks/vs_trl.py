@@ -17,6 +17,19 @@ all-linear. TRL keeps its own defaults otherwise (gradient checkpointing on: `--
 `use_bias_correction_kl=False`, which makes its KL gradient the plain k3 one we use (the values are the same
 either way on-policy, the gradients are not).
 
+On a GPU (`--gpu`), at the sizes users train, with random weights of a published architecture (no download):
+
+    python benchmarks/vs_trl.py --gpu --model random_qwen0.5b --fixed-length --group 8 --prompts 8 \
+        --micro 16 --systems trl ours_eager ours          # LoRA; --full: full fine-tuning
+
+`--model` is one of our `model=` presets; TRL gets the same model object (same architecture, same seed, same
+weights, the embedded tokenizer). `--fixed-length` makes every completion `--max-new` tokens long on both sides
+(TRL: `min_new_tokens`; ours: no token ends a row), so both do identical work whatever a random model samples.
+`ours_eager` is this project with `perf.generate.cuda_graphs=false`; `ours` is the default (decode steps replayed
+from CUDA graphs). Both sides sample in bf16 (`model.dtype=bfloat16`, TRL `bf16=True` on a bf16 model). The table
+adds rollout tokens/s (generated tokens over generation time: TRL's `_generate`, our generate calls), peak GPU
+memory (`torch.cuda.max_memory_allocated`) and, for ours, the plan's estimate of the trainer's GPU memory.
+
 Per step: wall time of a whole cycle (rollout + train + bookkeeping), median over the steps after the first.
 "rollout" is TRL's `_generate_and_score_completions` (generation, rewards AND its reference forward) and our
 rollout callback's generation (the reference forward is in our train step). Peak RSS is the child's VmHWM.
@@ -75,6 +88,7 @@ def pins(
     bf16: bool = False,
     prompts: int = PROMPTS_PER_STEP,
     max_new: int = MAX_NEW,
+    group: int = GROUP,
 ) -> list[Pin]:
     """Every setting the comparison depends on, for both systems (`micro`: completions per forward/backward)."""
     spec = LOSSES[loss]
@@ -83,11 +97,11 @@ def pins(
         Pin("optimizer steps", "trainer.max_epochs", steps, "max_steps", steps),
         Pin("prompts per optimizer step (TRL: batch x accumulation / G)", "data.prompts_per_round",
             prompts, None, None),
-        Pin("completions per prompt (G)", "generator.num_generations", GROUP, "num_generations", GROUP),
-        Pin("completions per micro-batch (ours: whole groups)", "data.groups_per_micro_batch", micro // GROUP,
+        Pin("completions per prompt (G)", "generator.num_generations", group, "num_generations", group),
+        Pin("completions per micro-batch (ours: whole groups)", "data.groups_per_micro_batch", micro // group,
             "per_device_train_batch_size", micro),
         Pin("micro-batches per optimizer step (ours: the whole round)", "trainer.accumulate_grad_batches", None,
-            "gradient_accumulation_steps", prompts * GROUP // micro),
+            "gradient_accumulation_steps", prompts * group // micro),
         Pin("passes over a round (mu)", "data.num_iterations", 1, "num_iterations", 1),
         Pin("dynamic sampling (TRL samples once)", "data.dynamic_sampling.enabled", False, None, None),
         Pin("max new tokens", "generator.max_new_tokens", max_new, "max_completion_length", max_new),
@@ -209,8 +223,20 @@ def model_dir(cfg) -> str:
     return str(PackagedGGUFSource(cache_dir=os.path.expanduser(cfg.paths.cache_dir)).ensure_converted())
 
 
+def never_ending(generator) -> None:
+    """`--fixed-length`, our side: no token ends a row, so every completion is `generator.max_new_tokens` long (the
+    engine stops a row at one of `eos_token_ids`; -1 is no token's id). TRL's side gets `min_new_tokens`."""
+    generator.eos_token_ids = [-1]
+
+
+def gpu_peak_gb() -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
 # ---- grpo_lightning ------------------------------------------------------------------------------------------
-def run_ours(pinned: list[Pin], extra: list[str]) -> dict:
+def run_ours(pinned: list[Pin], extra: list[str], fixed_length: bool = False) -> dict:
     import lightning as L
 
     from grpo_lightning.app.train import build_run
@@ -233,6 +259,9 @@ def run_ours(pinned: list[Pin], extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose(tmp, pinned, extra)
         run = build_run(cfg)
+        if fixed_length:
+            never_ending(run.rollout_loop.generator)
+        estimate = sum(t.bytes for t in run.plan.memory.trainer_gpu) / 2**30 if run.plan.memory.trainer_gpu else None
         timer = Timer()
         run.trainer.callbacks.insert(0, timer)
         run.fit()
@@ -244,17 +273,21 @@ def run_ours(pinned: list[Pin], extra: list[str]) -> dict:
         out["step_s"].append(nxt - timer.starts[k] - next_rollout + timer.rollout[k])
         out["train_s"].append(out["step_s"][-1] - timer.rollout[k])
     out["completion_len"] = timer.lengths
+    out["generate_s"] = timer.rollout  # the rollout callback's generation (the reference forward is in training)
+    out["gpu_estimate_gb"] = estimate
     return out
 
 
 # ---- TRL -----------------------------------------------------------------------------------------------------
-def trl_args(output_dir: str, pinned: list[Pin], gc: bool):
+def trl_args(output_dir: str, pinned: list[Pin], gc: bool, gpu: bool = False, fixed_length: bool = False):
     """TRL's GRPOConfig: every pinned field, and what only says where and how often it writes."""
     from trl import GRPOConfig
 
+    max_new = next(p.trl_value for p in pinned if p.trl == "max_completion_length")
     return GRPOConfig(
         output_dir=output_dir,
-        use_cpu=True,
+        use_cpu=not gpu,
+        generation_kwargs={"min_new_tokens": max_new} if fixed_length else None,
         **trl_fields(pinned),
         logging_steps=1,
         report_to="none",
@@ -292,27 +325,52 @@ def check_prompt_lengths(rows, tokenizer) -> None:
             sys.exit(f"a benchmark prompt has {len(ids)} tokens > {MAX_PROMPT}: the two systems would differ")
 
 
-def run_trl(pinned: list[Pin], gc: bool) -> dict:
+def run_trl(
+    pinned: list[Pin], gc: bool, model: list[str] = (), gpu: bool = False, full: bool = False,
+    fixed_length: bool = False,
+) -> dict:  # fmt: skip
+    """TRL's GRPOTrainer on the pinned work. `model`: overrides naming one of our `model=` presets, loaded by its
+    source (the random-weight architectures: the same weights as our side's, from the same seed); none: the
+    embedded model's converted folder. Its dtype is the pinned precision's (bf16 with `--bf16`)."""
     import torch
     from datasets import Dataset
+    from hydra.utils import instantiate
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
     steps = next(p.trl_value for p in pinned if p.trl == "max_steps")
+    dtype = torch.bfloat16 if next(p.trl_value for p in pinned if p.trl == "bf16") else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(tmp, pinned)
+        cfg = compose(tmp, pinned, list(model))
         rows = bench_prompts(cfg, steps)
-        folder = model_dir(cfg)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if model:
+            model, tokenizer = instantiate(cfg.model.source).load(dtype)
+            if full:  # TRL loads its reference model from the policy's `_name_or_path`: a folder, then
+                folder = Path(tmp) / "model"
+                model.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+                model.config._name_or_path = str(folder)
+        else:
+            folder = model_dir(cfg)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         check_prompt_lengths(rows, tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         rollout: list[float] = []
+        generate: list[float] = []
 
         class TimedGRPOTrainer(GRPOTrainer):
             def _generate_and_score_completions(self, inputs):
                 start = time.perf_counter()
                 result = super()._generate_and_score_completions(inputs)
                 rollout.append(time.perf_counter() - start)
+                return result
+
+            def _generate(self, prompts):
+                start = time.perf_counter()
+                result = super()._generate(prompts)
+                if gpu:
+                    torch.cuda.synchronize()
+                generate.append(time.perf_counter() - start)
                 return result
 
         marks: list[float] = []
@@ -327,10 +385,10 @@ def run_trl(pinned: list[Pin], gc: bool) -> dict:
         trainer = TimedGRPOTrainer(
             model=model,
             reward_funcs=gsm8k_reward_for_trl(),
-            args=trl_args(tmp, pinned, gc),
+            args=trl_args(tmp, pinned, gc, gpu, fixed_length),
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
-            peft_config=lora_config(pinned),
+            peft_config=None if full else lora_config(pinned),
             callbacks=[StepTimer()],
         )
         trainer.train()
@@ -342,6 +400,7 @@ def run_trl(pinned: list[Pin], gc: bool) -> dict:
         "rollout_s": rollout,
         "train_s": [s - r for s, r in zip(step_s, rollout, strict=False)],
         "completion_len": lengths,
+        "generate_s": generate,
     }
 
 
@@ -547,17 +606,52 @@ def check(losses: list[str], tiny: bool = False) -> dict:
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------
+# Our side's variants: the overrides each adds to the pinned ones.
+OUR_SYSTEMS = {"ours": [], "ours_plain": PLAIN, "ours_eager": ["perf.generate.cuda_graphs=false"]}
+SYSTEM_NAMES = {
+    "trl": "TRL GRPOTrainer",
+    "ours": "grpo_lightning",
+    "ours_plain": "grpo_lightning, levers off",
+    "ours_eager": "grpo_lightning, eager decode (no CUDA graphs)",
+}
+
+
+def pinned_for(args) -> list[Pin]:
+    return pins(args.loss, args.steps, args.micro, args.bf16, args.prompts, args.max_new, args.group)
+
+
+def model_overrides(args) -> list[str]:
+    """Both sides' model: the preset, and with `--tokenizer-dir` its tokenizer from that folder (a machine without
+    the packaged model, such as a GPU node: the random-weight presets need only the tokenizer)."""
+    extra = [f"model={args.model}"] if args.model else []
+    if args.tokenizer_dir:
+        extra += [
+            "~model.source.tokenizer_source",
+            "+model.source.tokenizer_source._target_=grpo_lightning.models.sources.TokenizerFolder",
+            f"+model.source.tokenizer_source.path={Path(args.tokenizer_dir).resolve()}",
+        ]
+    return extra
+
+
+def ours_extra(args) -> list[str]:
+    """Our side's overrides beyond the pins: the model, the GPU trainer, full fine-tuning."""
+    extra = model_overrides(args)
+    extra += ["trainer=gpu"] if args.gpu else []
+    extra += ["model.lora.enabled=false"] if args.full else []
+    return extra + list(args.ours_override)
+
+
 def child(args) -> None:
-    pinned = pins(args.loss, args.steps, MICRO, args.bf16)
-    if args.child in ("ours", "ours_plain"):
-        extra = list(args.ours_override) + (PLAIN if args.child == "ours_plain" else [])
-        result = run_ours(pinned, extra)
+    pinned = pinned_for(args)
+    if args.child in OUR_SYSTEMS:
+        result = run_ours(pinned, ours_extra(args) + OUR_SYSTEMS[args.child], args.fixed_length)
         result["system"] = args.child
     elif args.child == "trl":
-        result = run_trl(pinned, gc=not args.trl_no_gc)
+        result = run_trl(pinned, not args.trl_no_gc, model_overrides(args), args.gpu, args.full, args.fixed_length)
     else:
         result = check(args.check_losses, tiny=args.tiny)
     result["peak_rss_gb"] = peak_rss_gb()
+    result["peak_gpu_gb"] = gpu_peak_gb()
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -581,9 +675,22 @@ def main() -> None:
     parser.add_argument("--ours-override", action="append", default=[], help="extra Hydra override for our side")
     parser.add_argument("--json", help="write the raw per-step results here")
     parser.add_argument("--plain", action="store_true", help="also run grpo_lightning with every lever off")
-    parser.add_argument("--child", choices=["ours", "ours_plain", "trl", "check"], help=argparse.SUPPRESS)
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEM_NAMES), help="the systems to run, in order")
+    parser.add_argument("--model", help="one of our model= presets for both sides (default: the embedded model)")
+    parser.add_argument("--gpu", action="store_true", help="both sides on the CUDA GPU, in bf16 (implies --bf16)")
+    parser.add_argument("--full", action="store_true", help="full fine-tuning on both sides instead of LoRA")
+    parser.add_argument("--tokenizer-dir", help="--model's tokenizer from this folder (no packaged model here)")
+    parser.add_argument("--fixed-length", action="store_true", help="every completion --max-new tokens long")
+    parser.add_argument("--group", type=int, default=GROUP, help="completions per prompt (G)")
+    parser.add_argument("--prompts", type=int, default=PROMPTS_PER_STEP, help="prompts per optimizer step")
+    parser.add_argument("--max-new", type=int, default=MAX_NEW, help="new tokens per completion (at most)")
+    parser.add_argument("--micro", type=int, default=MICRO, help="completions per micro-batch (whole groups)")
+    parser.add_argument("--child", choices=["check", *SYSTEM_NAMES], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.bf16 = args.bf16 or args.gpu
+    if args.micro % args.group or (args.prompts * args.group) % args.micro:
+        parser.error("--micro must be a multiple of --group and divide --prompts x --group")
     if args.child:
         child(args)
         return
@@ -594,21 +701,22 @@ def main() -> None:
         print_loss_pins(args.check_losses)
     else:
         print(f"Pinned on both sides (--loss {args.loss}):\n")
-        print_pins(pins(args.loss, args.steps, MICRO, args.bf16))
-    if args.ours_override:
-        print(f"\nour side also: {' '.join(args.ours_override)}")
-    systems = ["check"] if args.check else [s for s in ("trl", "ours") if args.only in (None, s)]
-    if args.plain and not args.check:
-        systems.insert(-1 if "ours" in systems else len(systems), "ours_plain")
+        print_pins(pinned_for(args))
+    if ours_extra(args):
+        print(f"\nour side also: {' '.join(ours_extra(args))}")
+    if args.check:
+        systems = ["check"]
+    elif args.systems:
+        systems = list(args.systems)
+    else:
+        systems = [s for s in ("trl", "ours") if args.only in (None, s)]
+        if args.plain:
+            systems.insert(-1 if "ours" in systems else len(systems), "ours_plain")
     results = {}
     for system in systems:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
-        cmd = [sys.executable, __file__, "--child", system, "--steps", str(args.steps), "--out", out]
-        cmd += ["--loss", args.loss, "--check-losses", *args.check_losses]
-        cmd += ["--trl-no-gc"] * args.trl_no_gc + ["--bf16"] * args.bf16 + ["--tiny"] * args.tiny
-        for o in args.ours_override:
-            cmd += ["--ours-override", o]
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", system, "--out", out]  # the child reads the same
         print(f"running {system} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL if system != "check" else None)
@@ -653,42 +761,54 @@ def print_check(results: dict) -> None:
 def print_table(results: dict, args) -> None:
     rows = []
     for name, r in results.items():
+        length = statistics.mean(r["completion_len"]) if r["completion_len"] else float("nan")
+        generate = median_after_first(r.get("generate_s") or [])
         rows.append(
             {
-                "system": {
-                    "trl": "TRL GRPOTrainer",
-                    "ours": "grpo_lightning",
-                    "ours_plain": "grpo_lightning, levers off",
-                }[name],
+                "system": SYSTEM_NAMES[name],
                 "name": name,
                 "step": median_after_first(r["step_s"]),
                 "rollout": median_after_first(r["rollout_s"]),
                 "train": median_after_first(r["train_s"]),
+                "tokens_s": args.prompts * args.group * length / generate if generate else float("nan"),
                 "rss": r["peak_rss_gb"],
-                "len": statistics.mean(r["completion_len"]) if r["completion_len"] else float("nan"),
+                "gpu": r.get("peak_gpu_gb"),
+                "estimate": r.get("gpu_estimate_gb"),
+                "len": length,
                 "steps": " ".join(f"{s:.1f}" for s in r["step_s"]),
             }
         )
+    tuning = "full fine-tuning" if args.full else "LoRA r16"
     print(
-        f"\n{args.steps} steps, {PROMPTS_PER_STEP} prompts x {GROUP} completions, {MAX_NEW} new tokens, LoRA r16, "
-        f"loss {args.loss}, beta {BETA}, {'bf16' if args.bf16 else 'fp32'}; median over steps 2..N\n"
+        f"\n{args.model or 'embedded SmolLM2-135M'}, {args.steps} steps, {args.prompts} prompts x {args.group} "
+        f"completions, {args.max_new} new tokens{' (fixed)' if args.fixed_length else ''}, {tuning}, loss "
+        f"{args.loss}, beta {BETA}, {'bf16' if args.bf16 else 'fp32'}; median over steps 2..N\n"
     )
-    print("| system | step s | rollout s | train s | peak RSS GB | mean completion len | all steps s |")
-    print("|---|---|---|---|---|---|---|")
+    gpu = args.gpu
+    head = "| system | step s | rollout s | train s | rollout tokens/s |"
+    head += " peak GPU GiB | GPU estimate GiB |" if gpu else " peak RSS GB |"
+    print(head + " mean completion len | all steps s |")
+    print("|---" * (head.count("|") + 1) + "|")
     for r in rows:
+        memory = f" {r['gpu']:.2f} | {_gib(r['estimate'])} |" if gpu else f" {r['rss']:.2f} |"
         print(
-            f"| {r['system']} | {r['step']:.1f} | {r['rollout']:.1f} | {r['train']:.1f} | {r['rss']:.2f} "
-            f"| {r['len']:.0f} | {r['steps']} |"
+            f"| {r['system']} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['tokens_s']:.0f} |"
+            f"{memory} {r['len']:.0f} | {r['steps']} |"
         )
     by_name = {r["name"]: r for r in rows}
     trl = by_name.get("trl")
-    for name in ("ours_plain", "ours"):
+    for name in ("ours_plain", "ours_eager", "ours"):
         if trl and name in by_name:
             r = by_name[name]
+            memory = f" {r['gpu'] / trl['gpu']:.2f} | |" if gpu else f" {r['rss'] / trl['rss']:.2f} |"
             print(
                 f"| ratio {r['system']} / TRL | {r['step'] / trl['step']:.2f} | {r['rollout'] / trl['rollout']:.2f} "
-                f"| {r['train'] / trl['train']:.2f} | {r['rss'] / trl['rss']:.2f} | | |"
+                f"| {r['train'] / trl['train']:.2f} | {r['tokens_s'] / trl['tokens_s']:.2f} |{memory} | |"
             )
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

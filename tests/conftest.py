@@ -124,10 +124,8 @@ def tiny_cfg(tmp_path):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from grpo_lightning.models.sources import PackagedGGUFSource
-
     cache = os.environ.get("GRPO_LIGHTNING_CACHE", "~/.cache/grpo_lightning")
-    return PackagedGGUFSource(cache_dir=cache).load_tokenizer()
+    return _packaged(cache).load_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -141,8 +139,12 @@ def tiny_model(tokenizer):
 
 
 def _packaged(cache: str):
-    from grpo_lightning.models.sources import PackagedGGUFSource
+    """The embedded tokenizer's source; on a machine without the package (a GPU node), the folder that
+    GRPO_LIGHTNING_TOKENIZER_DIR names, where the same tokenizer was saved (tests/README.md, GPU tests)."""
+    from grpo_lightning.models.sources import PackagedGGUFSource, TokenizerFolder
 
+    if os.environ.get("GRPO_LIGHTNING_TOKENIZER_DIR"):
+        return TokenizerFolder(os.environ["GRPO_LIGHTNING_TOKENIZER_DIR"])
     return PackagedGGUFSource(cache_dir=cache)
 
 

@@ -3,6 +3,7 @@
 tests/test_vllm_gpu.py holds the vLLM engine's GPU tests; tests/README.md says how to run both on a CUDA machine.
 """
 
+import copy
 import time
 
 import pytest
@@ -105,3 +106,88 @@ def test_overlapped_rounds_on_gpu_sample_the_sequential_rollouts_at_lr0(tiny_cfg
     assert run.rollout_loop.background.device.type == "cuda"
     assert overlapped.rounds == sequential.rounds
     assert overlapped.staleness[1:] == [1.0] * (len(overlapped.staleness) - 1)
+
+
+# ---- decode steps replayed from CUDA graphs (accel/graph_decode.py) -------------------------------------------------
+GRAPH_PROMPTS = ("What is 2 + 2?", "A longer prompt with more words", "Hi")
+
+
+@needs_cuda
+@pytest.mark.parametrize("share", [False, True])
+def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokenizer, share):
+    """Truth: the eager loop on the same GPU, float32, the same random stream. One EOS in 12 tokens, so rows finish
+    at many steps and the batch moves to smaller captured graphs. Tokens identical; log-probs within 1e-4 (the
+    stated tolerance: attention over the masked capacity sums in another order)."""
+    from grpo_lightning.accel import graph_decode
+    from grpo_lightning.accel.decode_loop import new_cache, sample_loop
+    from grpo_lightning.accel.generation_levers import shared_prefill
+    from grpo_lightning.generation.hf import left_pad
+
+    model = copy.deepcopy(tiny_model).cuda().eval()
+    prompts = [tokenizer(t)["input_ids"] for t in GRAPH_PROMPTS]
+    eos = list(range(0, len(tokenizer), 12))
+    captured = []
+    real_capture = graph_decode.StaticBatch._capture
+
+    def counting(self):
+        captured.append(self.rows)
+        real_capture(self)
+
+    out = {}
+    for graphs in (False, True):
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        ids, mask = ids.cuda(), mask.cuda()
+        cache = new_cache(model, ids.shape[1] + 32)
+        if share:
+            ids, mask, cache = shared_prefill(model, ids, mask, 8, cache)
+        else:
+            ids, mask = ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
+        steps = graph_decode.StaticSteps(model, cache, mask, 32, capture=True) if graphs else None
+        rng = torch.Generator(device="cuda").manual_seed(11)
+        graph_decode.StaticBatch._capture = counting
+        try:
+            out[graphs] = sample_loop(
+                model, ids, mask, cache, 32, eos, tokenizer.pad_token_id, 0.9, rng=rng, steps=steps
+            )
+        finally:
+            graph_decode.StaticBatch._capture = real_capture
+    assert torch.equal(out[True][0], out[False][0])
+    assert torch.allclose(out[True][1], out[False][1], atol=1e-4, rtol=0)
+    assert captured[0] == 24 and len(captured) >= 2, captured  # the first batch, then smaller ones
+
+
+@needs_cuda
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_cuda_graph_engine_follows_the_weights_between_calls(tiny_model, tokenizer, merge_lora):
+    """The HF engine with graphs (the default) against the engine without, a LoRA policy on the GPU: the same
+    rollouts; then the adapters change in place (what an optimizer step does) and the next call's graphs sample
+    with the new weights, not the captured ones: again the eager engine's rollouts, which differ from the first."""
+    from grpo_lightning.accel import GenerationSettings
+    from grpo_lightning.generation.hf import HFGenerator
+    from tests.helpers import lora_policy_with_random_adapters
+
+    policy = lora_policy_with_random_adapters(tiny_model).cuda().eval()
+    prompts = [tokenizer(t)["input_ids"] for t in GRAPH_PROMPTS]
+
+    def rollouts(graphs: bool):
+        levers = GenerationSettings(cuda_graphs=graphs, merge_lora=merge_lora)
+        engine = HFGenerator(policy, tokenizer, 4, 24, temperature=0.9, generation_settings=levers)
+        torch.manual_seed(7)
+        groups = engine.generate(prompts, 4, max_new_tokens=[24, 9, 17])  # STORPO-like budgets per prefix
+        return [[(c.token_ids, c.logprobs) for c in group] for group in groups]
+
+    def same(a, b) -> None:
+        for group_a, group_b in zip(a, b, strict=True):
+            for (ids_a, lp_a), (ids_b, lp_b) in zip(group_a, group_b, strict=True):
+                assert ids_a == ids_b
+                assert torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)
+
+    before = rollouts(True)
+    same(before, rollouts(False))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-3.0)
+    after = rollouts(True)
+    same(after, rollouts(False))
+    assert after != before

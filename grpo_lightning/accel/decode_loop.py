@@ -104,6 +104,34 @@ def new_cache(model: nn.Module, capacity: int) -> Cache:
     return DynamicCache(config=model.config)
 
 
+class EagerSteps:
+    """Each step's logits from the model called on the step's tokens with the KV cache (any cache): the prefill,
+    then one token per row and step, the attention mask growing by one column a step."""
+
+    def __init__(self, model: nn.Module, cache: Cache, attention_mask: Tensor, max_new_tokens: int) -> None:
+        self.model, self.cache = model, cache
+        n = attention_mask.shape[0]
+        self.mask = torch.cat([attention_mask, attention_mask.new_ones(n, max_new_tokens)], dim=1)  # [N, L + T]
+        self.length = cache.get_seq_length()  # columns the cache holds
+
+    def logits(self, ids: Tensor, positions: Tensor) -> Tensor:  # [B, S], [B, S] -> [B, V], the model's dtype
+        end = self.length + ids.shape[1]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask[:, :end],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.length = end
+        return out.logits[:, -1]
+
+    def keep(self, rows: Tensor) -> None:  # [B'] indices of the rows that stay in the batch
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+
+
 def sample_inverse_cdf(
     probs: Tensor, uniform: Tensor | None = None, rng: torch.Generator | None = None
 ) -> Tensor:  # [N, V], [N] -> [N] long
@@ -161,18 +189,20 @@ def sample_loop(
     sampler: str = "inverse_cdf",
     rng: torch.Generator | None = None,
     compact: bool = True,
+    steps: EagerSteps | None = None,
 ) -> tuple[Tensor, Tensor]:  # tokens [N, T_new] long, log-probs [N, T_new] float32
     """Sample up to `max_new_tokens` per row; the log-prob of each token is under log_softmax(logits / T).
 
     `rng`: the generator every draw comes from; None draws from the global RNG. An explicit one is what lets
     a background thread sample without touching the trainer's RNG (training/overlap.py). `compact`: finished
     rows leave the batch (with `sampler="inverse_cdf"`, greedy included; the module's docstring); False keeps every
-    row to the end."""
+    row to the end. `steps`: how the model computes each step's logits over `cache` (default `EagerSteps`; the
+    CUDA-graph path is graph_decode.StaticSteps); sampling is the same whichever it is."""
     check_sampler(sampler)
-    n, width = input_ids.shape
+    n = input_ids.shape[0]
     device = input_ids.device
     cached = cache.get_seq_length()
-    mask = torch.cat([attention_mask, attention_mask.new_ones(n, max_new_tokens)], dim=1)  # [N, L + T]
+    steps = steps if steps is not None else EagerSteps(model, cache, attention_mask, max_new_tokens)
     positions = position_ids_from_mask(attention_mask)  # [N, L]: real tokens count from 0 under left padding
     step_ids, step_positions = input_ids[:, cached:], positions[:, cached:]
     next_position = positions[:, -1:] + 1  # [N, 1]
@@ -183,17 +213,9 @@ def sample_loop(
     unfinished = torch.ones(n, dtype=torch.bool, device=device)  # [B]
     tokens = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)  # [N, T]
     logprobs = torch.zeros(n, max_new_tokens, device=device)  # [N, T]
-    steps = 0
+    taken = 0  # steps run
     for step in range(max_new_tokens):
-        out = model(
-            input_ids=step_ids,
-            attention_mask=mask[:, : width + step],
-            position_ids=step_positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1].float()  # [B, V]
+        logits = steps.logits(step_ids, step_positions).float()  # [B, V]
         scores = logits / temperature if temperature != 1.0 else logits
         if greedy:
             token = scores.argmax(dim=-1)
@@ -211,7 +233,7 @@ def sample_loop(
         logprob = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None]).squeeze(1)  # [B]
         tokens[rows, step] = token
         logprobs[rows, step] = torch.where(unfinished, logprob, 0.0)
-        steps = step + 1
+        taken = step + 1
         unfinished &= ~torch.isin(token, eos)
         running = int(unfinished.sum())
         if running == 0:
@@ -220,7 +242,7 @@ def sample_loop(
         next_position = next_position + 1
         if drop_finished and running <= 3 * len(rows) // 4:
             keep = unfinished.nonzero().squeeze(1)  # [B']
-            cache.batch_select_indices(keep)
-            rows, unfinished, mask = rows[keep], unfinished[keep], mask[keep]
+            steps.keep(keep)
+            rows, unfinished = rows[keep], unfinished[keep]
             step_ids, step_positions, next_position = step_ids[keep], step_positions[keep], next_position[keep]
-    return tokens[:, :steps].cpu(), logprobs[:, :steps].cpu()
+    return tokens[:, :taken].cpu(), logprobs[:, :taken].cpu()

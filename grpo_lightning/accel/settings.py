@@ -87,6 +87,10 @@ class GenerationSettings:
         "(low_precision.py): float32 = the policy's own; bfloat16 | int8 (CPU): faster, the rollout correction "
         "turns on"
     )  # fmt: skip
+    cuda_graphs: bool = setting(
+        True, boolean, "CUDA, custom_decode: decode steps replayed from CUDA graphs over a static KV cache "
+        "(graph_decode.py); does nothing on a CPU"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_settings(self, "perf.generate")
@@ -105,4 +109,5 @@ class GenerationSettings:
             share_prefill=False,
             stream_logprobs=False,
             packed_weights=False,
+            cuda_graphs=False,
         )

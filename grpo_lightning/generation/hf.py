@@ -24,6 +24,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from grpo_lightning.accel import GenerationSettings
 from grpo_lightning.accel.decode_loop import attention_backends_for_decoding, new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
+from grpo_lightning.accel.graph_decode import StaticSteps
 from grpo_lightning.accel.low_precision import low_precision_linears
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
@@ -221,13 +222,17 @@ class HFGenerator(Generator):
         greedy: bool,
         share_prefill: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, L] x 2 -> tokens, log-probs [n * K, T_new]
-        """Our own loop (accel/decode_loop.py)."""
+        """Our own loop (accel/decode_loop.py); on CUDA its decode steps replayed from CUDA graphs
+        (`perf.generate.cuda_graphs`, accel/graph_decode.py)."""
         cache = new_cache(self.model, input_ids.shape[1] + max_new_tokens)
         if share_prefill:
             ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples, cache)
         else:
             ids = input_ids.repeat_interleave(num_samples, 0)  # [n * K, L]
             mask = attention_mask.repeat_interleave(num_samples, 0)
+        steps = None
+        if self.generation_settings.cuda_graphs and ids.is_cuda:
+            steps = StaticSteps(self.model, cache, mask, max_new_tokens, capture=True)
         return sample_loop(
             self.model,
             ids,
@@ -242,6 +247,7 @@ class HFGenerator(Generator):
             greedy=greedy,
             sampler=self.generation_settings.sampler,
             rng=self.draws,
+            steps=steps,
         )
 
     def _sample_with_generate(

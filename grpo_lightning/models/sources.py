@@ -244,6 +244,10 @@ class PackagedGGUFSource(ModelSource):
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(self.ensure_converted())
 
+    def vocab_size(self) -> int:
+        """The model's vocabulary size, from the converted folder's config or the GGUF header (no tensors read)."""
+        return self.config().vocab_size
+
     def ensure_converted(self) -> Path:
         target = self.converted_dir()
         if (target / "config.json").is_file():
@@ -314,10 +318,34 @@ def removed_on_signal(tmp: Path):
 
 
 @dataclass
+class TokenizerFolder:
+    """A tokenizer alone, in a folder as `save_pretrained` writes it (tokenizer.json, tokenizer_config.json): the
+    `tokenizer_source` of the random-weight models where the packaged one is not installed (a GPU node without the
+    package), or to measure a published architecture with its own tokenizer."""
+
+    path: str = setting(rule=text, help="a folder holding tokenizer_config.json (and tokenizer.json)")
+
+    def __post_init__(self) -> None:
+        check_settings(self, "model.source.tokenizer_source")
+        folder = Path(self.path).expanduser()
+        if not (folder / "tokenizer_config.json").is_file():
+            raise ValueError(
+                f"model.source.tokenizer_source.path: {folder} holds no tokenizer_config.json (save one there with "
+                "tokenizer.save_pretrained)"
+            )
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(str(Path(self.path).expanduser()))
+
+    def vocab_size(self) -> int:
+        return len(self.load_tokenizer())
+
+
+@dataclass
 class RandomSource(ModelSource):
     """A randomly initialised Llama-style model with a real tokenizer: fast tests, not learning."""
 
-    tokenizer_source: PackagedGGUFSource = field(default_factory=PackagedGGUFSource)
+    tokenizer_source: PackagedGGUFSource | TokenizerFolder = field(default_factory=PackagedGGUFSource)
     hidden_size: int = setting(64, integer(1), "hidden size")
     num_hidden_layers: int = setting(2, integer(1), "decoder layers")
     num_attention_heads: int = setting(4, integer(1), "attention heads")
@@ -337,7 +365,7 @@ class RandomSource(ModelSource):
     def config(self, trust_remote_code: bool = False, vocab_size: int | None = None):
         """The random model's config; its vocabulary is the tokenizer's (read from the tokenizer source)."""
         if vocab_size is None:
-            vocab_size = self.tokenizer_source.config().vocab_size
+            vocab_size = self.tokenizer_source.vocab_size()
         return AutoConfig.for_model(
             "llama",
             vocab_size=vocab_size,
@@ -372,7 +400,7 @@ class ArchitectureSource(ModelSource):
     only, never for learning. The tokenizer is the embedded one; the vocabulary is the architecture's, so the
     output projection costs what the real model's does (ids past the tokenizer's decode to nothing)."""
 
-    tokenizer_source: PackagedGGUFSource = field(default_factory=PackagedGGUFSource)
+    tokenizer_source: PackagedGGUFSource | TokenizerFolder = field(default_factory=PackagedGGUFSource)
     architecture: str = setting("Qwen/Qwen2.5-0.5B-Instruct", choice(*ARCHITECTURES), "the published shape")
     seed: int = setting(0, integer(0), "the random weights' seed")
 
