@@ -685,6 +685,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=PROMPTS_PER_STEP, help="prompts per optimizer step")
     parser.add_argument("--max-new", type=int, default=MAX_NEW, help="new tokens per completion (at most)")
     parser.add_argument("--micro", type=int, default=MICRO, help="completions per micro-batch (whole groups)")
+    parser.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="print the table of runs saved with --json (one system each, say)"
+    )
     parser.add_argument("--child", choices=["check", *SYSTEM_NAMES], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -693,6 +696,12 @@ def main() -> None:
         parser.error("--micro must be a multiple of --group and divide --prompts x --group")
     if args.child:
         child(args)
+        return
+    if args.merge:
+        results = {}
+        for path in args.merge:
+            results.update(json.loads(Path(path).read_text()))
+        print_table(results, args)
         return
 
     if args.check:
