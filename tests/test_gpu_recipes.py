@@ -114,3 +114,34 @@ def test_random_weight_presets_have_the_published_parameter_counts(architecture,
 
     shape = model_shape(ArchitectureSource(architecture=architecture).config(), 16, "all-linear")
     assert shape.parameters == pytest.approx(card, abs=0.006e9)  # the cards give two decimals of a billion
+
+
+TOKENIZER_FOLDER = (
+    "~model.source.tokenizer_source",
+    "+model.source.tokenizer_source._target_=grpo_lightning.models.sources.TokenizerFolder",
+)  # docs/gpu.md: a random-weight preset's tokenizer from a folder (a GPU node without the package)
+
+
+def test_a_random_weight_preset_takes_its_tokenizer_from_a_folder(tmp_path, tokenizer):
+    """The documented overrides: the dry run plans the 1.5B architecture with the tokenizer saved in a folder, and
+    that folder gives the embedded tokenizer back (same vocabulary, same ids for a text)."""
+    from grpo_lightning.models.sources import TokenizerFolder
+
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    result = cli("model=random_qwen1.5b", *TOKENIZER_FOLDER, f"+model.source.tokenizer_source.path={folder}",
+                 "dry_run=true", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "random-weights:Qwen/Qwen2.5-1.5B-Instruct" in result.stdout
+    loaded = TokenizerFolder(str(folder)).load_tokenizer()
+    text = "Natalia sold clips to 48 of her friends."
+    assert len(loaded) == len(tokenizer) and loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert TokenizerFolder(str(folder)).vocab_size() == len(tokenizer)
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_names_the_key(tmp_path):
+    result = cli("model=random_qwen0.5b", *TOKENIZER_FOLDER, f"+model.source.tokenizer_source.path={tmp_path}",
+                 "dry_run=true", cwd=tmp_path)  # fmt: skip
+    assert result.returncode != 0
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: model.source.tokenizer_source.path:") and "tokenizer_config.json" in line
