@@ -206,13 +206,17 @@ class StaticSteps(EagerSteps):
         return logits
 
     def _adopt(self) -> StaticBatch:
-        """A `StaticBatch` over the eager cache's own buffers (no copy), with its mask so far."""
+        """A `StaticBatch` over the eager cache's own buffers (no copy), with its mask so far. The batch becomes
+        their one owner: the eager cache lets go of them, so a smaller batch frees them (`_give_back` returns
+        whatever buffers the batch then holds)."""
         layers = self.cache.layers
         capacity = layers[0].key_buffer.shape[2]
         mask = torch.zeros(self.mask.shape[0], capacity, dtype=torch.bool, device=self.mask.device)  # [B, cap]
         mask[:, : self.length] = self.mask[:, : self.length].bool()
         keys = [layer.key_buffer for layer in layers]
         values = [layer.value_buffer for layer in layers]
+        for layer in layers:
+            layer.key_buffer = layer.value_buffer = layer.keys = layer.values = None
         return StaticBatch(self.model, keys, values, mask, self.capture and self.mask.is_cuda)
 
     def _give_back(self, rows: int) -> None:
