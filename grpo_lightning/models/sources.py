@@ -397,8 +397,9 @@ def random_weights(config, tokenizer, seed: int, dtype: torch.dtype):
 @dataclass
 class ArchitectureSource(ModelSource):
     """A published architecture with random weights (models/architectures.py): for speed and memory measurement
-    only, never for learning. The tokenizer is the embedded one; the vocabulary is the architecture's, so the
-    output projection costs what the real model's does (ids past the tokenizer's decode to nothing)."""
+    only, never for learning. The tokenizer is the embedded one (or a `TokenizerFolder`'s); the vocabulary is the
+    architecture's, so the output projection costs what the real model's does (ids past the tokenizer's decode to
+    nothing)."""
 
     tokenizer_source: PackagedGGUFSource | TokenizerFolder = field(default_factory=PackagedGGUFSource)
     architecture: str = setting("Qwen/Qwen2.5-0.5B-Instruct", choice(*ARCHITECTURES), "the published shape")
