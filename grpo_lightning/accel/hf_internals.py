@@ -11,7 +11,9 @@ upgrade fails there first, with a message naming what moved.
 * `DynamicLayer`: one full-attention layer's keys / values. `decode_loop.PreallocatedLayer` subclasses it (its
   `keys`, `values`, `is_initialized`, `dtype`, `device` attributes, `lazy_initialization`, `update`,
   `get_seq_length`, `batch_repeat_interleave`, `batch_select_indices` are what attention and masking read and
-  call); completion_forward copies the prompt cache row by row only when every layer is one.
+  call); completion_forward copies the prompt cache row by row only when every layer is one. So does
+  `graph_decode.StaticLayer`, whose decode step also relies on a 4-D attention mask being used as it is
+  (tests/unit/test_graph_decode.py compares that step with the eager loop).
 * `get_layer_types_and_kwargs(config)`: the model's layer kinds (`full_attention`, `sliding_attention`, ...), so
   the pre-allocated cache is used only where every layer is plain full attention.
 """
