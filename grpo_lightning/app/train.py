@@ -325,7 +325,7 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
         fixed_settings=settings,
         forward_settings=forward_settings,
     )
-    variant.bind_data(datamodule.dataset, tokenizer)
+    variant.bind_data(datamodule.dataset, tokenizer, datamodule.max_prompt_tokens)
     evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
     run_objects = {"generator": generator, "variant": variant, "reward_fn": reward_fn, "datamodule": datamodule,
                    "tokenizer": tokenizer, "evaluator": evaluator}  # fmt: skip

@@ -94,8 +94,8 @@ class GameEvaluator(Evaluator):
                     rng = random.Random(derive_seed(self.seed, "eval", name, seed, seat))
                     matches.append(Match(game, seat, opponent, rng))
 
-        def encode(observation: str) -> list[int]:
-            return self.dataset.encode(self.tokenizer, observation)
+        def encode(observation: str) -> list[int]:  # the last eval.max_prompt_tokens tokens, as training's
+            return self.dataset.encode(self.tokenizer, observation)[-self.max_prompt_tokens :]
 
         with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves training's RNG
             torch.manual_seed(self.seed)

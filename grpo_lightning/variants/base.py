@@ -49,9 +49,11 @@ class GRPOVariant(ABC):
     def __init__(self) -> None:
         self.metrics = {}
 
-    def bind_data(self, source, tokenizer) -> None:  # noqa: B027 - a no-op default, not an abstract method
-        """Take the run's data source (`data.dataset`) and tokenizer before the first round (train.py). No-op: a
-        variant that samples the prompts it is given needs neither; self-play builds its prompts from games."""
+    def bind_data(self, source, tokenizer, max_prompt_tokens: int) -> None:  # noqa: B027 - a no-op default
+        """Take the run's data source (`data.dataset`), tokenizer and `data.max_prompt_tokens` before the first
+        round (train.py): a prompt the variant builds keeps its last `max_prompt_tokens` tokens, as the data
+        module's do. No-op: a variant that samples the prompts it is given needs none of them; self-play builds its
+        prompts from games."""
 
     def begin_round(self, round_index: int) -> None:
         """Called before round `round_index`'s first sampling call (dynamic sampling may make several): `metrics`

@@ -101,9 +101,9 @@ class SelfPlay(GRPOVariant):
         self._snapshot_taken = False
         self._counts: dict[str, float] = {}
 
-    def bind_data(self, source, tokenizer) -> None:
-        """The run's game source (data=games) and tokenizer, given once by train.py."""
-        self.source, self.tokenizer = source, tokenizer
+    def bind_data(self, source, tokenizer, max_prompt_tokens: int) -> None:
+        """The run's game source (data=games), tokenizer and prompt limit, given once by train.py."""
+        self.source, self.tokenizer, self.max_prompt_tokens = source, tokenizer, max_prompt_tokens
 
     def rollouts_per_round(self, num_prompts: int) -> int:
         """At most: every game lasts `max_turns` moves, half of them the learner's."""
@@ -114,7 +114,7 @@ class SelfPlay(GRPOVariant):
         super().begin_round(round_index)
         self.round_index, self._snapshot_taken = round_index, False
         self._counts = dict.fromkeys(("games", "wins", "draws", "losses", "turns", "illegal", "opp_moves_fixed",
-                                      "capped", "extra_games"), 0.0)  # fmt: skip
+                                      "capped", "extra_games", "prompts_cut"), 0.0)  # fmt: skip
 
     def sample_rollouts(self, generator, prompts: Sequence, reward_fn, decode: Callable) -> list[Rollout]:
         if self.source is None:
@@ -171,7 +171,12 @@ class SelfPlay(GRPOVariant):
 
     def play(self, matches: list[Match], generator, decode: Callable) -> None:
         def encode(observation: str) -> list[int]:
-            return self.source.encode(self.tokenizer, observation)
+            """The observation's prompt, its last `data.max_prompt_tokens` tokens: a long game history keeps its
+            latest moves, and prompt + completion stay within the context train.py checked."""
+            ids = self.source.encode(self.tokenizer, observation)
+            if len(ids) > self.max_prompt_tokens:
+                self._counts["prompts_cut"] += 1
+            return ids[-self.max_prompt_tokens :]
 
         on_step = self._report if self.progress_listeners else None
         play(matches, generator, encode, decode, self.source.reply_prefix, self.max_turns, on_step=on_step)
@@ -215,6 +220,7 @@ class SelfPlay(GRPOVariant):
             "game/opponent_moves_replaced": c["opp_moves_fixed"],
             "game/draws_at_max_turns": c["capped"],
             "game/extra_games": c["extra_games"],
+            "game/prompts_cut": c["prompts_cut"],
             **self.pool.metrics(),
         }
 

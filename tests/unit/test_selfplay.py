@@ -286,7 +286,7 @@ def prompts(seeds: list[int]) -> list[Prompt]:
 
 def variant(tokenizer, **kwargs) -> SelfPlay:
     v = SelfPlay(**{"games_per_group": 3, "fixed_opponents": ["random"], **kwargs})
-    v.bind_data(source(), tokenizer)
+    v.bind_data(source(), tokenizer, 512)
     return v
 
 
@@ -312,6 +312,32 @@ def test_a_round_of_rollouts_scored_as_worked_out_by_hand(tokenizer):
     for g in groups:  # group-normalised: zero mean in each group
         values = [r.advantage for r in rollouts if r.group_id == g]
         assert sum(values) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_prompts_longer_than_data_max_prompt_tokens_keep_their_last_tokens(tokenizer):
+    """A limit below a TicTacToe prompt's length: the engine is given, and every rollout trains on, the last 20
+    tokens of the prompt the source builds (the truth: the source's encoding of the same observation, cut by
+    hand), and each cut prompt is counted."""
+    src = source()
+    v = SelfPlay(games_per_group=2, fixed_opponents=["random"])
+    v.bind_data(src, tokenizer, 20)
+    seen = []
+
+    class Recording(MoveEngine):
+        def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
+            seen.extend(prefixes)
+            return super().generate(prefixes, num_samples, max_new_tokens, greedy)
+
+    v.begin_round(0)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rollouts = v.generate_rollouts(Recording(tokenizer, always_centre), prompts([0, 1]), build_reward(REWARD), decode)
+    empty = make_game("tictactoe")
+    empty.reset(0)
+    full = src.encode(tokenizer, empty.observation(0))
+    assert len(full) > 20 and full[-20:] in seen  # an opening position, as the engine got it
+    assert all(len(p) == 20 for p in seen) and all(len(r.prompt_ids) == 20 for r in rollouts)
+    assert {tuple(r.prompt_ids) for r in rollouts} <= {tuple(p) for p in seen}  # trained on what was sampled from
+    assert v.metrics["game/prompts_cut"] == len(seen)  # one encode per learner move: each was cut
 
 
 def test_resuming_the_pool_plays_the_same_next_round(tokenizer):
