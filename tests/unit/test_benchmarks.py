@@ -373,6 +373,7 @@ def _spans(out, names):
     return {n: json.loads((out / n / "final_metrics.json").read_text()) for n in names}
 
 
+@pytest.mark.slow  # starts processes: not the fast tier (tests/README.md)
 def test_parallel_jobs_run_a_slot_each_one_thread_each_and_finished_ones_are_read(tmp_path, capsys):
     names = [f"trained_seed{s}" for s in range(5)]
     (tmp_path / "trained_seed4").mkdir()
@@ -395,6 +396,7 @@ def test_parallel_jobs_run_a_slot_each_one_thread_each_and_finished_ones_are_rea
     assert "trained_seed4: finished before, reading it" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # starts processes: not the fast tier (tests/README.md)
 def test_sequential_jobs_run_one_at_a_time_with_every_thread(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's default (a worker of `pytest -n` sets 1)
     names = ["grpo_seed0", "storpo_seed0"]
@@ -404,6 +406,7 @@ def test_sequential_jobs_run_one_at_a_time_with_every_thread(tmp_path, monkeypat
     assert {a["threads"], b["threads"]} == {os.environ.get("OMP_NUM_THREADS")}
 
 
+@pytest.mark.slow  # starts processes: not the fast tier (tests/README.md)
 def test_a_failed_job_exits_naming_its_log_and_stops_the_others(tmp_path):
     with pytest.raises(SystemExit, match=r"fail_seed0 failed \(exit 3\); see .*fail_seed0\.log"):
         run_jobs(tmp_path, [Job("fail_seed0", ()), Job("slow_seed0", ())], parallel=True, slots=2,
