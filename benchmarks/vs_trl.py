@@ -326,11 +326,11 @@ def check_prompt_lengths(rows, tokenizer) -> None:
 
 
 def run_trl(
-    pinned: list[Pin], gc: bool, model: list[str] = (), gpu: bool = False, full: bool = False,
+    pinned: list[Pin], gc: bool, model_choice: list[str] = (), gpu: bool = False, full: bool = False,
     fixed_length: bool = False,
 ) -> dict:  # fmt: skip
-    """TRL's GRPOTrainer on the pinned work. `model`: overrides naming one of our `model=` presets, loaded by its
-    source (the random-weight architectures: the same weights as our side's, from the same seed); none: the
+    """TRL's GRPOTrainer on the pinned work. `model_choice`: overrides naming one of our `model=` presets, loaded
+    by its source (the random-weight architectures: the same weights as our side's, from the same seed); none: the
     embedded model's converted folder. Its dtype is the pinned precision's (bf16 with `--bf16`)."""
     import torch
     from datasets import Dataset
@@ -341,9 +341,9 @@ def run_trl(
     steps = next(p.trl_value for p in pinned if p.trl == "max_steps")
     dtype = torch.bfloat16 if next(p.trl_value for p in pinned if p.trl == "bf16") else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(tmp, pinned, list(model))
+        cfg = compose(tmp, pinned, list(model_choice))
         rows = bench_prompts(cfg, steps)
-        if model:
+        if model_choice:
             model, tokenizer = instantiate(cfg.model.source).load(dtype)
             if full:  # TRL loads its reference model from the policy's `_name_or_path`: a folder, then
                 folder = Path(tmp) / "model"
