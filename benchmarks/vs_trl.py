@@ -794,10 +794,11 @@ def print_table(results: dict, args) -> None:
         f"{args.loss}, beta {BETA}, {'bf16' if args.bf16 else 'fp32'}; median over steps 2..N\n"
     )
     gpu = args.gpu
-    head = "| system | step s | rollout s | train s | rollout tokens/s |"
-    head += " peak GPU GiB | GPU estimate GiB |" if gpu else " peak RSS GB |"
-    print(head + " mean completion len | all steps s |")
-    print("|---" * (head.count("|") + 1) + "|")
+    columns = ["system", "step s", "rollout s", "train s", "rollout tokens/s"]
+    columns += ["peak GPU GiB", "GPU estimate GiB"] if gpu else ["peak RSS GB"]
+    columns += ["mean completion len", "all steps s"]
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
     for r in rows:
         memory = f" {r['gpu']:.2f} | {_gib(r['estimate'])} |" if gpu else f" {r['rss']:.2f} |"
         print(

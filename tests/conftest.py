@@ -125,7 +125,7 @@ def tiny_cfg(tmp_path):
 @pytest.fixture(scope="session")
 def tokenizer():
     cache = os.environ.get("GRPO_LIGHTNING_CACHE", "~/.cache/grpo_lightning")
-    return _packaged(cache).load_tokenizer()
+    return _tokenizer_source(cache).load_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -133,12 +133,12 @@ def tiny_model(tokenizer):
     from grpo_lightning.models.sources import RandomSource
 
     cache = os.environ.get("GRPO_LIGHTNING_CACHE", "~/.cache/grpo_lightning")
-    source = RandomSource(tokenizer_source=_packaged(cache), seed=0)
+    source = RandomSource(tokenizer_source=_tokenizer_source(cache), seed=0)
     model, _ = source.load(torch.float32)
     return model.eval()
 
 
-def _packaged(cache: str):
+def _tokenizer_source(cache: str):
     """The embedded tokenizer's source; on a machine without the package (a GPU node), the folder that
     GRPO_LIGHTNING_TOKENIZER_DIR names, where the same tokenizer was saved (tests/README.md, GPU tests)."""
     from grpo_lightning.models.sources import PackagedGGUFSource, TokenizerFolder

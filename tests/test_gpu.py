@@ -114,7 +114,7 @@ GRAPH_PROMPTS = ("What is 2 + 2?", "A longer prompt with more words", "Hi")
 
 @needs_cuda
 @pytest.mark.parametrize("share", [False, True])
-def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokenizer, share):
+def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokenizer, share, monkeypatch):
     """Truth: the eager loop on the same GPU, float32, the same random stream. One EOS in 12 tokens, so rows finish
     at many steps and the batch moves to smaller captured graphs. Tokens identical; log-probs within 1e-4 (the
     stated tolerance: attention over the masked capacity sums in another order)."""
@@ -133,6 +133,7 @@ def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokeniz
         captured.append(self.rows)
         real_capture(self)
 
+    monkeypatch.setattr(graph_decode.StaticBatch, "_capture", counting)
     out = {}
     for graphs in (False, True):
         ids, mask = left_pad(prompts, tokenizer.pad_token_id)
@@ -144,13 +145,7 @@ def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokeniz
             ids, mask = ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
         steps = graph_decode.StaticSteps(model, cache, mask, 32, capture=True) if graphs else None
         rng = torch.Generator(device="cuda").manual_seed(11)
-        graph_decode.StaticBatch._capture = counting
-        try:
-            out[graphs] = sample_loop(
-                model, ids, mask, cache, 32, eos, tokenizer.pad_token_id, 0.9, rng=rng, steps=steps
-            )
-        finally:
-            graph_decode.StaticBatch._capture = real_capture
+        out[graphs] = sample_loop(model, ids, mask, cache, 32, eos, tokenizer.pad_token_id, 0.9, rng=rng, steps=steps)
     assert torch.equal(out[True][0], out[False][0])
     assert torch.allclose(out[True][1], out[False][1], atol=1e-4, rtol=0)
     assert captured[0] == 24 and len(captured) >= 2, captured  # the first batch, then smaller ones
