@@ -422,6 +422,7 @@ VALIDATION_MISTAKES = [
     ("devices 0", ["trainer.devices=0"], ["trainer.devices must be a count >= 1"]),
     ("accumulation 0", ["trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches must be >= 1"]),
     ("checkpoint cadence not a number", ["checkpoint.every_n_rounds=often"], ["checkpoint.every_n_rounds must be an"]),
+    ("last.ckpt every 0 rounds", ["checkpoint.last_every_n_rounds=0"], ["checkpoint.last_every_n_rounds must be >= 1"]),
     ("norm growth below 1", ["guard.max_norm_growth=0.5"], ["guard.max_norm_growth must be > 1"]),
     ("chunk 0", ["perf.forward.logits_chunk_tokens=0"], ["perf.forward.logits_chunk_tokens must be >= 1"]),
     ("model dtype unknown", ["model.dtype=float8"], ["model.dtype must be one of float32"]),

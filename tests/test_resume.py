@@ -180,6 +180,22 @@ def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterru
     assert_bitwise_equal(uninterrupted[setup], final_state(run_dir))
 
 
+def test_a_sparse_last_checkpoint_still_saves_the_round_a_sigint_stops_at(tmp_path, uninterrupted):
+    """`checkpoint.last_every_n_rounds=ROUNDS`: last.ckpt is due only after the last round, yet a stop in round 3
+    writes that round, and the resumed run (the cadence back to its default) ends bit for bit where the
+    uninterrupted run, which wrote every round, ends: the cadence changes when the file is written, nothing else."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *args("grpo"), f"checkpoint.last_every_n_rounds={ROUNDS}")
+    wait_for(run_dir / "checkpoints" / "round001.ckpt", proc)  # rounds 1 and 2 done (checkpoint.every_n_rounds=2)
+    assert not (run_dir / "checkpoints" / "last.ckpt").exists()  # not due after rounds 1 and 2
+    proc.send_signal(signal.SIGINT)  # lands in round 3, whose end is not due either
+    finish(proc, expect=128 + signal.SIGINT)
+    stopped = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert stopped["epoch"] == 2  # 0-based: round 3, where the run stopped
+    finish(start(run_dir, *args("grpo"), "ckpt_path=last"))
+    assert_bitwise_equal(uninterrupted["grpo"], final_state(run_dir))
+
+
 def test_an_overlapped_run_extended_past_its_last_round_continues_as_the_longer_run(tmp_path, uninterrupted):
     """Its last checkpoint holds no next round, only the weights that round would be sampled from (the engine
     copy's snapshot): the extended run samples it from them, as the longer run did beside its training."""

@@ -75,7 +75,10 @@ class PathsSettings:
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    every_n_rounds: int = setting(5, integer(1), "round<NNN>.ckpt every this many rounds, plus last.ckpt each round")
+    every_n_rounds: int = setting(5, integer(1), "keep round<NNN>.ckpt every this many rounds")
+    last_every_n_rounds: int = setting(
+        1, integer(1), "last.ckpt every this many rounds, and always after the round the run stops at"
+    )
 
 
 @dataclass(frozen=True)

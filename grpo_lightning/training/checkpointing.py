@@ -1,7 +1,8 @@
 """Checkpoints a kill cannot corrupt, and what a resume needs to continue bit for bit.
 
-- `LastCheckpoint` writes `checkpoints/last.ckpt` at the end of every round. Lightning's ModelCheckpoint only
-  refreshes `last.ckpt` when it also saves a periodic checkpoint, which would lose up to `every_n_rounds` rounds.
+- `LastCheckpoint` writes `checkpoints/last.ckpt` at the end of every round (`checkpoint.last_every_n_rounds`:
+  every N rounds, and always at the round the run stops). Lightning's ModelCheckpoint only refreshes `last.ckpt`
+  when it also saves a periodic checkpoint, which would tie it to the `round<NNN>.ckpt` cadence.
 - `AtomicCheckpointIO` writes `x.ckpt` as a hidden temporary file in the same folder, fsyncs it and renames it
   over the old one (`os.replace` is atomic on POSIX), so SIGKILL mid-write leaves the previous `last.ckpt`.
 - `capture_rng` / `restore_rng` (grpo_lightning/rng.py): torch (CPU and CUDA), Python and NumPy generator
@@ -34,19 +35,37 @@ LAST = "last.ckpt"
 
 
 class LastCheckpoint(Checkpoint):
-    """`<dirpath>/last.ckpt` after every round.
+    """`<dirpath>/last.ckpt` after every `every_n_rounds`-th round, and after the round at which the run stops
+    (its last round, the token budget, Ctrl-C / SIGTERM, the non-finite guard), so a stopped run always resumes
+    from where it stopped.
+
+    Why a cadence: the file holds the trainable weights and the optimizer state. With LoRA that is megabytes; in
+    full fine-tuning it is about three times the model (bf16 weights plus AdamW's two moments), and writing it
+    after every round can cost more than the round. A crash (not a stop) then loses at most `every_n_rounds - 1`
+    rounds.
 
     A `Checkpoint` subclass, so Lightning runs it after every other callback's round-end hook: the file then
-    holds the next round's rollouts and the RNG states after generating them (see rollout_loop.py).
+    holds the next round's rollouts and the RNG states after generating them (see rollout_loop.py), and every
+    stop decision of the round is already in `trainer.should_stop`.
     """
 
-    def __init__(self, dirpath: str | Path) -> None:
+    def __init__(self, dirpath: str | Path, every_n_rounds: int = 1) -> None:
+        if isinstance(every_n_rounds, bool) or not isinstance(every_n_rounds, int) or every_n_rounds < 1:
+            raise ValueError(f"checkpoint.last_every_n_rounds must be an integer >= 1, got {every_n_rounds!r}")
         self.dirpath = Path(dirpath)
+        self.every_n_rounds = every_n_rounds
+
+    def due(self, trainer: L.Trainer) -> bool:
+        """Whether the round just trained (`trainer.current_epoch`, 0-based) ends with a write."""
+        rounds_done = trainer.current_epoch + 1
+        last_round = trainer.max_epochs is not None and trainer.max_epochs >= 0 and rounds_done >= trainer.max_epochs
+        return rounds_done % self.every_n_rounds == 0 or last_round or trainer.should_stop
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if pl_module.diverged:  # keep the previous round's file: it predates the divergence
             return
-        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)  # every rank; rank 0 writes
+        if self.due(trainer):
+            trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)  # every rank; rank 0 writes
 
 
 class RoundCheckpoint(ModelCheckpoint):

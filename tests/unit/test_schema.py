@@ -16,6 +16,7 @@ from tests.conftest import make_cfg
 
 KEYS = [
     "checkpoint.every_n_rounds",
+    "checkpoint.last_every_n_rounds",
     "ckpt_path",
     "data.dynamic_sampling.enabled",
     "data.dynamic_sampling.max_extra_batches",
