@@ -31,6 +31,8 @@ adds rollout tokens/s (generated tokens over generation time: TRL's `_generate`,
 memory (`torch.cuda.max_memory_allocated`) and, for ours, the plan's estimate of the trainer's GPU memory.
 
 Per step: wall time of a whole cycle (rollout + train + bookkeeping), median over the steps after the first.
+Neither side writes a checkpoint during the run (ours: `checkpoint.last_every_n_rounds` = the step count, TRL:
+`save_strategy='no'`), and our run's end (the last last.ckpt, the exported policy) is left out of the last step.
 "rollout" is TRL's `_generate_and_score_completions` (generation, rewards AND its reference forward) and our
 rollout callback's generation (the reference forward is in our train step). Peak RSS is the child's VmHWM.
 Timings on a shared machine are noisy: compare the two systems within one invocation, by their ratio.
@@ -140,6 +142,8 @@ def pins(
         Pin("LoRA dropout", "model.lora.dropout", 0.0, "lora.lora_dropout", 0.0),
         Pin("LoRA target modules", "model.lora.target_modules", "all-linear", "lora.target_modules", "all-linear"),
         Pin("evaluation during training (TRL: none)", "eval.enabled", False, None, None),
+        Pin("last.ckpt only after the last round (TRL: save_strategy='no')", "checkpoint.last_every_n_rounds",
+            steps, None, None),
     ]  # fmt: skip
 
 
@@ -266,12 +270,18 @@ def run_ours(pinned: list[Pin], extra: list[str], fixed_length: bool = False) ->
         run.trainer.callbacks.insert(0, timer)
         run.fit()
         fit_end = time.perf_counter()
-    out = {"system": "grpo_lightning", "step_s": [], "rollout_s": timer.rollout, "train_s": []}
+    out = {"system": "grpo_lightning", "step_s": [], "rollout_s": timer.rollout, "train_s": [], "round_end_s": []}
     for k in range(steps):
-        nxt = timer.starts[k + 1] if k + 1 < steps else fit_end
-        next_rollout = timer.rollout[k + 1] if k + 1 < steps else 0.0
-        out["step_s"].append(nxt - timer.starts[k] - next_rollout + timer.rollout[k])
-        out["train_s"].append(out["step_s"][-1] - timer.rollout[k])
+        # A round: its rollout (sampled at the previous round's end), its training, then its end (logging and
+        # the next round's sampling, counted in that round). The last round's end is the run's: last.ckpt, the
+        # exported policy and the closing summary, which TRL's side does not do (save_strategy='no'), so it is
+        # kept out of that step (wall_s still holds it).
+        train = timer.ends[k] - timer.starts[k]
+        end = timer.starts[k + 1] - timer.ends[k] - timer.rollout[k + 1] if k + 1 < steps else 0.0
+        out["train_s"].append(train)
+        out["round_end_s"].append(end)
+        out["step_s"].append(timer.rollout[k] + train + end)
+    out["run_end_s"] = fit_end - timer.ends[-1]
     out["completion_len"] = timer.lengths
     out["generate_s"] = timer.rollout  # the rollout callback's generation (the reference forward is in training)
     out["gpu_estimate_gb"] = estimate
