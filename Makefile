@@ -9,6 +9,9 @@ ARGS ?=
 # worker, one torch thread in each (tests/conftest.py); WORKERS=0 runs it in pytest's own process.
 WORKERS ?= auto
 PARALLEL := -n $(WORKERS) --dist loadfile
+# pytest caches each test module's rewritten asserts as bytecode; with PYTHONDONTWRITEBYTECODE set (as some shells
+# and images do) every worker rewrites every module on every run: 2-3 s of `make check` on 2 cores.
+unexport PYTHONDONTWRITEBYTECODE
 
 .DEFAULT_GOAL := help
 .PHONY: help install vllm-cpu vllm vllm-venv vllm-lock train test test-vllm test-gpu check lint format tb
