@@ -29,6 +29,7 @@ from grpo_lightning.schema import (
     setting,
     text,
 )
+from grpo_lightning.training.checkpointing import CheckpointSettings
 from grpo_lightning.training.overlap import RolloutSettings
 from grpo_lightning.training.tracking import ResumingCSVLogger
 
@@ -71,14 +72,6 @@ def betas(value) -> str | None:
 class PathsSettings:
     output_dir: str = setting("", text, "the run's directory: Hydra's run dir (hydra.run.dir) by default")
     cache_dir: str = setting("~/.cache/grpo_lightning", text, "converted models (GGUF -> safetensors), shared")
-
-
-@dataclass(frozen=True)
-class CheckpointSettings:
-    every_n_rounds: int = setting(5, integer(1), "keep round<NNN>.ckpt every this many rounds")
-    last_every_n_rounds: int = setting(
-        1, integer(1), "last.ckpt every this many rounds, and always after the round the run stops at"
-    )
 
 
 @dataclass(frozen=True)

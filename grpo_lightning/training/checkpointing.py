@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,21 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
+from grpo_lightning.schema import integer, problems, setting
+
 log = logging.getLogger(__name__)
 
 LAST = "last.ckpt"
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The `checkpoint` config node: the cadence of the round files and of last.ckpt."""
+
+    every_n_rounds: int = setting(5, integer(1), "keep round<NNN>.ckpt every this many rounds")
+    last_every_n_rounds: int = setting(
+        1, integer(1), "last.ckpt every this many rounds, and always after the round the run stops at"
+    )
 
 
 class LastCheckpoint(Checkpoint):
@@ -50,8 +63,9 @@ class LastCheckpoint(Checkpoint):
     """
 
     def __init__(self, dirpath: str | Path, every_n_rounds: int = 1) -> None:
-        if isinstance(every_n_rounds, bool) or not isinstance(every_n_rounds, int) or every_n_rounds < 1:
-            raise ValueError(f"checkpoint.last_every_n_rounds must be an integer >= 1, got {every_n_rounds!r}")
+        found = problems({"last_every_n_rounds": every_n_rounds}, CheckpointSettings, "checkpoint")
+        if found:  # the config check's rule and words (a run never gets here with a bad value)
+            raise ValueError("; ".join(found))
         self.dirpath = Path(dirpath)
         self.every_n_rounds = every_n_rounds
 

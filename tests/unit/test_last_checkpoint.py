@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from grpo_lightning.app.validation import check_rules
 from grpo_lightning.training.checkpointing import LAST, LastCheckpoint
+from tests.conftest import make_cfg
 
 
 @dataclass
@@ -74,7 +76,13 @@ def test_a_diverged_round_is_never_written():
     assert trainer.written == []
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
-def test_a_bad_cadence_is_refused_naming_the_key(bad):
-    with pytest.raises(ValueError, match="checkpoint.last_every_n_rounds must be an integer >= 1"):
+@pytest.mark.parametrize(("bad", "rule"), [(0, "must be >= 1"), (-2, "must be >= 1"), (1.5, "must be an integer"),
+                                           (True, "must be an integer"), ("2", "must be an integer")])  # fmt: skip
+def test_a_bad_cadence_is_refused_naming_the_key(tmp_path, bad, rule):
+    """In the config check's words: the constructor and `checkpoint.last_every_n_rounds` share one rule."""
+    with pytest.raises(ValueError) as err:
         LastCheckpoint("ckpts", every_n_rounds=bad)
+    assert str(err.value) == f"checkpoint.last_every_n_rounds {rule} (got {bad!r})"
+    if not isinstance(bad, str):  # a string override is YAML-parsed to its int by Hydra
+        cfg = make_cfg(tmp_path, [f"checkpoint.last_every_n_rounds={bad}"])
+        assert check_rules(cfg) == [str(err.value)]
