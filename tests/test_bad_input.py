@@ -31,6 +31,7 @@ from grpo_lightning.__main__ import run as run_cli
 from grpo_lightning.app.train import train
 from grpo_lightning.rewards.pipeline import check_moved_overrides
 from tests.conftest import CONF_DIR, make_cfg
+from tests.forked_cli import cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -79,12 +80,10 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def real_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The real command in a subprocess, as a user runs it (several seconds of imports: keep these few)."""
+    """The real command in a process of its own, as a user runs it (forked past its imports: tests/forked_cli.py)."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}  # the user's default: no traceback
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_lightning", *args], capture_output=True, text=True, cwd=cwd, env=env
-    )
+    return cli_run(*args, cwd=cwd, env=env)  # forked past its imports: tests/forked_cli.py
 
 
 def assert_clean_failure(result: subprocess.CompletedProcess, *words: str, code: int | None = None) -> None:
@@ -284,19 +283,8 @@ def test_real_cli_exit_codes(tmp_path, overrides, words, code):
 @pytest.mark.slow
 def test_full_error_env_shows_the_traceback(tmp_path):
     env = dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpo_lightning",
-            "dry_run=true",
-            f"hydra.run.dir={tmp_path}/run",
-            "generator.num_generations=1",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
+    result = cli_run(
+        "dry_run=true", f"hydra.run.dir={tmp_path}/run", "generator.num_generations=1", cwd=tmp_path, env=env
     )
     assert result.returncode != 0 and "Traceback" in result.stderr
 

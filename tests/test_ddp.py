@@ -8,13 +8,13 @@ callback), and a hand count of every reward both processes computed (a recording
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.forked_cli import cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
@@ -50,14 +50,7 @@ def run(run_dir: Path, devices: int, *extra: str) -> dict:
         overrides += ["trainer=ddp", f"trainer.devices={devices}", "trainer.accelerator=cpu"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("HYDRA_FULL_ERROR", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "grpo_lightning", *overrides, *extra],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = cli_run(*overrides, *extra, cwd=ROOT, env=env, timeout=900)  # rank 0 forked: tests/forked_cli.py
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {"dir": run_dir, "stdout": result.stdout, "stderr": result.stderr}
 

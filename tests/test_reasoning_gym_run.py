@@ -4,8 +4,6 @@ refusal, and learning against an lr=0 control through a reasoning-gym task's own
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from random import Random
 
@@ -19,6 +17,7 @@ from grpo_lightning.rewards.answers import last_number
 from grpo_lightning.training.evaluation import wilson_interval
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from tests.conftest import ROOT, make_cfg
+from tests.forked_cli import cli_run
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +77,7 @@ def test_the_cli_refuses_a_wrong_task_key_in_one_line_and_takes_a_plain_one(tmp_
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONPATH": str(ROOT)}
 
     def cli(*args):
-        command = [sys.executable, "-m", "grpo_lightning", "data=reasoning_gym", "reward=reasoning_gym", "dry_run=true"]
-        return subprocess.run([*command, *args], capture_output=True, text=True, cwd=tmp_path, env=env)
+        return cli_run("data=reasoning_gym", "reward=reasoning_gym", "dry_run=true", *args, cwd=tmp_path, env=env)
 
     bad = cli("data.dataset.task_config.min_termz=2")
     assert bad.returncode == 2, bad.stderr

@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from grpo_lightning.training.checkpointing import AtomicCheckpointIO
+from tests.forked_cli import ForkedRun, cli_popen
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 4
@@ -73,26 +73,20 @@ def args(setup: str) -> list[str]:
     return [*(a for a in BASE if a not in NOT_BASE.get(setup, ())), *SETUPS[setup]]
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def start(run_dir: Path, *overrides: str, **env_vars: str) -> subprocess.Popen | ForkedRun:
+    """`python -m grpo_lightning` in a process of its own (forked past its imports: tests/forked_cli.py)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_vars)
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "grpo_lightning", f"hydra.run.dir={run_dir}", *overrides],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return cli_popen(f"hydra.run.dir={run_dir}", *overrides, cwd=ROOT, env=env)
 
 
-def finish(proc: subprocess.Popen, expect: int = 0) -> str:
+def finish(proc: subprocess.Popen | ForkedRun, expect: int = 0) -> str:
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == expect, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
     return out + err
 
 
-def wait_for(path: Path, proc: subprocess.Popen, writes: int = 1, timeout: float = 300) -> float:
+def wait_for(path: Path, proc: subprocess.Popen | ForkedRun, writes: int = 1, timeout: float = 300) -> float:
     """Wait until `path` has been written `writes` times; returns the seconds between the last two writes."""
     deadline = time.monotonic() + timeout
     seen, stamps = None, [time.monotonic()]
@@ -138,31 +132,50 @@ def assert_bitwise_equal(a: dict, b: dict, context: str = "") -> None:
             assert all(torch.equal(w, pool_b["snapshots"][name][k]) for k, w in weights.items()), f"{name} {context}"
 
 
+def round_seconds(path: Path, proc: subprocess.Popen | ForkedRun) -> float:
+    """Run `proc` to its end, watching `path`: the median time between its writes (one a round)."""
+    stamps, seen = [], None
+    while proc.poll() is None:
+        stamp = path.stat().st_mtime_ns if path.exists() else None
+        if stamp != seen and stamp is not None:
+            seen = stamp
+            stamps.append(time.monotonic())
+        time.sleep(0.01)
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    return gaps[len(gaps) // 2] if gaps else 1.0
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The truth: each setup run once without interruption (started together: 2 cores)."""
+    """The truth: each setup run once without interruption, one after another, and how long a round took."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    procs = {name: start(root / name, *args(name)) for name in SETUPS}
-    for proc in procs.values():
+    states, rounds = {}, {}
+    for name in SETUPS:
+        proc = start(root / name, *args(name))
+        rounds[name] = round_seconds(root / name / "checkpoints" / "last.ckpt", proc)
         finish(proc)
-    return {name: final_state(root / name) for name in SETUPS}
+        states[name] = final_state(root / name)
+    return {"states": states, "round_s": rounds}
 
 
 @pytest.mark.parametrize("setup", SETUPS)
 def test_sigkill_at_a_random_point_then_resume_is_bitwise_equal(tmp_path, uninterrupted, setup):
+    """SIGKILL inside round 1 or 2 (of 0..3), anywhere in it: after `writes` writes of last.ckpt, a random fraction
+    of a round later (a round timed here when two writes were seen, else the uninterrupted run's). The process's
+    own end (the interpreter's shutdown after its last round) is not a point inside a round."""
     seed = int(os.environ.get("RESUME_TEST_SEED", random.randrange(10**6)))
     rng = random.Random(seed)
     writes, fraction = rng.randint(1, ROUNDS - 2), rng.uniform(0.0, 0.9)  # kill inside round `writes`, anywhere
     run_dir = tmp_path / "run"
     proc = start(run_dir, *args(setup))
     round_s = wait_for(run_dir / "checkpoints" / "last.ckpt", proc, writes)
-    time.sleep(fraction * (round_s if writes > 1 else 1.0))
+    time.sleep(fraction * (round_s if writes > 1 else uninterrupted["round_s"][setup]))
     assert proc.poll() is None, f"the run finished before the kill (RESUME_TEST_SEED={seed})"
     proc.kill()  # SIGKILL: no handler runs
     proc.wait()
     err = finish(start(run_dir, *args(setup), "ckpt_path=last"))
     assert "resuming from" in err
-    assert_bitwise_equal(uninterrupted[setup], final_state(run_dir), context=f"RESUME_TEST_SEED={seed}")
+    assert_bitwise_equal(uninterrupted["states"][setup], final_state(run_dir), context=f"RESUME_TEST_SEED={seed}")
 
 
 @pytest.mark.parametrize("setup", ["grpo", "overlap"])
@@ -177,7 +190,7 @@ def test_sigint_finishes_the_round_saves_and_resumes_exactly(tmp_path, uninterru
     stopped = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert 1 <= stopped["epoch"] < ROUNDS - 1  # stopped early, at a round boundary
     finish(start(run_dir, *args(setup), "ckpt_path=last"))
-    assert_bitwise_equal(uninterrupted[setup], final_state(run_dir))
+    assert_bitwise_equal(uninterrupted["states"][setup], final_state(run_dir))
 
 
 def test_a_sparse_last_checkpoint_still_saves_the_round_a_sigint_stops_at(tmp_path, uninterrupted):
@@ -193,7 +206,7 @@ def test_a_sparse_last_checkpoint_still_saves_the_round_a_sigint_stops_at(tmp_pa
     stopped = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert stopped["epoch"] == 2  # 0-based: round 3, where the run stopped
     finish(start(run_dir, *args("grpo"), "ckpt_path=last"))
-    assert_bitwise_equal(uninterrupted["grpo"], final_state(run_dir))
+    assert_bitwise_equal(uninterrupted["states"]["grpo"], final_state(run_dir))
 
 
 def test_an_overlapped_run_extended_past_its_last_round_continues_as_the_longer_run(tmp_path, uninterrupted):
@@ -202,7 +215,21 @@ def test_an_overlapped_run_extended_past_its_last_round_continues_as_the_longer_
     run_dir = tmp_path / "run"
     finish(start(run_dir, *BASE, *SETUPS["overlap"], f"trainer.max_epochs={ROUNDS - 2}"))
     finish(start(run_dir, *BASE, *SETUPS["overlap"], "ckpt_path=last"))
-    assert_bitwise_equal(uninterrupted["overlap"], final_state(run_dir))
+    assert_bitwise_equal(uninterrupted["states"]["overlap"], final_state(run_dir))
+
+
+@pytest.mark.parametrize("setup", ["storpo_two_passes", "overlap_dynamic_sampling", "selfplay"])
+def test_a_run_ends_bitwise_equal_under_another_hash_seed(tmp_path, uninterrupted, setup):
+    """The runs above are forked from one server and share its `str` hash seed (tests/forked_cli.py): a real
+    process with a fixed other seed ends bit for bit where the uninterrupted run ends, so no result hangs on the
+    order of a set of strings (STORPO's branches, dynamic sampling's redraws, the self-play pool's names)."""
+    seed = "12345" if os.environ.get("PYTHONHASHSEED") != "12345" else "54321"
+    proc = start(tmp_path / "run", *args(setup), PYTHONHASHSEED=seed)
+    assert not isinstance(proc, ForkedRun)  # an interpreter-start-up setting: a real process
+    finish(proc)
+    assert_bitwise_equal(
+        uninterrupted["states"][setup], final_state(tmp_path / "run"), context=f"PYTHONHASHSEED={seed}"
+    )
 
 
 def test_checkpoint_write_killed_midway_leaves_the_previous_file(tmp_path, monkeypatch):

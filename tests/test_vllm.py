@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +30,7 @@ from grpo_lightning.generation import vllm as vllm_generation
 from grpo_lightning.generation.vllm_io import import_vllm
 from grpo_lightning.generation.vllm_weights import policy_weights
 from tests.conftest import make_cfg
+from tests.forked_cli import cli_run
 
 pytestmark = pytest.mark.vllm
 
@@ -113,9 +112,7 @@ def test_cli_storpo_run_with_adapter_sync(tmp_path, llama_dir):
         "eval.num_problems=4",
         f"paths.output_dir={tmp_path}",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "grpo_lightning", *args], capture_output=True, text=True, cwd=REPO, env=os.environ
-    )
+    result = cli_run(*args, cwd=REPO, env=os.environ)  # forked past its imports: tests/forked_cli.py
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     metrics = json.loads((tmp_path / "final_metrics.json").read_text())
     print(f"adapter sync, STORPO: rollout/logp_diff_mean = {metrics['rollout/logp_diff_mean']:.3g}")

@@ -3,11 +3,11 @@ notebook."""
 
 import csv
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.forked_cli import cli_run
 
 pytestmark = pytest.mark.slow
 
@@ -17,13 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory):
     sweep = tmp_path_factory.mktemp("sweep")
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "grpo_lightning", "-m", "model=tiny", "seed=0,1", "trainer.max_epochs=2",
-            "generator.max_new_tokens=16", "eval.num_problems=4", "trainer.enable_progress_bar=false",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        capture_output=True, text=True, cwd=ROOT,
+    result = cli_run(
+        "-m", "model=tiny", "seed=0,1", "trainer.max_epochs=2", "generator.max_new_tokens=16", "eval.num_problems=4",
+        "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}", cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return sweep
