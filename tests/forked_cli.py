@@ -29,6 +29,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -184,13 +185,14 @@ def _finalize() -> None:
 
 # ---- the test side ------------------------------------------------------------------------------------------
 class _Server:
+    """The server process (`serve`) and the socket it listens on, in a folder of its own."""
+
     def __init__(self, env: dict[str, str]) -> None:
         self.folder = tempfile.mkdtemp(prefix="grpo-forked-cli-")
         self.address = os.path.join(self.folder, "socket")
-        self.env = dict(env)
         code = f"from tests.forked_cli import serve; serve({self.address!r})"  # cwd ROOT: '' on sys.path
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=self.env
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env
         )
         line = self.proc.stdout.readline()
         self.ready = json.loads(line) if line else None
@@ -203,6 +205,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 BASE_ENV = dict(os.environ)
