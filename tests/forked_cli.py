@@ -49,13 +49,17 @@ IMPORT_TIME_ENV = (
 """Prefixes of the environment keys read while the CLI's modules are imported (Python's PYTHON*, OpenMP's and
 torch's thread and allocator settings, the Hugging Face cache paths and switches, locale): a run whose value of
 one differs from its server's starts a real process. Every other key reaches the child before the run reads it.
-PYTHONPATH is the exception: the child builds `sys.path` from it."""
+PYTHONPATH is an exception (the child builds `sys.path` from it), as are the keys in `RUN_TIME_ENV`."""
+RUN_TIME_ENV = frozenset({"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
+"""Keys under those prefixes read only at run time. torch writes the last two into os.environ as it runs
+(`torch._inductor.runtime.cache_dir_utils.cache_dir`, `torch.cuda._nvml_based_avail` reads the other), so a test
+process that has trained in-process holds them, and every run built from its environment carries them."""
 ENABLED = os.environ.get("GRPO_LIGHTNING_TEST_FORKED_CLI", "1") != "0"
 MAX_MESSAGE = 1 << 20
 
 
 def _import_time_env(env: dict[str, str]) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH"))
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in RUN_TIME_ENV))
 
 
 # ---- the server (its own process) -------------------------------------------------------------------------------

@@ -86,22 +86,34 @@ def finish(proc: subprocess.Popen | ForkedRun, expect: int = 0) -> str:
     return out + err
 
 
-def wait_for(path: Path, proc: subprocess.Popen | ForkedRun, writes: int = 1, timeout: float = 300) -> float:
-    """Wait until `path` has been written `writes` times; returns the seconds between the last two writes."""
-    deadline = time.monotonic() + timeout
-    seen, stamps = None, [time.monotonic()]
-    while len(stamps) <= writes:
+def write_times(path: Path, proc: subprocess.Popen | ForkedRun, every: float):
+    """Poll `path` every `every` seconds while `proc` runs: yield the time of each new write (its mtime changing),
+    else None (a caller's deadline is checked there). A write just before the process ends is still seen."""
+    seen = None
+    while True:
         stamp = path.stat().st_mtime_ns if path.exists() else None
         if stamp != seen and stamp is not None:
             seen = stamp
-            stamps.append(time.monotonic())
+            yield time.monotonic()
             continue
-        assert proc.poll() is None, (
-            f"the run ended before {path} was written {writes}x: {proc.communicate()[1][-3000:]}"
-        )
-        assert time.monotonic() < deadline, f"{path} was not written {writes} times"
-        time.sleep(0.02)
-    return stamps[-1] - stamps[-2]
+        if proc.poll() is not None:
+            return
+        yield None
+        time.sleep(every)
+
+
+def wait_for(path: Path, proc: subprocess.Popen | ForkedRun, writes: int = 1, timeout: float = 300) -> float:
+    """Wait until `path` has been written `writes` times; returns the seconds between the last two writes."""
+    deadline = time.monotonic() + timeout
+    stamps = [time.monotonic()]
+    for stamp in write_times(path, proc, every=0.02):
+        if stamp is None:
+            assert time.monotonic() < deadline, f"{path} was not written {writes} times"
+            continue
+        stamps.append(stamp)
+        if len(stamps) > writes:
+            return stamps[-1] - stamps[-2]
+    raise AssertionError(f"the run ended before {path} was written {writes}x: {proc.communicate()[1][-3000:]}")
 
 
 def final_state(run_dir: Path) -> dict:
@@ -134,13 +146,7 @@ def assert_bitwise_equal(a: dict, b: dict, context: str = "") -> None:
 
 def round_seconds(path: Path, proc: subprocess.Popen | ForkedRun) -> float:
     """Run `proc` to its end, watching `path`: the median time between its writes (one a round)."""
-    stamps, seen = [], None
-    while proc.poll() is None:
-        stamp = path.stat().st_mtime_ns if path.exists() else None
-        if stamp != seen and stamp is not None:
-            seen = stamp
-            stamps.append(time.monotonic())
-        time.sleep(0.01)
+    stamps = [stamp for stamp in write_times(path, proc, every=0.01) if stamp is not None]
     gaps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False))
     return gaps[len(gaps) // 2] if gaps else 1.0
 

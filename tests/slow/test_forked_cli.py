@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_cli import BASE_ENV, ForkedRun, cli_popen, cli_run
+from tests.forked_cli import ForkedRun, cli_popen, cli_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,9 +23,7 @@ def real(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProc
 
 
 def _env(**values: str) -> dict[str, str]:
-    """The tests' environment as collected: torch adds keys to os.environ as it runs (TORCHINDUCTOR_CACHE_DIR,
-    PYTORCH_NVML_BASED_CUDA_CHECK), which a fork cannot take on, so this process's current one may get real runs."""
-    env = {k: v for k, v in BASE_ENV.items() if k != "HYDRA_FULL_ERROR"}
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return dict(env, PYTHONPATH=str(ROOT), **values)
 
 
