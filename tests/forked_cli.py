@@ -18,6 +18,13 @@ What a fork cannot give, a real process does (`cli_popen` falls back to `subproc
 One thing is shared by every child of a server: `str` hashing (the interpreter's hash seed). Runs whose result
 could depend on it are checked against real processes with other seeds (tests/test_resume.py).
 
+Inside a forked run, the DDP ranks Lightning starts (ranks 1.., `python -m grpo_lightning ...` through
+`subprocess.Popen` in Lightning's script launcher) are forked from the same server, under the same conditions, so
+a two-process run pays no imports either. Such ranks share rank 0's hash seed, where real ones would each draw
+their own: a run whose env has `GRPO_LIGHTNING_TEST_FORKED_RANKS=0` starts them as real processes
+(tests/test_ddp.py keeps one pair of runs so, so that an order of `str` hashing that differs between ranks stays
+tested).
+
 `GRPO_LIGHTNING_TEST_FORKED_CLI=0` turns the server off (every run a real process).
 """
 
@@ -44,16 +51,21 @@ ROOT = Path(__file__).resolve().parents[1]
 IMPORT_TIME_ENV = (
     "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "NPY_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "LD_",
     "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "LIGHTNING_", "SYMPY_", "MPL", "TF_", "XDG_",
-    "HOME", "TMPDIR", "LANG", "LC_",
+    "HOME", "TMPDIR", "LANG", "LC_", "RANK", "LOCAL_RANK", "SLURM_", "JSM_",
 )  # fmt: skip
 """Prefixes of the environment keys read while the CLI's modules are imported (Python's PYTHON*, OpenMP's and
 torch's thread and allocator settings, the Hugging Face cache paths and switches, locale): a run whose value of
 one differs from its server's starts a real process. Every other key reaches the child before the run reads it.
 PYTHONPATH is an exception (the child builds `sys.path` from it), as are the keys in `RUN_TIME_ENV`."""
-RUN_TIME_ENV = frozenset({"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
-"""Keys under those prefixes read only at run time. torch writes the last two into os.environ as it runs
-(`torch._inductor.runtime.cache_dir_utils.cache_dir`, `torch.cuda._nvml_based_avail` reads the other), so a test
-process that has trained in-process holds them, and every run built from its environment carries them."""
+REPLAYED_ENV = frozenset({"RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"})
+"""Keys read at import whose effect a forked child derives again from its own environment (`_replay_imports`):
+Lightning sets `rank_zero_only.rank` from them when it is imported (lightning.fabric.utilities.rank_zero), and a
+DDP rank its launcher starts carries LOCAL_RANK."""
+RUN_TIME_ENV = frozenset({"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", *REPLAYED_ENV})
+"""Keys under those prefixes read only at run time, or replayed (`REPLAYED_ENV`). torch writes the inductor cache
+path and the NVML switch into os.environ as it runs (`torch._inductor.runtime.cache_dir_utils.cache_dir`,
+`torch.cuda._nvml_based_avail` reads the other), so a test process that has trained in-process holds them, and
+every run built from its environment carries them."""
 ENABLED = os.environ.get("GRPO_LIGHTNING_TEST_FORKED_CLI", "1") != "0"
 MAX_MESSAGE = 1 << 20
 
@@ -62,9 +74,20 @@ def _import_time_env(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in RUN_TIME_ENV))
 
 
+def _imports_as_the_server(env: dict[str, str], cwd: Path, ready: dict) -> bool:
+    """Whether a `python -m grpo_lightning` process with this env and cwd would have made the server's imports:
+    the same import-time settings, and the same checkout of `grpo_lightning` found first on its path."""
+    if _import_time_env(env) != _import_time_env(ready["env"]):
+        return False
+    search = [cwd, *(Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    hit = next((p.resolve() for p in search if (p / "grpo_lightning" / "__init__.py").is_file()), None)
+    return (str(hit) if hit is not None else ready["installed"]) == ready["loaded"]
+
+
 # ---- the server (its own process) -------------------------------------------------------------------------------
 def serve(address: str) -> None:
     """Import what the CLI imports, say `ready` on stdout, then fork a child per request until stdin closes."""
+    env = dict(os.environ)  # before the imports, which may set keys of their own
     base = [p for p in sys.path if p not in ("", *os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     saved, sys.path[:] = sys.path[:], base
     import importlib.util
@@ -83,6 +106,8 @@ def serve(address: str) -> None:
         "threads": threads,  # a fork copies only the calling thread: the client refuses a server with others
         "loaded": str(Path(grpo_lightning.__file__).resolve().parents[1]),
         "installed": str(Path(installed.origin).resolve().parents[1]) if installed and installed.origin else None,
+        "env": env,  # what a run's import-time settings are compared with
+        "address": address,
     }
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()
@@ -100,7 +125,7 @@ def serve(address: str) -> None:
             if pid == 0:
                 for other in (listener, conn, *running.values()):
                     other.close()
-                _become_the_run(json.loads(message), fds, base)
+                _become_the_run(json.loads(message), fds, base, ready)
             for fd in fds:
                 os.close(fd)
             conn.send(json.dumps({"pid": pid}).encode())
@@ -116,7 +141,7 @@ def serve(address: str) -> None:
                 conn.close()
 
 
-def _become_the_run(request: dict, fds: list[int], base: list[str]) -> None:
+def _become_the_run(request: dict, fds: list[int], base: list[str], ready: dict) -> None:
     """In the forked child: set up what the interpreter would have, run the CLI, exit as the interpreter does."""
     code = 1
     try:
@@ -131,6 +156,7 @@ def _become_the_run(request: dict, fds: list[int], base: list[str]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _replay_imports()
         pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.getcwd(), *pythonpath, *base]
         for name in [n for n in sys.modules if n == "tests" or n.startswith("tests.")]:
@@ -146,11 +172,12 @@ def _become_the_run(request: dict, fds: list[int], base: list[str]) -> None:
         random.seed()  # a fresh process seeds from the OS; a fork would repeat the server's state
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
+        _fork_ddp_ranks(ready)
         sys.argv = ["-m", *request["args"]]  # runpy puts the module's path in argv[0], as -m does
         import runpy
 
         try:
-            runpy.run_module("grpo_lightning", run_name="__main__", alter_sys=True)
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as stop:
             code = _exit_code(stop.code)
@@ -167,6 +194,50 @@ def _become_the_run(request: dict, fds: list[int], base: list[str]) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _replay_imports() -> None:
+    """What the server's imports derived from the keys in `REPLAYED_ENV`, derived again from this run's
+    environment, by the expression Lightning runs at import."""
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    rank_zero_only.rank = _get_rank() or 0
+
+
+class _RankLauncherSubprocess:
+    """`subprocess` as Lightning's DDP script launcher sees it inside a forked run: its `Popen` of
+    `[sys.executable, "-m", "grpo_lightning", ...]` (ranks 1.., streams inherited) becomes a `ForkedRun` from this
+    run's server where that process would have made the server's imports; any other call is `subprocess`'s own."""
+
+    def __init__(self, ready: dict) -> None:
+        self.ready = ready
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    def Popen(self, command, *, env=None, cwd=None, **kwargs):  # noqa: N802 - subprocess's name
+        env = dict(os.environ if env is None else env)
+        cwd = Path(os.getcwd() if cwd is None else cwd)
+        forkable = (
+            not kwargs
+            and list(command[:2]) == [sys.executable, "-m"]
+            and command[2] in ("grpo_lightning", "grpo_lightning.__main__")  # `__main__.__spec__.name`
+            and env.get("GRPO_LIGHTNING_TEST_FORKED_RANKS", "1") != "0"
+            and _imports_as_the_server(env, cwd, self.ready)
+        )
+        if not forkable:
+            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+        return ForkedRun(
+            self.ready["address"], list(command[3:]), cwd, env, text=False, capture=False, module=command[2]
+        )
+
+
+def _fork_ddp_ranks(ready: dict) -> None:
+    """Lightning's script launcher (trainer=ddp on CPUs) starts ranks 1.. with `subprocess.Popen`: from here on,
+    in this forked run, it forks them from the server (`_RankLauncherSubprocess`)."""
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    subprocess_script.subprocess = _RankLauncherSubprocess(ready)
 
 
 def _exit_code(value) -> int:
@@ -219,17 +290,14 @@ _servers: list[_Server] = []
 
 def _server_for(env: dict[str, str], cwd: Path) -> _Server | None:
     """The server whose imports this run would have made itself, or None (then a real process)."""
-    if not ENABLED or _import_time_env(env) != _import_time_env(BASE_ENV):
+    if not ENABLED:
         return None
     if not _servers:
         _servers.append(_Server(dict(BASE_ENV, PYTHONPATH=str(ROOT))))
     server = _servers[0]
     if not server.usable:
         return None
-    search = [cwd, *(Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
-    hit = next((p.resolve() for p in search if (p / "grpo_lightning" / "__init__.py").is_file()), None)
-    resolved = str(hit) if hit is not None else server.ready["installed"]
-    return server if resolved == server.ready["loaded"] else None
+    return server if _imports_as_the_server(env, cwd, server.ready) else None
 
 
 @atexit.register
@@ -242,23 +310,37 @@ def close_servers() -> None:
 class ForkedRun:
     """A CLI run forked from a server, answering as `subprocess.Popen` does for the calls tests make."""
 
-    def __init__(self, server: _Server, args: list[str], cwd: Path, env: dict[str, str], text: bool) -> None:
+    def __init__(
+        self,
+        address: str,
+        args: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        text: bool,
+        capture: bool = True,
+        module: str = "grpo_lightning",
+    ) -> None:
+        """`capture`: stdout and stderr into pipes (`self.stdout`, `self.stderr`), as `stdout=PIPE, stderr=PIPE`;
+        else the run writes to this process's own fds 1 and 2 and reads its fd 0, as a `Popen` without them."""
         self.args, self.text, self.returncode = args, text, None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
+        if capture:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            streams = [os.open(os.devnull, os.O_RDONLY), out_w, err_w]
+        else:
+            streams = [os.dup(fd) for fd in (0, 1, 2)]
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.conn.connect(server.address)
-        request = {"args": list(args), "cwd": str(cwd), "env": env}
-        socket.send_fds(self.conn, [json.dumps(request).encode()], [null, out_w, err_w])
-        for fd in (null, out_w, err_w):
+        self.conn.connect(address)
+        request = {"module": module, "args": list(args), "cwd": str(cwd), "env": env}
+        socket.send_fds(self.conn, [json.dumps(request).encode()], streams)
+        for fd in streams:
             os.close(fd)
         reply = self.conn.recv(MAX_MESSAGE)
         if not reply:
             raise RuntimeError("the forked-CLI server closed the connection before starting the run")
         self.pid = json.loads(reply)["pid"]
-        self.stdout = open(out_r, "rb")  # noqa: SIM115
-        self.stderr = open(err_r, "rb")  # noqa: SIM115
+        self.stdout = open(out_r, "rb") if capture else None  # noqa: SIM115
+        self.stderr = open(err_r, "rb") if capture else None  # noqa: SIM115
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -295,7 +377,7 @@ class ForkedRun:
     def communicate(self, timeout: float | None = None) -> tuple[str | bytes, str | bytes]:
         """Both streams to their ends, then the exit status: `Popen.communicate` without input."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        chunks = {self.stdout: [], self.stderr: []}
+        chunks = {s: [] for s in (self.stdout, self.stderr) if s is not None}
         open_streams = [s for s in chunks if not s.closed]
         while open_streams:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -310,6 +392,8 @@ class ForkedRun:
                     stream.close()
                     open_streams.remove(stream)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not chunks:  # not captured: the run wrote to this process's own streams
+            return None, None
         out, err = (b"".join(chunks[s]) for s in (self.stdout, self.stderr))
         return (_text(out), _text(err)) if self.text else (out, err)
 
@@ -325,7 +409,7 @@ def cli_popen(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, t
     env = dict(os.environ if env is None else env)
     server = _server_for(env, Path(cwd))
     if server is not None:
-        return ForkedRun(server, list(args), Path(cwd), env, text)
+        return ForkedRun(server.address, list(args), Path(cwd), env, text)
     return subprocess.Popen(
         [sys.executable, "-m", "grpo_lightning", *args],
         cwd=cwd,

@@ -3,6 +3,8 @@ and builders."""
 
 import copy
 import os
+import subprocess
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -69,6 +71,20 @@ class DumpTrainableParams(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         params = {n: p.detach().clone() for n, p in pl_module.policy.named_parameters() if p.requires_grad}
         torch.save(params, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
+
+
+class RecordHowRankStarted(L.Callback):
+    """Writes `<directory>/rank<r>.started`: `forked` in a run forked past its imports by tests/forked_cli.py (its
+    Lightning launcher forks the ranks it starts), `real` in a process of its own (tests/test_ddp.py)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from lightning.pytorch.strategies.launchers import subprocess_script
+
+        how = "real" if subprocess_script.subprocess is subprocess else "forked"
+        Path(self.directory, f"rank{trainer.global_rank}.started").write_text(how)
 
 
 def lora_policy_with_random_adapters(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.forked_cli import ENABLED as FORKED_CLI
 from tests.forked_cli import cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,9 @@ PROMPTS = 4
 G = 4
 
 
-def run(run_dir: Path, devices: int, *extra: str) -> dict:
+def run(run_dir: Path, devices: int, *extra: str, real_ranks: bool = False) -> dict:
+    """One CLI run; rank 0 forked past its imports (tests/forked_cli.py), and rank 1 too unless `real_ranks`: then
+    Lightning starts it as a real process, with a `str` hash seed of its own, as ranks have outside the tests."""
     run_dir.mkdir(parents=True)
     overrides = [
         f"hydra.run.dir={run_dir}",
@@ -45,12 +48,16 @@ def run(run_dir: Path, devices: int, *extra: str) -> dict:
         "eval.every_n_rounds=100",
         "+callbacks.dump._target_=tests.helpers.DumpTrainableParams",
         f"+callbacks.dump.directory={run_dir}",
+        "+callbacks.started._target_=tests.helpers.RecordHowRankStarted",
+        f"+callbacks.started.directory={run_dir}",
     ]
     if devices > 1:
         overrides += ["trainer=ddp", f"trainer.devices={devices}", "trainer.accelerator=cpu"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if real_ranks:
+        env["GRPO_LIGHTNING_TEST_FORKED_RANKS"] = "0"
     env.pop("HYDRA_FULL_ERROR", None)
-    result = cli_run(*overrides, *extra, cwd=ROOT, env=env, timeout=900)  # rank 0 forked: tests/forked_cli.py
+    result = cli_run(*overrides, *extra, cwd=ROOT, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {"dir": run_dir, "stdout": result.stdout, "stderr": result.stderr}
 
@@ -65,9 +72,11 @@ def scalars(run_dir: Path, tag: str) -> list[float]:
 def runs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     extra = [f"loss={request.param}"]
+    real_ranks = request.param == "grpo"  # one pair with ranks whose `str` hashing differs (tests/forked_cli.py)
     if request.param == "grpo":
         extra.append("probe=[gns,entropy]")  # the probes' DDP paths; they never change training
-    return {"single": run(root / "single", 1, *extra), "ddp": run(root / "ddp", 2, *extra), "loss": request.param}
+    single, ddp = run(root / "single", 1, *extra), run(root / "ddp", 2, *extra, real_ranks=real_ranks)
+    return {"single": single, "ddp": ddp, "loss": request.param}
 
 
 def test_ranks_hold_identical_parameters_equal_to_one_process(runs):
@@ -80,6 +89,16 @@ def test_ranks_hold_identical_parameters_equal_to_one_process(runs):
         torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
     lora_b = [n for n in reference if "lora_B" in n]
     assert any(reference[n].abs().max() > 0 for n in lora_b)  # it trained (LoRA B starts at zero)
+
+
+def test_rank_one_is_forked_except_in_the_pair_kept_real(runs):
+    """tests/forked_cli.py forks the ranks Lightning starts; the grpo pair keeps real ones, whose `str` hashing
+    differs from rank 0's, and both pairs are held to the same truths."""
+    started = {r: (runs["ddp"]["dir"] / f"rank{r}.started").read_text() for r in (0, 1)}
+    if not FORKED_CLI:
+        assert started == {0: "real", 1: "real"}
+    else:
+        assert started == {0: "forked", 1: "real" if runs["loss"] == "grpo" else "forked"}
 
 
 def test_reward_mean_is_over_all_ranks_and_logged_once(runs):
