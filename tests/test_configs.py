@@ -97,7 +97,9 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
             "tensorboard": lambda: logger.log_dir,
             "csv": lambda: logger.log_dir,
             "wandb": lambda: logger.save_dir,
-            "mlflow": lambda: logger.experiment.tracking_uri.removeprefix("sqlite:///"),
+            # the configured store; opening it (`logger.experiment`: MLflow migrates a new SQLite database, 6 s)
+            # and finding the run's experiment there: tests/test_tracking_runs.py::test_mlflow_and_csv_hold_the_run
+            "mlflow": lambda: node.mlflow.tracking_uri.removeprefix("sqlite:///"),
         }[option]()
         assert Path(where).resolve().is_relative_to(tmp_path.resolve()), where
         if option == "mlflow":

@@ -178,9 +178,11 @@ def test_mlflow_and_csv_hold_the_run(tiny_cfg, tracker_env, caplog):
     cfg = tiny_cfg("logger=[mlflow,csv]", "eval.enabled=false")
     metrics = train(cfg)
     output_dir = Path(cfg.paths.output_dir)
-    uri = f"sqlite:///{output_dir}/mlflow.db"
-    client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("grpo_lightning").experiment_id])
+    assert (output_dir / "mlflow.db").is_file()  # the default store, under the run directory (conf/logger)
+    client = MlflowClient(f"sqlite:///{output_dir}/mlflow.db")
+    experiment = client.get_experiment_by_name("grpo_lightning")
+    assert Path(experiment.artifact_location.removeprefix("file://")).is_relative_to(output_dir / "mlartifacts")
+    (run,) = client.search_runs([experiment.experiment_id])
     series = csv_metrics(output_dir)
     assert "train/reward_mean" in series and "summary/train_reward_end" in series
     for key, expected in series.items():
