@@ -15,17 +15,27 @@ on a copy of it, the list split as Hydra splits it (`defaults_list.Overrides`). 
 the error Hydra raises. With `return_hydra_config=True` (Hydra's node records every override) the whole
 override list is the key.
 
+Kept between processes too: a composition (the first step's, without Hydra's node) is pickled under
+`.pytest_cache/compose/`, named by a hash of everything it depends on (every file under `conf/`, Hydra's and
+OmegaConf's versions, the config name and the group choices), so the other `pytest -n` worker and later runs load
+it (about 3 ms) instead of composing it; a change to any config file names new entries. The first `make check`
+after a change composes as before; `pytest --cache-clear` empties the folder.
+
 Composed every time, as without the cache: a compose over any search path but the package's own `conf/` (a
 test's copy of the config, `hydra.searchpath=...`), an override of Hydra's own node, a sweep, a compose that
-fails in its first step. `GRPO_LIGHTNING_TEST_COMPOSE_CACHE=0` turns the cache off; `=check` composes each config
-both ways and fails on any difference (config, flags, or the error raised).
+fails in its first step. `GRPO_LIGHTNING_TEST_COMPOSE_CACHE=0` turns the cache off, `=memory` keeps it in the
+process only; `=check` composes each config both ways (the cached way through the folder) and fails on any
+difference (config, flags, or the error raised).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
+import pickle
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -36,7 +46,49 @@ from omegaconf.errors import OmegaConfBaseException
 
 _real_compose = hydra.compose
 _cache: dict[tuple[Any, ...], DictConfig] = {}
-_stats = {"hits": 0, "misses": 0, "uncached": 0}
+_stats = {"hits": 0, "misses": 0, "loaded": 0, "uncached": 0}
+_disk: dict[str, Any] = {"folder": None, "digest": None}  # set by install(); the digest on first use
+
+
+def _conf_digest(conf_dir: str) -> str:
+    """A hash of what a composition over `conf_dir` depends on: every file's path and bytes, Hydra's and
+    OmegaConf's versions."""
+    import omegaconf
+
+    digest = hashlib.sha256(f"hydra {hydra.__version__} omegaconf {omegaconf.__version__}".encode())
+    root = Path(conf_dir)
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _disk_path(key: tuple[Any, ...]) -> Path | None:
+    folder = _disk["folder"]
+    if folder is None:
+        return None
+    if _disk["digest"] is None:
+        _disk["digest"] = _conf_digest(_disk["conf_dir"])
+    name = hashlib.sha256(repr((_disk["digest"], key)).encode()).hexdigest()[:40]
+    return folder / f"{name}.pkl"
+
+
+def _load(path: Path | None) -> DictConfig | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return pickle.loads(path.read_bytes())  # noqa: S301 - written by _store, below this checkout's .pytest_cache
+    except Exception:  # noqa: BLE001 - a torn or foreign file: composed again, and written anew
+        return None
+
+
+def _store(path: Path | None, cfg: DictConfig) -> None:
+    """Written whole or not at all (a temporary file renamed), so a worker never loads half a file."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_bytes(pickle.dumps(cfg))
+    os.replace(temporary, path)
 
 
 def _search_path() -> tuple[tuple[str | None, str | None], ...]:
@@ -93,10 +145,17 @@ def _composed(config_name, overrides: list[str], return_hydra_config: bool) -> D
         key += (os.getcwd(), JobRuntime.instance().get("name"))
     if key in _cache:
         _stats["hits"] += 1
+        return copy.deepcopy(_cache[key])
+    path = None if return_hydra_config else _disk_path(key)  # Hydra's node holds this process's cwd and job
+    cfg = _load(path)
+    if cfg is not None:
+        _stats["loaded"] += 1
     else:
         _stats["misses"] += 1
-        _cache[key] = _real_compose(config_name, overrides, return_hydra_config)
-    return copy.deepcopy(_cache[key])
+        cfg = _real_compose(config_name, overrides, return_hydra_config)
+        _store(path, cfg)
+    _cache[key] = cfg
+    return copy.deepcopy(cfg)
 
 
 def cached_compose(config_name, overrides: list[str], return_hydra_config: bool) -> DictConfig | None:
@@ -129,6 +188,8 @@ def install(conf_dir: str) -> None:
     mode = os.environ.get("GRPO_LIGHTNING_TEST_COMPOSE_CACHE", "1")
     if mode == "0":
         return
+    if mode != "memory":
+        _disk.update(folder=Path(conf_dir).resolve().parents[1] / ".pytest_cache" / "compose", conf_dir=conf_dir)
 
     def compose(
         config_name: str | None = None,
@@ -161,5 +222,6 @@ def install(conf_dir: str) -> None:
 
 
 def stats() -> dict[str, int]:
-    """Hits, misses (composed and stored) and uncached composes so far in this process."""
+    """Hits, misses (composed and stored), loaded (from the folder) and uncached composes so far in this
+    process."""
     return dict(_stats)
