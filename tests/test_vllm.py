@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,35 +48,6 @@ def _vllm():
     if backend.platform != "cpu":
         pytest.skip("these run vLLM's CPU build; test_vllm_gpu.py covers the CUDA one")
     return backend
-
-
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory, tokenizer) -> Path:
-    """A random Llama (hidden 128, 2 heads of 64, 1 KV head, 2 layers) saved with the SmolLM2 tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        initializer_range=0.2,  # peakier than the default 0.02: samples differ visibly when weights change
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _load(llama_dir):
@@ -496,32 +466,3 @@ def test_an_overlapped_vllm_run_learns_the_weights_into_its_evaluation(tmp_path,
     assert any(not torch.equal(p, recorder.weights[0][n]) for n, p in policy.named_parameters() if p.requires_grad)
     prefixes = _prompts(tokenizer)
     assert _logp_diff(policy, prefixes, run.rollout_loop.generator.generate(prefixes, num_samples=4)) <= LOGP_DIFF_BOUND
-
-
-def test_an_overlapped_vllm_run_killed_and_resumed_ends_bitwise_where_an_uninterrupted_one_ends(tmp_path, llama_dir):
-    """Through the CLI, as tests/test_resume.py does for the HF engine: SIGKILL in the middle of round 2 (the engine
-    process, its pipe closed, ends with it), then resume; and a run extended past its last round, whose checkpoint
-    holds the snapshot's weights, which the new engine process gets back before it samples that round."""
-    from tests.test_resume import assert_bitwise_equal, final_state, finish, start, wait_for
-
-    _vllm()
-    args = [
-        "generator=vllm", "model=local", f"model.source.path={llama_dir}", "trainer.max_epochs=4",
-        "trainer.enable_progress_bar=false", "generator.max_new_tokens=16", "generator.max_model_len=512",
-        "generator.kv_cache_gib=0.25", "+generator.engine_kwargs.enforce_eager=true", "~reward.terms.gsm8k",
-        "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward", "optim.optimizer.lr=1e-2",
-        "eval.enabled=false", "rollout.max_staleness=1", "variant=storpo", "variant.min_steps=1",
-    ]  # fmt: skip
-    finish(start(tmp_path / "whole", *args))
-    whole = final_state(tmp_path / "whole")
-    proc = start(tmp_path / "killed", *args)
-    round_s = wait_for(tmp_path / "killed" / "checkpoints" / "last.ckpt", proc, writes=2)
-    time.sleep(0.5 * round_s)
-    assert proc.poll() is None, "the run finished before the kill"
-    proc.kill()
-    proc.wait()
-    assert "resuming from" in finish(start(tmp_path / "killed", *args, "ckpt_path=last"))
-    assert_bitwise_equal(whole, final_state(tmp_path / "killed"), context="killed in round 2")
-    finish(start(tmp_path / "extended", *args, "trainer.max_epochs=2"))
-    finish(start(tmp_path / "extended", *args, "ckpt_path=last"))
-    assert_bitwise_equal(whole, final_state(tmp_path / "extended"), context="extended from 2 rounds to 4")
