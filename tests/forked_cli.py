@@ -74,11 +74,10 @@ def _import_time_env(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in RUN_TIME_ENV))
 
 
-def _imports_as_the_server(env: dict[str, str], cwd: Path, ready: dict) -> bool:
-    """Whether a `python -m grpo_lightning` process with this env and cwd would have made the server's imports:
-    the same import-time settings, and the same checkout of `grpo_lightning` found first on its path."""
-    if _import_time_env(env) != _import_time_env(ready["env"]):
-        return False
+def _same_checkout(env: dict[str, str], cwd: Path, ready: dict) -> bool:
+    """Whether a `python -m grpo_lightning` process with this env and cwd would import the server's checkout of
+    `grpo_lightning` (the first found on its path). With equal import-time settings (`_import_time_env`), such a
+    process would have made the server's imports."""
     search = [cwd, *(Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     hit = next((p.resolve() for p in search if (p / "grpo_lightning" / "__init__.py").is_file()), None)
     return (str(hit) if hit is not None else ready["installed"]) == ready["loaded"]
@@ -223,7 +222,8 @@ class _RankLauncherSubprocess:
             and list(command[:2]) == [sys.executable, "-m"]
             and command[2] in ("grpo_lightning", "grpo_lightning.__main__")  # `__main__.__spec__.name`
             and env.get("GRPO_LIGHTNING_TEST_FORKED_RANKS", "1") != "0"
-            and _imports_as_the_server(env, cwd, self.ready)
+            and _import_time_env(env) == _import_time_env(self.ready["env"])
+            and _same_checkout(env, cwd, self.ready)
         )
         if not forkable:
             return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
@@ -290,14 +290,14 @@ _servers: list[_Server] = []
 
 def _server_for(env: dict[str, str], cwd: Path) -> _Server | None:
     """The server whose imports this run would have made itself, or None (then a real process)."""
-    if not ENABLED or _import_time_env(env) != _import_time_env(BASE_ENV):
-        return None  # (checked again against the server's own environment below; no server started for it)
+    if not ENABLED or _import_time_env(env) != _import_time_env(BASE_ENV):  # the server's, less PYTHONPATH
+        return None
     if not _servers:
         _servers.append(_Server(dict(BASE_ENV, PYTHONPATH=str(ROOT))))
     server = _servers[0]
     if not server.usable:
         return None
-    return server if _imports_as_the_server(env, cwd, server.ready) else None
+    return server if _same_checkout(env, cwd, server.ready) else None
 
 
 @atexit.register
