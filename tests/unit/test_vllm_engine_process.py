@@ -43,6 +43,25 @@ class RefusingBackend(FakeBackend):
         raise RuntimeError("Not enough memory for the KV cache: out of memory")
 
 
+class ExitRecordingBackend(FakeBackend):
+    """Registers an exit handler where it builds its engine, as vLLM does (its engine shutdown, through a
+    `weakref.finalize`): the handler appends a line to `path` in the process that runs it."""
+
+    def __init__(self, vocab_size: int, path: str) -> None:
+        super().__init__(vocab_size)
+        self.path = path
+
+    def LLM(self, **kwargs):  # noqa: N802
+        import atexit
+
+        def shutdown():
+            with open(self.path, "a") as f:
+                f.write(f"shutdown in {os.getpid()}\n")
+
+        atexit.register(shutdown)
+        return super().LLM(**kwargs)
+
+
 class ThreadFixingBackend(FakeBackend):
     """Builds its engine as vLLM's CPU worker does: `torch.set_num_threads` becomes a no-op in that process."""
 
@@ -105,6 +124,19 @@ def test_the_engine_process_takes_its_thread_count_past_vllms_no_op(policy, toke
 def test_a_build_error_in_the_engine_process_names_the_key(policy, tokenizer):
     with pytest.raises(ValueError, match="generator.gpu_memory_utilization"):
         generator(policy, tokenizer, RefusingBackend(len(tokenizer)), engine_process=True)
+
+
+def test_a_stopped_engine_process_runs_its_exit_handlers_and_exits_cleanly(policy, tokenizer, tmp_path):
+    """The child skips the interpreter's teardown (`_engine_main`), not the exit handlers: the engine's shutdown
+    runs there, once, and the child's exit code is 0."""
+    path = tmp_path / "exit-handlers.log"
+    gen = generator(policy, tokenizer, ExitRecordingBackend(len(tokenizer), str(path)), engine_process=True)
+    pid = gen.engine._process.pid
+    assert gen.generate(PREFIXES, 2)
+    assert not path.exists()
+    gen.engine.close()
+    assert gen.engine._process.exitcode == 0
+    assert path.read_text() == f"shutdown in {pid}\n"
 
 
 def test_an_engine_process_that_dies_is_a_clear_error(policy, tokenizer):
