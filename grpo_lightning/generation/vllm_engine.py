@@ -101,7 +101,7 @@ class LocalEngine:
     def _build(self):
         spec = self.spec
         try:
-            with launcher_env(spec.device_index), self._on_device(), process_state_kept():
+            with launcher_env(spec.device_index), self._on_device(), self._eager(), process_state_kept():
                 return self.backend.LLM(**spec.kwargs)
         except (ValueError, RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
             if not is_memory_error(err):
@@ -176,9 +176,24 @@ class LocalEngine:
     def _on_device(self):
         return torch.cuda.device(self.spec.device_index) if self.spec.real_gpu else contextlib.nullcontext()
 
+    def _eager(self):
+        """On vLLM's CPU build with `enforce_eager` (this application's default there, vllm_io.engine_kwargs),
+        torch.compile directives are ignored during engine calls (`torch.compiler.set_stance("force_eager")`).
+
+        `enforce_eager` keeps the model out of torch.compile, but vLLM compiles a few helper ops by decorator all
+        the same, with inductor on the CPU: the sampler's rank count (`batched_count_greater_than`) at the first
+        request for log-probs, which every round makes. That compile took 2-4 s of the first round on a 2-core
+        AMD EPYC Zen 4 (AVX-512), calls the C++ compiler, and leaves a kernel that is no faster for rollout
+        batches than the eager op; its reason on a GPU (no [tokens, vocab] bool copy of the log-probs) is a few
+        MB here. GPU engines keep vLLM's behaviour."""
+        if self.spec.platform == "cpu" and self.spec.kwargs.get("enforce_eager"):
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
+
     def _call(self, fn):
-        """Run an engine call with the engine's GPU current (separate mode: never the trainer's)."""
-        with torch.no_grad(), self._on_device():
+        """Run an engine call with the engine's GPU current (separate mode: never the trainer's), and on the CPU
+        build eagerly (`_eager`)."""
+        with torch.no_grad(), self._on_device(), self._eager():
             return fn()
 
 

@@ -82,6 +82,7 @@ def test_storpo_branches_real_completions_on_their_own_token_ids(tmp_path):
             "data.prompts_per_round=2",
             "data.dynamic_sampling.enabled=false",  # the branches are the point, not refilling uninformative groups
             "variant.max_steps=2",  # two branch points per prompt show the property as well as four
+            "generator.max_new_tokens=48",  # as the GRPO round: a few sentences, room for both branch points
             "trainer.enable_progress_bar=false",
             "eval.enabled=false",
         ],

@@ -37,6 +37,7 @@ from tests.fake_vllm import (
     LAYERS,
     MLP,
     FakeBackend,
+    counting_responder,
     request_output,
     vllm_llama_shapes,
 )
@@ -148,6 +149,38 @@ def test_cpu_engine_arguments_and_no_sleep(lora_policy, tokenizer, backend):
     )
     assert backend.engines[1].kwargs["kv_cache_memory_bytes"] == 2**28
     assert backend.engines[1].kwargs["enforce_eager"] is False
+
+
+@torch.compile(backend="eager")  # vLLM decorates a few helper ops so (the sampler's rank count among them)
+def _compiled_helper(x: torch.Tensor, traced: list[bool]) -> torch.Tensor:
+    traced.append(torch.compiler.is_compiling())  # True when Dynamo traced the call, False when it ran eagerly
+    return x + 1
+
+
+@pytest.mark.parametrize(
+    ("platform", "engine_kwargs", "compiled"),
+    [("cpu", {}, False), ("cpu", {"enforce_eager": False}, True), ("cuda", {"enforce_eager": True}, True)],
+    ids=["cpu-default", "cpu-compile-asked", "cuda"],
+)
+def test_cpu_engine_calls_ignore_torch_compile_unless_asked(lora_policy, tokenizer, platform, engine_kwargs, compiled):
+    """vLLM's CPU build with enforce_eager (the default there) runs its torch.compile-decorated helpers eagerly
+    inside engine calls. With enforce_eager=false, and on a GPU, vLLM's own behaviour is kept (compiled), and
+    outside engine calls the stance is the default again."""
+    traced: list[bool] = []
+
+    def compiling_responder(prompt_ids, kwargs):
+        _compiled_helper(torch.zeros(len(prompt_ids)), traced)
+        return counting_responder(prompt_ids, kwargs)
+
+    backend = FakeBackend(len(tokenizer), responder=compiling_responder)
+    backend.platform = platform
+    torch.compiler.reset()
+    gen = make_generator(lora_policy, tokenizer, backend, engine_kwargs=engine_kwargs)
+    gen.generate([[3]], num_samples=1)
+    assert traced == [compiled]
+    traced.clear()
+    _compiled_helper(torch.zeros(1), traced)
+    assert traced == [True]
 
 
 def test_cpu_too_little_kv_cache_names_kv_cache_gib(lora_policy, tokenizer, backend):
