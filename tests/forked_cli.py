@@ -9,8 +9,7 @@ for `random` and NumPy, Python's own signal dispositions; it runs `grpo_lightnin
 `-m` does), then exits as the interpreter does (non-daemon threads joined, atexit handlers run, an uncaught
 exception's traceback and exit code 1, an uncaught Ctrl-C ending by SIGINT). The server freezes what its imports
 made before it forks (`gc.freeze`, as Python's gc docs advise for fork without exec): a child's collections
-neither scan those objects nor copy their pages (5 CLI tests of tests/test_resume.py with one worker: 53.3 and
-57.9 s without, 49.8 and 53.5 s with, alternated, on a 2-core AMD EPYC Zen 4). Tests hold a `ForkedRun`, which
+neither scan those objects nor copy their pages (measured: tests/README.md). Tests hold a `ForkedRun`, which
 answers like `subprocess.Popen` (pid, poll, wait, kill, send_signal, communicate, returncode): the signals a
 test sends reach the real process.
 
