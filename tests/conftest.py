@@ -69,13 +69,15 @@ compose_cache.install(CONF_DIR)  # each distinct config composed once per proces
 
 
 def pytest_collection_finish(session):
-    """What collection imported (torch, transformers, Lightning, every test module) stays alive for the session:
-    `gc.freeze` takes it out of the cyclic collector's scans. A full collection otherwise walks those millions of
-    objects again and again as the tests allocate (about 5% of a training-heavy file's time, tests/test_train.py
-    and tests/test_overlap.py with one worker, on a 2-core AMD EPYC Zen 4). Objects the tests make are collected
-    as before."""
-    gc.collect()
-    gc.freeze()
+    """A session with slow tests (they train): what collection imported (torch, transformers, Lightning, every
+    test module) stays alive for the session, and `gc.freeze` takes it out of the cyclic collector's scans. A full
+    collection otherwise walks those millions of objects again and again as the tests allocate (about 5% of a
+    training-heavy file's time, tests/test_train.py and tests/test_overlap.py with one worker, on a 2-core AMD
+    EPYC Zen 4). Objects the tests make are collected as before. The fast tier allocates too little to gain:
+    there the freeze's own collection cost about 1.5 s of `make check`, so it is skipped."""
+    if any(item.get_closest_marker("slow") for item in session.items):
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_unconfigure(config):
