@@ -182,10 +182,10 @@ class LocalEngine:
 
         `enforce_eager` keeps the model out of torch.compile, but vLLM compiles a few helper ops by decorator all
         the same, with inductor on the CPU: the sampler's rank count (`batched_count_greater_than`) at the first
-        request for log-probs, which every round makes. That compile took 2-4 s of the first round on a 2-core
-        AMD EPYC Zen 4 (AVX-512), calls the C++ compiler, and leaves a kernel that is no faster for rollout
-        batches than the eager op; its reason on a GPU (no [tokens, vocab] bool copy of the log-probs) is a few
-        MB here. GPU engines keep vLLM's behaviour."""
+        request for log-probs, which every round makes. That compile took 2.2-4.4 s of an engine's first
+        `generate` on a 2-core AMD EPYC Zen 4 (AVX-512) and calls the C++ compiler; later calls took 0.18-0.22 s
+        either way (the tests' 2-layer Llama). Its reason on a GPU (no [tokens, vocab] bool copy of the
+        log-probs) is a few MB here. GPU engines keep vLLM's behaviour."""
         if self.spec.platform == "cpu" and self.spec.kwargs.get("enforce_eager"):
             return torch.compiler.set_stance("force_eager")
         return contextlib.nullcontext()
