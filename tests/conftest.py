@@ -204,20 +204,19 @@ def _each_model_loaded_once(request):
     patch.undo()
 
 
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory, tokenizer) -> Path:
-    """A random Llama (hidden 128, 2 heads of 64, 1 KV head, 2 layers) saved with the SmolLM2 tokenizer: the model
-    of the vLLM tests (tests/test_vllm.py, tests/test_vllm_resume.py), which vLLM loads from disk."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def random_lm_config(model_type: str, tokenizer, hidden_size: int, heads: int, kv_heads: int):
+    """The config of a random 2-layer causal LM for the vLLM tests (which load models from disk): the SmolLM2
+    tokenizer's vocabulary and special ids, tied embeddings, an MLP twice the hidden size."""
+    from transformers import AutoConfig
 
-    config = AutoConfig.for_model(
-        "llama",
+    return AutoConfig.for_model(
+        model_type,
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         initializer_range=0.2,  # peakier than the default 0.02: samples differ visibly when weights change
@@ -225,6 +224,15 @@ def llama_dir(tmp_path_factory, tokenizer) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, tokenizer) -> Path:
+    """A random Llama (hidden 128, 2 heads of 64, 1 KV head, 2 layers) saved with the SmolLM2 tokenizer: the model
+    of the vLLM tests (tests/test_vllm.py, tests/test_vllm_resume.py), which vLLM loads from disk."""
+    from transformers import AutoModelForCausalLM
+
+    config = random_lm_config("llama", tokenizer, hidden_size=128, heads=2, kv_heads=1)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import random_lm_config
+
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,23 +42,9 @@ def _requirements():
 def qwen_dir(tmp_path_factory, tokenizer) -> Path:
     """A random Qwen2 (hidden 256, 4 heads of 64, 2 KV heads, 2 layers) saved with the SmolLM2 tokenizer."""
     _requirements()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        "qwen2",
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        initializer_range=0.2,  # peakier than the default 0.02: samples differ visibly when weights change
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = random_lm_config("qwen2", tokenizer, hidden_size=256, heads=4, kv_heads=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder = tmp_path_factory.mktemp("tiny-qwen2")
