@@ -47,7 +47,7 @@ from omegaconf.errors import OmegaConfBaseException
 _real_compose = hydra.compose
 _cache: dict[tuple[Any, ...], DictConfig] = {}
 _stats = {"hits": 0, "misses": 0, "loaded": 0, "uncached": 0}
-_disk: dict[str, Any] = {"folder": None, "digest": None}  # set by install(); the digest on first use
+_disk: dict[str, Any] = {"folder": None, "conf_dir": None, "digest": None}  # set by install(); digest on first use
 
 
 def _conf_digest(conf_dir: str) -> str:
