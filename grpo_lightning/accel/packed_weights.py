@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 MIN_SPEEDUP = 1.15  # `auto` packs a shape only if its packed product is this much faster...
 MAX_SIZE_RATIO = 1.5  # ...and its packed buffer at most this many times the weight's size
+# Multiply-adds one timing of a trial runs (best of 3, each way): a 576 x 1536 weight at 16 rows gets 22 calls.
+# A call's cost grows with its rows, so a group of 1,024 rows gets 2 calls of its LM head, not 64 times the work.
+TRIAL_MACS = 320_000_000
 
 
 def packing_available() -> bool:
@@ -63,7 +66,8 @@ def _best_time(fn: Callable[[], Tensor], calls: int, repeats: int = 3) -> float:
 
 @functools.cache
 def packing_trial(out_features: int, in_features: int, rows: int, threads: int = 0) -> PackingTrial:
-    """Measure the packed product once per process for this shape (tens of ms; ~0.3 s for a 49k-row LM head).
+    """Measure the packed product once per process for this shape (tens of ms; ~0.3 s for a 49k-row LM head at up
+    to 16 rows; a larger row count times at least 2 calls, each longer: `TRIAL_MACS`).
 
     `threads`: the calling thread's torch thread count, a key only: MKL's blocking (and so exactness) can depend on
     it, and a sampler thread beside the trainer runs with fewer threads than the trainer (training/overlap.py)."""
@@ -74,7 +78,7 @@ def packing_trial(out_features: int, in_features: int, rows: int, threads: int =
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
         plain_out = nn.functional.linear(x, weight)  # [rows, out]
         packed_out = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
-        calls = max(2, min(50, 20_000_000 // (out_features * in_features)))  # ~1-20 ms per timing
+        calls = max(2, min(50, TRIAL_MACS // (out_features * in_features * max(rows, 16))))  # ~1-20 ms a timing
         plain_s = _best_time(lambda: nn.functional.linear(x, weight), calls)
         packed_s = _best_time(lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows), calls)
     return PackingTrial(

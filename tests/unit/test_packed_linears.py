@@ -44,6 +44,17 @@ def test_trial_reports_exactness_and_size_of_the_packed_product():
     assert trial.speedup > 0
 
 
+@pytest.mark.parametrize(("shape", "calls"), [((1536, 576, 16), 22), ((1536, 576, 1), 22), ((1536, 576, 64), 5),
+                                             ((8192, 64, 1024), 2), ((64, 64, 1024), 50)])  # fmt: skip
+def test_a_trial_times_its_product_on_a_budget_of_multiply_adds(monkeypatch, shape, calls):
+    """Each timing repeats the product `calls` times: TRIAL_MACS over one product's multiply-adds (its rows counted
+    from 16 up), within 2..50: the row count of a large group makes each product longer and the timing shorter."""
+    timed = []
+    monkeypatch.setattr(packed_module, "_best_time", lambda fn, calls: timed.append(calls) or 1.0)
+    packing_trial.__wrapped__(*shape)
+    assert timed == [calls, calls]  # F.linear, then the packed product
+
+
 @pytest.mark.parametrize(
     ("trial", "pays"),
     [
