@@ -64,7 +64,7 @@ VLLM_BUILT := $(VLLM_CACHE)/vllm-cpu-$(VLLM_KEY)
 # both exit codes count; Ctrl-C stops both. Measured: benchmarks/README.md, "Test suite".
 VLLM_TIER_LOG ?= .pytest_cache/vllm-tier.log
 # Two workers, a file each: tests/test_vllm.py (one engine shared by its tests) and tests/test_vllm_resume.py (a run
-# killed and resumed through the CLI, a third of the tier's time) side by side.
+# extended, killed and resumed through the CLI, a third of the tier's time) side by side.
 VLLM_PARALLEL := -n 2 --dist loadfile
 
 test: install vllm-venv ## Run every test that runs without a GPU: the suite, and beside it the vLLM ones on vLLM's CPU build (what CI runs)
