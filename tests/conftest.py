@@ -93,8 +93,8 @@ def pytest_unconfigure(config):
     waits for it (xdist's teardown) before it prints the summary and exits. A worker has reported everything by
     now: its results, and that it finished (pytest_sessionfinish)."""
     gc.unfreeze()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        exit_without_teardown()
+    if getattr(config, "workerinput", None) is not None:  # xdist's mark of a worker (its environment variable
+        exit_without_teardown()  # reaches the processes a worker starts, a pytest among them)
 
 
 def exit_without_teardown(code: int = 0) -> None:

@@ -245,7 +245,10 @@ def test_top_k_and_top_p_sample_from_and_report_the_truncated_distribution(engin
 def test_detokenize_off_returns_ids_without_text(engine, tokenizer):
     policy, gen = engine
     params = gen.engine.backend.SamplingParams(**gen.request_kwargs(2, max_tokens=8, greedy=False))
-    (out,) = gen.engine.llm.generate([{"prompt_token_ids": _prompts(tokenizer)[0]}], params, use_tqdm=False)
+    # vLLM's own call, run eagerly as the engine runs its calls on a CPU (LocalEngine._eager): else its first
+    # request for log-probs compiles a sampler op with inductor, 10-15 s with a cold compile cache
+    with torch.compiler.set_stance("force_eager"):
+        (out,) = gen.engine.llm.generate([{"prompt_token_ids": _prompts(tokenizer)[0]}], params, use_tqdm=False)
     assert [len(o.token_ids) for o in out.outputs] == [8, 8]
     assert all(o.text == "" for o in out.outputs)  # nothing spent on detokenising: the variants use ids
 
