@@ -11,6 +11,7 @@ import copy
 import gc
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import hydra
@@ -30,6 +31,19 @@ SLOW_FILES = {
     "tests/test_failures.py",
     "tests/test_reward_pipeline_run.py",
 }
+# The slow tier's longest files, longest first: a file's seconds in its worker in one `make test` on a 2-core AMD
+# EPYC Zen 4. `pytest -n` hands them out first (pytest_collection_modifyitems).
+LONGEST_FILES = (
+    "tests/test_resume.py",  # 124 s
+    "tests/slow/test_embedded_default.py",  # 102 s
+    "tests/test_ddp.py",  # 62 s
+    "tests/test_learning.py",  # 48 s
+    "tests/slow/test_forked_cli.py",  # 36 s
+    "tests/test_train.py",  # 33 s
+    "tests/probes/test_gns_brute_force.py",  # 30 s
+    "tests/probes/test_entropy_brute_force.py",  # 29 s
+    "tests/test_overlap.py",  # 28 s
+)
 
 
 def pytest_configure(config):
@@ -40,6 +54,7 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `pytest -n N`'s processes: N of them share the cores
         one_thread_per_worker()
     elif getattr(config.option, "numprocesses", None):  # the controller of `pytest -n N`, before its workers start
+        config.option.loadscopereorder = False  # files handed out in this file's order (collection_modifyitems)
         # OpenMP threads waiting at a barrier sleep instead of spinning: read when torch loads OpenMP, so only
         # processes started from here on (the workers and theirs) get it. A test with two threads beside another
         # worker (`two_torch_threads`), or the whole suite beside other jobs on the cores, would otherwise spin
@@ -109,22 +124,36 @@ def exit_without_teardown(code: int = 0) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), run the files
-    with slow tests first and the real vLLM engines last.
+    """Mark `slow` what trains end to end, runs processes or loads the real model (tests/README.md), and order the
+    files as `pytest -n` hands them out: the longest first, the real vLLM engines last.
 
     Beside explicit `@pytest.mark.slow` marks: everything under tests/slow/, the files in SLOW_FILES, and every
     test that uses the `tiny_cfg` fixture (a full training run, however tiny). The in-process vLLM engine
     (tests/test_vllm.py) initialises torch.distributed and keeps its memory for the session, so nothing else runs
-    after it in the same process. Files with slow tests first: `pytest -n` hands out whole files (`--dist
-    loadfile`) in this order, so the long ones start while the short ones fill the other workers, not at the end.
+    after it in the same process.
+
+    The order: `--dist loadfile` hands each worker a whole file when its last one is nearly done, in the order
+    here (`pytest_configure` turns off xdist's own reordering, by test count, which used to start the real
+    model's 100 s file after five minutes). Longest first, as a scheduler of jobs of known length does: the files
+    of LONGEST_FILES in their order, then the other files with slow tests, then the fast files, these two groups
+    by test count, most first (xdist's own order); so the last files handed out are short, and neither worker
+    waits long for the other at the end.
     """
+    relative = {path: path.resolve().relative_to(ROOT).as_posix() for path in {item.path for item in items}}
     for item in items:
-        path = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
+        path = relative[item.path]
         if path.startswith("tests/slow/") or path in SLOW_FILES or "tiny_cfg" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    # stable: file order otherwise, and each file's tests in their order
-    items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None, item.path not in slow_files))
+    tests_per_file = Counter(item.path for item in items)
+
+    def order(item) -> tuple:
+        path = relative[item.path]
+        rank = LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+        vllm = item.get_closest_marker("vllm") is not None
+        return vllm, item.path not in slow_files, rank, -tests_per_file[item.path]
+
+    items.sort(key=order)  # stable: each file's tests stay together, in their order
 
 
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:

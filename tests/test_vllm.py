@@ -406,31 +406,6 @@ def test_a_missing_sync_fires_the_stale_weight_guard(tmp_path, engine, shared_ba
 
 
 # ---- the engine in a process of its own (generator.engine_process), and overlapped rounds with it -------------
-def test_an_engine_process_receives_every_push(llama_dir, tokenizer):
-    """Merged weights travel to the engine process in shared memory and land: its log-probs are the trainer's
-    after each push, and stale before it."""
-    from grpo_lightning.generation.vllm import VLLMGenerator
-    from grpo_lightning.generation.vllm_engine import EngineProcess
-    from grpo_lightning.models.lora import LoraSettings, wrap_policy
-
-    _vllm()
-    policy, _ = wrap_policy(_load(llama_dir), LoraSettings(r=8, alpha=16), needs_reference=False)
-    gen = VLLMGenerator(
-        policy, tokenizer, num_generations=4, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, engine_process=True,
-        **ENGINE,
-    )  # fmt: skip
-    assert isinstance(gen.engine, EngineProcess)
-    prefixes = _prompts(tokenizer)
-    for seed in (3, 4):
-        _randomize_lora_b(policy, seed=seed)
-        stale = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
-        gen.sync_weights(policy)
-        fresh = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
-        print(f"engine process, push {seed - 2}: logp_diff_mean {stale:.3g} before, {fresh:.3g} after")
-        assert fresh <= LOGP_DIFF_BOUND < 0.05 < stale
-    gen.engine.close()
-
-
 def _recorded_run(tmp_path, llama_dir, *overrides):
     from tests.test_overlap import RoundRecorder
 
@@ -458,14 +433,28 @@ def test_at_lr0_overlapped_vllm_rounds_sample_exactly_the_sequential_rollouts(tm
     assert len({tuple(ids) for round_ in overlapped.rounds for ids, *_ in round_}) > 3  # sampled, not repeated
 
 
-def test_an_overlapped_vllm_run_learns_the_weights_into_its_evaluation(tmp_path, llama_dir, tokenizer):
+def test_an_overlapped_vllm_run_learns_the_weights_into_its_evaluation_and_its_engine_process_takes_pushes(
+    tmp_path, llama_dir, tokenizer
+):
     """Overlapped rounds train (the weights move), every round after the first is one step stale, and the
-    evaluation after the last round scores the trained weights: the engine holds them afterwards."""
+    evaluation after the last round scores the trained weights: the engine holds them afterwards. Then the same
+    engine process takes two more pushes: merged weights travel to it in shared memory and land, its log-probs
+    stale before each push and the trainer's after it."""
+    from grpo_lightning.generation.vllm_engine import EngineProcess
+
     _vllm()
     recorder, metrics, run = _recorded_run(tmp_path, llama_dir, "rollout.max_staleness=1", "eval.num_problems=4")
     assert recorder.staleness == [0.0, 1.0, 1.0] and metrics["rollout/staleness"] == 1.0
     assert "eval/gsm8k_accuracy" in metrics
-    policy = run.module.policy.eval()
+    policy, gen = run.module.policy.eval(), run.rollout_loop.generator
     assert any(not torch.equal(p, recorder.weights[0][n]) for n, p in policy.named_parameters() if p.requires_grad)
     prefixes = _prompts(tokenizer)
-    assert _logp_diff(policy, prefixes, run.rollout_loop.generator.generate(prefixes, num_samples=4)) <= LOGP_DIFF_BOUND
+    assert _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4)) <= LOGP_DIFF_BOUND
+    assert isinstance(gen.engine, EngineProcess)
+    for seed in (3, 4):
+        _randomize_lora_b(policy, seed=seed)
+        stale = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
+        gen.sync_weights(policy)
+        fresh = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
+        print(f"engine process, push {seed - 2}: logp_diff_mean {stale:.3g} before, {fresh:.3g} after")
+        assert fresh <= LOGP_DIFF_BOUND < 0.05 < stale
