@@ -11,6 +11,7 @@ Each test spawns an engine process (a few seconds of imports): the slow tier.
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 
@@ -72,7 +73,8 @@ class ThreadFixingBackend(FakeBackend):
 
 @pytest.fixture(scope="module")
 def policy(tiny_model):
-    policy, _ = wrap_policy(tiny_model, LoraSettings(r=4, alpha=8), needs_reference=False)
+    """A LoRA policy on a copy: peft wraps the layers of the model it is given, and `tiny_model` is the worker's."""
+    policy, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4, alpha=8), needs_reference=False)
     return policy
 
 
