@@ -114,8 +114,9 @@ def pytest_unconfigure(config):
 
 def exit_without_teardown(code: int = 0) -> None:
     """End this process as the interpreter would, less freeing its modules: the exit handlers (atexit: the
-    forked-CLI servers closed, pytest's temporary-folder upkeep), the standard streams flushed, then `os._exit`.
-    `atexit._run_exitfuncs` is the interpreter's own call for that step (CPython has no public one)."""
+    forked-CLI servers closed, pytest's temporary-folder upkeep), the standard streams flushed, then `os._exit`
+    (a thread still running ends with it; the interpreter would wait for a non-daemon one). `atexit._run_exitfuncs`
+    is the interpreter's own call for that step (CPython has no public one)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
