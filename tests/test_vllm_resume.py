@@ -18,31 +18,30 @@ def test_an_overlapped_vllm_run_extended_then_killed_and_resumed_ends_bitwise_wh
     tmp_path, llama_dir
 ):
     """Through the CLI, as tests/test_resume.py does for the HF engine, one run through both paths a resume takes:
-    a run of one round extended to four (its checkpoint holds the snapshot's weights, which the new engine process
-    gets back before it samples round 2), SIGKILLed in the middle of round 3 while round 4 is sampled beside it
+    a run of one round extended to five (its checkpoint holds the snapshot's weights, which the new engine process
+    gets back before it samples round 2), SIGKILLed in the middle of round 4 while round 5 is sampled beside it
     (the engine process, its pipe closed, ends with it), then resumed. A fault on either path changes the weights
-    every later round trains, so the final state differs from the uninterrupted run's."""
-    from tests.test_resume import assert_bitwise_equal, final_state, finish, round_seconds, start, wait_for
+    every later round trains, so the final state differs from the uninterrupted run's. The kill lands half of
+    round 3's own length after round 3 ends, so a run slowed by other work is still killed inside round 4."""
+    from tests.test_resume import assert_bitwise_equal, final_state, finish, start, wait_for
 
     _vllm()
     args = [
-        "generator=vllm", "model=local", f"model.source.path={llama_dir}", "trainer.max_epochs=4",
+        "generator=vllm", "model=local", f"model.source.path={llama_dir}", "trainer.max_epochs=5",
         "trainer.enable_progress_bar=false", "generator.max_new_tokens=16", "generator.max_model_len=512",
         "generator.kv_cache_gib=0.25", "+generator.engine_kwargs.enforce_eager=true", "~reward.terms.gsm8k",
         "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward", "optim.optimizer.lr=1e-2",
         "eval.enabled=false", "rollout.max_staleness=1", "variant=storpo", "variant.min_steps=1",
     ]  # fmt: skip
-    proc = start(tmp_path / "whole", *args)
-    round_s = round_seconds(tmp_path / "whole" / "checkpoints" / "last.ckpt", proc)
-    finish(proc)
+    finish(start(tmp_path / "whole", *args))
     whole = final_state(tmp_path / "whole")
     run_dir = tmp_path / "extended"
     finish(start(run_dir, *args, "trainer.max_epochs=1"))
     proc = start(run_dir, *args, "ckpt_path=last")
-    wait_for(run_dir / "checkpoints" / "last.ckpt", proc, writes=2)  # the file as round 1 left it, then round 2
+    round_s = wait_for(run_dir / "checkpoints" / "last.ckpt", proc, writes=3)  # as round 1 left it; rounds 2, 3
     time.sleep(0.5 * round_s)
     assert proc.poll() is None, "the run finished before the kill"
     proc.kill()
     proc.wait()
     assert "resuming from" in finish(start(run_dir, *args, "ckpt_path=last"))
-    assert_bitwise_equal(whole, final_state(run_dir), context="extended from 1 round to 4, killed in round 3")
+    assert_bitwise_equal(whole, final_state(run_dir), context="extended from 1 round to 5, killed in round 4")
