@@ -5,12 +5,9 @@ Test tiers and markers: tests/README.md.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import copy
 import gc
 import os
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -114,13 +111,11 @@ def pytest_unconfigure(config):
 
 def exit_without_teardown(code: int = 0) -> None:
     """End this process as the interpreter would, less freeing its modules: the exit handlers (atexit: the
-    forked-CLI servers closed, pytest's temporary-folder upkeep), the standard streams flushed, then `os._exit`
-    (a thread still running ends with it; the interpreter would wait for a non-daemon one). `atexit._run_exitfuncs`
-    is the interpreter's own call for that step (CPython has no public one)."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    forked-CLI servers closed, pytest's temporary-folder upkeep) and the standard streams flushed, then `os._exit`
+    (a thread still running ends with it; the interpreter would wait for a non-daemon one)."""
+    from tests.forked_cli import run_exit_handlers  # here: importing it reads the environment tests start from
+
+    run_exit_handlers()
     os._exit(code)
 
 

@@ -261,6 +261,12 @@ def _exit_code(value) -> int:
 def _finalize() -> None:
     """The interpreter's shutdown, in its order: wait for non-daemon threads, run atexit handlers, flush."""
     threading._shutdown()
+    run_exit_handlers()
+
+
+def run_exit_handlers() -> None:
+    """The atexit handlers, then the standard streams flushed: what an exit runs for a purpose, before freeing
+    the modules. `atexit._run_exitfuncs` is the interpreter's own call for that step (CPython has no public one)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
