@@ -191,7 +191,7 @@ def graph_memory_probe() -> None:
 
 
 @needs_cuda
-def test_cuda_graph_calls_keep_no_memory_after_the_first(tmp_path):
+def test_cuda_graph_calls_keep_no_memory_after_the_first():
     """Truth: the allocator's own count of allocated bytes, in a fresh process (PyTorch recycles a pool of 32
     streams a device, so what a new stream per capture kept stops growing once a process has used them all). The
     first call may leave what lasts the process (cuBLAS's workspaces for the warm-up and capture streams); the five
