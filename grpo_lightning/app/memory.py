@@ -38,6 +38,11 @@ tokens; tests/slow/test_memory_bound.py measures it again). The rows of a call a
 prompt at least, whatever generator.batch_size says."""
 
 
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""cuBLAS's workspace for each CUDA stream it has run on, kept for the process's life: PyTorch's size on Hopper
+(less on older GPUs), measured on an H200 as 32 MiB of allocated memory per stream."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the estimate needs of a model, read from its config on the meta device (no weights)."""
@@ -164,6 +169,9 @@ class RunShape:
     """The engine GPU's total memory when a GPU is visible (vLLM takes gpu_memory_utilization of it)."""
     overlap: bool = False
     """rollout.max_staleness >= 1: the HF engine's copy samples beside training (docs/overlap.md)."""
+    cuda_streams: int = 1
+    """Streams of the trainer's process that run cuBLAS on its GPU: the default stream; with the HF engine, the
+    CUDA-graph decode's warm-up and capture streams (perf.generate.cuda_graphs) and the overlapped sampler's own."""
 
 
 def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
@@ -241,7 +249,8 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
             training = [*resident, engine] if awake > training_peak else training
         else:
             training.append(engine)
-    result.trainer_gpu = training
+    workspaces = Term("cuBLAS workspaces", run.cuda_streams * CUBLAS_WORKSPACE_BYTES, "")  # no key: a fixed cost
+    result.trainer_gpu = [*training, workspaces]
     return result
 
 
@@ -313,6 +322,9 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         trainer_on_gpu=bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda"),
         overlap=bool(cfg.get("rollout", {}).get("max_staleness", 0)),
     )
+    if shape["engine"] == "hf":  # the default stream, then the graphs' two and the overlapped sampler's
+        graphs = bool(cfg.perf.get("generate", {}).get("cuda_graphs", False))
+        shape["cuda_streams"] = 1 + 2 * graphs + shape["overlap"]
     if shape["engine"] == "vllm":
         settings = vllm_settings(cfg)
         on_cpu = installed_platform() == "cpu"

@@ -10,7 +10,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from grpo_lightning.app.memory import GIB, PROCESS_BASELINE, ModelShape, RunShape, check_fits, estimate, model_shape
+from grpo_lightning.app.memory import (
+    CUBLAS_WORKSPACE_BYTES,
+    GIB,
+    PROCESS_BASELINE,
+    ModelShape,
+    RunShape,
+    check_fits,
+    estimate,
+    model_shape,
+)
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
 
@@ -87,11 +96,40 @@ def test_colocated_engine_wakes_beside_the_resident_training_state():
     run = _run(engine="vllm", trainer_on_gpu=True, sleep_mode=True, gpu_memory_utilization=0.5, engine_gpu_bytes=gpu)
     result = estimate(SHAPE, run)
     trainer = _terms(result.trainer_gpu)
-    assert trainer == {"weights": 40_000, "optimizer state": 4_000, "vLLM engine": 40 * GIB}  # no gradients then
+    assert trainer == {"weights": 40_000, "optimizer state": 4_000, "vLLM engine": 40 * GIB,  # no gradients then
+                       "cuBLAS workspaces": 32 * 2**20}  # fmt: skip
     assert _terms(result.cpu)["sleeping engine's weights"] == 40_000
     separate = estimate(SHAPE, _run(engine="vllm", trainer_on_gpu=True, engine_separate=True, engine_gpu_bytes=gpu))
     assert _terms(separate.engine_gpu) == {"vLLM engine": int(0.3 * gpu)}
     assert "vLLM engine" not in _terms(separate.trainer_gpu)
+
+
+def test_the_trainer_gpu_counts_a_cublas_workspace_per_stream():
+    """By hand: 32 MiB (PyTorch's cuBLAS workspace on Hopper, measured on an H200) for each stream; on a CPU run no
+    such term."""
+    assert CUBLAS_WORKSPACE_BYTES == 32 * 2**20
+    for streams in (1, 3, 4):
+        trainer = _terms(estimate(SHAPE, _run(trainer_on_gpu=True, cuda_streams=streams)).trainer_gpu)
+        assert trainer["cuBLAS workspaces"] == streams * 32 * 2**20
+    assert "cuBLAS workspaces" not in _terms(estimate(SHAPE, _run()).cpu)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "streams"),
+    [
+        ([], 3),  # the default stream, the CUDA-graph decode's warm-up and capture streams
+        (["perf.generate.cuda_graphs=false"], 1),
+        (["rollout.max_staleness=1"], 4),  # and the overlapped sampler's stream
+        (["perf=plain"], 1),  # the plain preset decodes eagerly
+        (["generator=vllm"], 1),  # the engine's streams are its own
+    ],
+)
+def test_the_streams_counted_follow_the_config(tmp_path, overrides, streams):
+    from grpo_lightning.app.memory import run_shape
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, ["trainer=gpu", *overrides])
+    assert run_shape(cfg, group_size=8, rollouts_per_round=16).cuda_streams == streams
 
 
 def test_the_decode_rows_are_the_group_at_least():
