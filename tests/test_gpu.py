@@ -112,6 +112,28 @@ def test_overlapped_rounds_on_gpu_sample_the_sequential_rollouts_at_lr0(tiny_cfg
 GRAPH_PROMPTS = ("What is 2 + 2?", "A longer prompt with more words", "Hi")
 
 
+def sample_graph_prompts(model, tokenizer, samples: int, graphs: bool, share: bool = False, rng=None):
+    """GRAPH_PROMPTS on the GPU, `samples` rows each (`share`: one shared prefill per prompt), 32 new tokens with
+    one EOS in 12 token ids, so rows finish at many steps: through the eager loop, or through the CUDA-graph
+    steps. -> tokens, log-probs [rows, T]."""
+    from grpo_lightning.accel import graph_decode
+    from grpo_lightning.accel.decode_loop import new_cache, sample_loop
+    from grpo_lightning.accel.generation_levers import shared_prefill
+    from grpo_lightning.generation.hf import left_pad
+
+    prompts = [tokenizer(t)["input_ids"] for t in GRAPH_PROMPTS]
+    eos = list(range(0, len(tokenizer), 12))
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = ids.cuda(), mask.cuda()
+    cache = new_cache(model, ids.shape[1] + 32)
+    if share:
+        ids, mask, cache = shared_prefill(model, ids, mask, samples, cache)
+    else:
+        ids, mask = ids.repeat_interleave(samples, 0), mask.repeat_interleave(samples, 0)
+    steps = graph_decode.StaticSteps(model, cache, mask, 32, capture=True) if graphs else None
+    return sample_loop(model, ids, mask, cache, 32, eos, tokenizer.pad_token_id, 0.9, rng=rng, steps=steps)
+
+
 @needs_cuda
 @pytest.mark.parametrize("share", [False, True])
 def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokenizer, share, monkeypatch):
@@ -119,13 +141,8 @@ def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokeniz
     at many steps and the batch moves to smaller captured graphs. Tokens identical; log-probs within 1e-4 (the
     stated tolerance: attention over the masked capacity sums in another order)."""
     from grpo_lightning.accel import graph_decode
-    from grpo_lightning.accel.decode_loop import new_cache, sample_loop
-    from grpo_lightning.accel.generation_levers import shared_prefill
-    from grpo_lightning.generation.hf import left_pad
 
     model = copy.deepcopy(tiny_model).cuda().eval()
-    prompts = [tokenizer(t)["input_ids"] for t in GRAPH_PROMPTS]
-    eos = list(range(0, len(tokenizer), 12))
     captured = []
     real_capture = graph_decode.StaticBatch._capture
 
@@ -136,16 +153,8 @@ def test_cuda_graph_steps_sample_what_the_eager_loop_samples(tiny_model, tokeniz
     monkeypatch.setattr(graph_decode.StaticBatch, "_capture", counting)
     out = {}
     for graphs in (False, True):
-        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
-        ids, mask = ids.cuda(), mask.cuda()
-        cache = new_cache(model, ids.shape[1] + 32)
-        if share:
-            ids, mask, cache = shared_prefill(model, ids, mask, 8, cache)
-        else:
-            ids, mask = ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
-        steps = graph_decode.StaticSteps(model, cache, mask, 32, capture=True) if graphs else None
         rng = torch.Generator(device="cuda").manual_seed(11)
-        out[graphs] = sample_loop(model, ids, mask, cache, 32, eos, tokenizer.pad_token_id, 0.9, rng=rng, steps=steps)
+        out[graphs] = sample_graph_prompts(model, tokenizer, 8, graphs, share=share, rng=rng)
     assert torch.equal(out[True][0], out[False][0])
     assert torch.allclose(out[True][1], out[False][1], atol=1e-4, rtol=0)
     assert captured[0] == 24 and len(captured) >= 2, captured  # the first batch, then smaller ones
@@ -158,16 +167,12 @@ def graph_memory_probe() -> None:
     import os
 
     from grpo_lightning.accel import graph_decode
-    from grpo_lightning.accel.decode_loop import new_cache, sample_loop
-    from grpo_lightning.generation.hf import left_pad
     from grpo_lightning.models.sources import RandomSource
     from tests.conftest import _tokenizer_source
 
     source = RandomSource(tokenizer_source=_tokenizer_source(os.environ["GRPO_LIGHTNING_CACHE"]), seed=0)
     model, tokenizer = source.load(torch.float32)
     model = model.cuda().eval()
-    prompts = [tokenizer(t)["input_ids"] for t in GRAPH_PROMPTS]
-    eos = list(range(0, len(tokenizer), 12))  # rows finish at many steps: several captures a call
     captures = []
     real_capture = graph_decode.StaticBatch._capture
 
@@ -178,13 +183,9 @@ def graph_memory_probe() -> None:
     graph_decode.StaticBatch._capture = counting
     torch.manual_seed(0)
     allocated = []
-    for rows in (8, 12, 16, 8, 12, 16):
+    for samples in (8, 12, 16, 8, 12, 16):
         captures.append(0)
-        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
-        ids, mask = ids.cuda().repeat_interleave(rows, 0), mask.cuda().repeat_interleave(rows, 0)
-        cache = new_cache(model, ids.shape[1] + 32)
-        steps = graph_decode.StaticSteps(model, cache, mask, 32, capture=True)
-        sample_loop(model, ids, mask, cache, 32, eos, tokenizer.pad_token_id, 0.9, steps=steps)
+        sample_graph_prompts(model, tokenizer, samples, graphs=True)
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     print(json.dumps({"captures": captures, "allocated": allocated}))

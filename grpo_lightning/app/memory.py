@@ -323,7 +323,7 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         overlap=bool(cfg.get("rollout", {}).get("max_staleness", 0)),
     )
     if shape["engine"] == "hf":  # the default stream, then the graphs' two and the overlapped sampler's
-        graphs = bool(cfg.perf.get("generate", {}).get("cuda_graphs", False))
+        graphs = bool(cfg.perf.generate.get("cuda_graphs", False))
         shape["cuda_streams"] = 1 + 2 * graphs + shape["overlap"]
     if shape["engine"] == "vllm":
         settings = vllm_settings(cfg)
