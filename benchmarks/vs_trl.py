@@ -36,6 +36,27 @@ Neither side writes a checkpoint during the run (ours: `checkpoint.last_every_n_
 "rollout" is TRL's `_generate_and_score_completions` (generation, rewards AND its reference forward) and our
 rollout callback's generation (the reference forward is in our train step). Peak RSS is the child's VmHWM.
 Timings on a shared machine are noisy: compare the two systems within one invocation, by their ratio.
+
+`--json PATH` writes one entry per system, keyed by its name (`trl`, `ours`, `ours_plain`, `ours_eager`): the raw
+timings (`step_s`, `rollout_s`, `train_s`, `generate_s`: seconds per step; `completion_len`: mean tokens per
+completion per step; `peak_rss_gb`, `peak_gpu_gb`, ours: `gpu_estimate_gb`, `round_end_s`, `run_end_s`; `wall_s`:
+the whole subprocess) and, beside them, the facts of the run that produced them (`run_facts`, taken in that
+system's subprocess): `device` (the GPU's name with `--gpu`, else the CPU's model name), `cpu_flags` (on the CPU:
+which of avx2 / avx512f / avx512_bf16 / amx_tile it has, the kernels torch picks depend on them; null on a GPU),
+`gpu`, `model` (the `model=` preset, `smollm2_135m` without `--model`), `tuning` (`lora` or `full`), `loss`,
+`steps`, `group`, `prompts`, `max_new`, `micro`, `fixed_length`, `dtype` (`bf16` or `fp32`), `ours_override` and
+`versions` (torch, transformers, peft, lightning, trl in TRL's subprocess, and CUDA with `--gpu`). `--check`'s
+entry is its per-loss comparison, without facts.
+
+`--merge A.json B.json ...` prints the table of entries saved with `--json` (one system per invocation, say):
+its caption and its rollout tokens/s come from the facts each entry recorded; the merging command's other flags
+are ignored (rollout tokens/s: prompts x group x tokens per completion, `max_new` for a fixed-length run and the
+recorded mean length otherwise, over the median generation seconds, `generate_s`). Entries must agree on the
+device and on the work (`MERGE_KEYS`: model, tuning, loss, group, prompts, max-new, micro, fixed length, dtype);
+otherwise the merge is refused with one line naming each fact that differs and its value in each file: a ratio
+between systems means something only on the same work and the same machine, and one caption says so. An entry
+without facts (written before they were recorded) is refused by name: rerun it, or add the fields to the JSON by
+hand. A system in two files: the later file's entry.
 """
 
 from __future__ import annotations
@@ -651,6 +672,112 @@ def ours_extra(args) -> list[str]:
     return extra + list(args.ours_override)
 
 
+# ---- run facts ---------------------------------------------------------------------------------------------------
+DEFAULT_MODEL = "smollm2_135m"  # the config's default `model=` preset: the embedded SmolLM2-135M-Instruct
+NOTABLE_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+# The facts two merged entries must share: the same work on the same machine (`--merge` refuses otherwise).
+WORK_KEYS = ("model", "tuning", "loss", "group", "prompts", "max_new", "micro", "fixed_length", "dtype")
+MERGE_KEYS = ("device", "gpu", *WORK_KEYS)
+FACT_KEYS = (*MERGE_KEYS, "cpu_flags", "steps", "ours_override", "versions")
+
+
+def cpu_facts(cpuinfo: str) -> tuple[str, list[str]]:
+    """The CPU's model name and which of `NOTABLE_CPU_FLAGS` it has, from /proc/cpuinfo's text (its first
+    processor: every core of a machine is the same model)."""
+    import platform
+
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    flags = set(fields.get("flags", "").split())
+    return name, [f for f in NOTABLE_CPU_FLAGS if f in flags]
+
+
+def package_versions(gpu: bool) -> dict[str, str | None]:
+    """The installed versions of the stack both sides run on; trl's only where it was imported (TRL's subprocess:
+    ours never imports it); CUDA's (the one torch was built with) on a GPU."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions: dict[str, str | None] = {}
+    for name in ("torch", "transformers", "peft", "lightning"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    if "trl" in sys.modules:
+        versions["trl"] = getattr(sys.modules["trl"], "__version__", None)
+    if gpu:
+        import torch
+
+        versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def run_facts(args, cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """What a system's timings were measured on and for, written beside them by `--json` so that `--merge` reads
+    the work from the file rather than from its own flags (whose defaults are the CPU run's)."""
+    if args.gpu:
+        import torch
+
+        device, flags = torch.cuda.get_device_name(), None
+    else:
+        device, flags = cpu_facts(cpuinfo.read_text() if cpuinfo.exists() else "")
+    return {
+        "device": device,
+        "cpu_flags": flags,
+        "gpu": bool(args.gpu),
+        "model": args.model or DEFAULT_MODEL,
+        "tuning": "full" if args.full else "lora",
+        "loss": args.loss,
+        "steps": args.steps,
+        "group": args.group,
+        "prompts": args.prompts,
+        "max_new": args.max_new,
+        "micro": args.micro,
+        "fixed_length": bool(args.fixed_length),
+        "dtype": "bf16" if args.bf16 else "fp32",
+        "ours_override": list(args.ours_override),
+        "versions": package_versions(args.gpu),
+    }
+
+
+def load_results(paths: list[str]) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every system's entry of the `--json` files (a system in two files: the later one), and the file each came
+    from. An entry without the run facts cannot be tabled: its work is unknown, and the flags' defaults (the CPU
+    run's) would caption and rate it wrongly."""
+    results, where = {}, {}
+    for path in paths:
+        for name, entry in json.loads(Path(path).read_text()).items():
+            if name not in SYSTEM_NAMES:
+                sys.exit(f"--merge: {path}: {name!r} is not a timed system (one of {', '.join(SYSTEM_NAMES)})")
+            missing = [key for key in FACT_KEYS if key not in entry]
+            if missing:
+                what = "all of them" if len(missing) == len(FACT_KEYS) else ", ".join(missing)
+                sys.exit(
+                    f"--merge: {path}: entry {name!r} lacks the run facts (missing: {what}), written before --json "
+                    "recorded them: rerun it with --json, or add the fields by hand (see the module docstring)"
+                )
+            results[name], where[name] = entry, path
+    return results, where
+
+
+def shared_facts(results: dict[str, dict], where: dict[str, str] | None = None) -> dict:
+    """The facts every entry shares (`MERGE_KEYS`); exits with one line naming each that differs and its value in
+    each entry (`where`: system -> the file it came from)."""
+    differ = []
+    for key in MERGE_KEYS:
+        values = [(entry[key], f"{name} in {where[name]}" if where else name) for name, entry in results.items()]
+        if len({json.dumps(v) for v, _ in values}) > 1:
+            differ.append(f"{key} " + " vs ".join(f"{v!r} ({label})" for v, label in values))
+    if differ:
+        prefix = "--merge: " if where else ""
+        sys.exit(f"{prefix}the entries are not the same work on the same device, refused: " + "; ".join(differ))
+    return {key: next(iter(results.values()))[key] for key in MERGE_KEYS}
+
+
 def child(args) -> None:
     pinned = pinned_for(args)
     if args.child in OUR_SYSTEMS:
@@ -660,6 +787,8 @@ def child(args) -> None:
         result = run_trl(pinned, not args.trl_no_gc, model_overrides(args), args.gpu, args.full, args.fixed_length)
     else:
         result = check(args.check_losses, tiny=args.tiny)
+    if args.child != "check":  # --check's entry maps each loss to its comparison: no room for facts
+        result |= run_facts(args)
     result["peak_rss_gb"] = peak_rss_gb()
     result["peak_gpu_gb"] = gpu_peak_gb()
     Path(args.out).write_text(json.dumps(result))
@@ -701,17 +830,14 @@ def main() -> None:
     parser.add_argument("--child", choices=["check", *SYSTEM_NAMES], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.merge:  # the files' recorded facts, not these flags, say what the runs were
+        print_table(*load_results(args.merge))
+        return
     args.bf16 = args.bf16 or args.gpu
     if args.micro % args.group or (args.prompts * args.group) % args.micro:
         parser.error("--micro must be a multiple of --group and divide --prompts x --group")
     if args.child:
         child(args)
-        return
-    if args.merge:
-        results = {}
-        for path in args.merge:
-            results.update(json.loads(Path(path).read_text()))
-        print_table(results, args)
         return
 
     if args.check:
@@ -750,7 +876,7 @@ def main() -> None:
         if not all(r["agree"] for r in results["check"].values() if isinstance(r, dict)):
             sys.exit("--check: the two losses disagree (see the table)")
         return
-    print_table(results, args)
+    print_table(results)
 
 
 def print_loss_pins(losses: list[str]) -> None:
@@ -777,11 +903,46 @@ def print_check(results: dict) -> None:
         )
 
 
-def print_table(results: dict, args) -> None:
+def completion_tokens(facts: dict, lengths: list[float]) -> float:
+    """Tokens of one completion, on average: `max_new` for a fixed-length run (every completion is that long on
+    both sides), else the recorded mean length."""
+    if facts["fixed_length"]:
+        return float(facts["max_new"])
+    return statistics.mean(lengths) if lengths else float("nan")
+
+
+def caption(facts: dict, results: dict[str, dict]) -> str:
+    """The table's caption, from the recorded facts (`facts`: the shared ones; the steps and the versions from
+    every entry, each value once)."""
+    flags = next(iter(results.values()))["cpu_flags"]  # the same device: the same flags
+    device = facts["device"] + (f" ({' '.join(flags)})" if flags else "")
+    tuning = "full fine-tuning" if facts["tuning"] == "full" else "LoRA r16"
+    steps = "/".join(str(n) for n in sorted({entry["steps"] for entry in results.values()}))
+    versions = {}
+    for entry in results.values():
+        for package, version in entry["versions"].items():
+            versions.setdefault(package, [])
+            if version not in versions[package]:
+                versions[package].append(version)
+    stack = ", ".join(f"{package} {' / '.join(str(v) for v in vs)}" for package, vs in versions.items())
+    overrides = sorted({" ".join(entry["ours_override"]) for entry in results.values()} - {""})
+    return (
+        f"{device}: {facts['model']}, {tuning}, {steps} steps, {facts['prompts']} prompts x {facts['group']} "
+        f"completions, {facts['max_new']} new tokens{' (fixed)' if facts['fixed_length'] else ''}, micro-batches "
+        f"of {facts['micro']}, loss {facts['loss']}, beta {BETA}, {facts['dtype']}; median over steps 2..N\n"
+        f"versions: {stack}" + "".join(f"\nour side also: {o}" for o in overrides)
+    )
+
+
+def print_table(results: dict[str, dict], where: dict[str, str] | None = None) -> None:
+    """The systems' table, its caption and rates from the facts the entries recorded (`where`: system -> the file
+    it came from, for `--merge`'s refusal)."""
+    facts = shared_facts(results, where)
     rows = []
     for name, r in results.items():
         length = statistics.mean(r["completion_len"]) if r["completion_len"] else float("nan")
         generate = median_after_first(r.get("generate_s") or [])
+        tokens = facts["prompts"] * facts["group"] * completion_tokens(facts, r["completion_len"])  # per step
         rows.append(
             {
                 "system": SYSTEM_NAMES[name],
@@ -789,7 +950,7 @@ def print_table(results: dict, args) -> None:
                 "step": median_after_first(r["step_s"]),
                 "rollout": median_after_first(r["rollout_s"]),
                 "train": median_after_first(r["train_s"]),
-                "tokens_s": args.prompts * args.group * length / generate if generate else float("nan"),
+                "tokens_s": tokens / generate if generate else float("nan"),
                 "rss": r["peak_rss_gb"],
                 "gpu": r.get("peak_gpu_gb"),
                 "estimate": r.get("gpu_estimate_gb"),
@@ -797,13 +958,8 @@ def print_table(results: dict, args) -> None:
                 "steps": " ".join(f"{s:.1f}" for s in r["step_s"]),
             }
         )
-    tuning = "full fine-tuning" if args.full else "LoRA r16"
-    print(
-        f"\n{args.model or 'embedded SmolLM2-135M'}, {args.steps} steps, {args.prompts} prompts x {args.group} "
-        f"completions, {args.max_new} new tokens{' (fixed)' if args.fixed_length else ''}, {tuning}, loss "
-        f"{args.loss}, beta {BETA}, {'bf16' if args.bf16 else 'fp32'}; median over steps 2..N\n"
-    )
-    gpu = args.gpu
+    print(f"\n{caption(facts, results)}\n")
+    gpu = facts["gpu"]
     columns = ["system", "step s", "rollout s", "train s", "rollout tokens/s"]
     columns += ["peak GPU GiB", "GPU estimate GiB"] if gpu else ["peak RSS GB"]
     columns += ["mean completion len", "all steps s"]
