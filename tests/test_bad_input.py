@@ -387,7 +387,8 @@ VALIDATION_MISTAKES = [
     ),
     ("lever not a bool", ["perf.forward.share_prefix=maybe"], ["perf.forward.share_prefix must be true or false"]),
     ("packed weights unknown", ["perf.generate.packed_weights=yes"], ["perf.generate.packed_weights must be one of"]),
-    ("generate batch 0", ["generator.batch_size=0"], ["generator.batch_size must be >= 1"]),
+    ("generate batch 0", ["generator.batch_size=0"], ["generator.batch_size must be an integer >= 1 or auto"]),
+    ("generate batch word", ["generator.batch_size=all"], ["generator.batch_size must be an integer >= 1 or auto"]),
     ("epsilon_low 1.5", ["loss.epsilon_low=1.5"], ["loss.epsilon_low must be < 1"]),
     ("loss type unknown", ["loss.loss_type=ppo"], ["loss.loss_type must be one of grpo"]),
     (

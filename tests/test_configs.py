@@ -11,6 +11,13 @@ from tests.conftest import CONF_DIR, make_cfg
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in Path(CONF_DIR).iterdir() if g.is_dir()}
 PLAIN_PERF = (ForwardSettings.plain(), GenerationSettings.plain())
+GPU_PERF = (  # perf=gpu, written out: checkpointed layers and a chunked head; graphs through the LoRA layers
+    ForwardSettings(
+        share_prefix=False, logits_chunk_tokens=1024, runs_by_length=False, fused_lora=False,
+        activation_checkpointing=True,
+    ),
+    GenerationSettings(merge_lora=False, packed_weights=False),
+)  # fmt: skip
 SAMPLING_KEYS = ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k")
 OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for option in options]
 
@@ -34,7 +41,7 @@ def test_expected_groups_exist():
     ]  # fmt: skip
     assert GROUPS["data"] == ["games", "gsm8k", "reasoning_gym", "rounds"]  # rounds: what the sources share
     assert GROUPS["variant"] == ["grpo", "selfplay", "storpo"]
-    assert GROUPS["perf"] == ["cpu_fast", "plain"]
+    assert GROUPS["perf"] == ["cpu_fast", "gpu", "plain"]
     assert {"variant", "generator", "data", "trainer", "logger"} <= set(GROUPS)
 
 
@@ -106,10 +113,27 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
             assert Path(node.mlflow.artifact_location).is_relative_to(tmp_path)
     elif group == "perf":  # the speed levers: frozen settings objects, every lever on or every lever off
         forward, generate = instantiate(node.forward), instantiate(node.generate)
-        expected = {"cpu_fast": (ForwardSettings(), GenerationSettings()), "plain": PLAIN_PERF}[option]
+        expected = {"cpu_fast": (ForwardSettings(), GenerationSettings()), "plain": PLAIN_PERF, "gpu": GPU_PERF}[option]
         assert (forward, generate) == expected
     else:
         assert instantiate(node) is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "perf"),
+    [
+        (["trainer=gpu"], GPU_PERF),
+        (["trainer=gpu", "perf=cpu_fast"], (ForwardSettings(), GenerationSettings())),  # the command line wins
+        (["perf=plain", "trainer=gpu"], PLAIN_PERF),  # in either order
+        (["experiment=gsm8k_qwen0.5b"], GPU_PERF),  # the GPU recipes train with trainer=gpu's levers
+        (["experiment=gsm8k_qwen1.5b_2gpu"], GPU_PERF),
+        ([], (ForwardSettings(), GenerationSettings())),  # the CPU default keeps its levers
+        (["trainer=ddp"], (ForwardSettings(), GenerationSettings())),
+    ],
+)
+def test_trainer_gpu_selects_the_gpu_levers(tmp_path, overrides, perf):
+    cfg = make_cfg(tmp_path, overrides)
+    assert (instantiate(cfg.perf.forward), instantiate(cfg.perf.generate)) == perf
 
 
 def test_top_level_nodes_instantiate(tmp_path):

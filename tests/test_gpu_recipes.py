@@ -76,8 +76,8 @@ def test_recipe_plan_with_gpu_memory_estimate(tmp_path, cuda_machine, recipe):
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_that_cannot_fit_names_the_key(tmp_path, cuda_machine, recipe):
-    result = cli(f"experiment={recipe}", "data.groups_per_micro_batch=64", "dry_run=true",
-                 f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
+    result = cli(f"experiment={recipe}", "data.groups_per_micro_batch=64", "generator.max_new_tokens=2048",
+                 "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "GiB of GPU memory" in line and "lower data.groups_per_micro_batch" in line

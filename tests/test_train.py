@@ -114,29 +114,44 @@ def test_exported_policy_loads_with_peft_and_merged_without_it(tiny_cfg):
     assert "[More Information Needed]" not in card  # not peft's empty template
 
 
-def test_plain_and_cpu_fast_presets_train_the_same_first_round(tiny_cfg):
-    """perf=plain (every speed lever off) and perf=cpu_fast (every lever on) train the same first round to float
-    tolerance. The multinomial draw makes both sample the same rollouts (each lever alone: tests/unit/); SGD keeps
-    the step proportional to the gradient (Adam's first step is lr * sign(g): a ~0 component's rounding flips it)."""
+def test_the_perf_presets_train_the_same_first_round(tiny_cfg):
+    """perf=plain (every speed lever off), perf=cpu_fast (every CPU lever on) and perf=gpu (checkpointed layers, a
+    chunked head, sampling through the LoRA layers) train the same first round to float tolerance. The multinomial
+    draw makes all sample the same rollouts (each lever alone: tests/unit/); SGD keeps the step proportional to the
+    gradient (Adam's first step is lr * sign(g): a ~0 component's rounding flips it)."""
     from grpo_lightning.accel import ForwardSettings
 
+    expected_levers = {
+        "plain": ForwardSettings.plain(),
+        "cpu_fast": ForwardSettings(),
+        "gpu": ForwardSettings(
+            share_prefix=False,
+            logits_chunk_tokens=1024,
+            runs_by_length=False,
+            fused_lora=False,
+            activation_checkpointing=True,
+        ),  # fmt: skip
+    }
     trained = {}
-    for perf in ("plain", "cpu_fast"):
+    for perf, levers in expected_levers.items():
         overrides = (f"perf={perf}", "perf.generate.sampler=multinomial", "trainer.max_epochs=1", "eval.enabled=false")
         overrides += ("optim.optimizer._target_=torch.optim.SGD", "~optim.optimizer.betas", "optim.optimizer.lr=0.1")
         run = build_run(tiny_cfg(*overrides))
-        levers = ForwardSettings.plain() if perf == "plain" else ForwardSettings()
         assert run.module.forward_settings == levers
+        layers = run.module.policy.get_base_model().model.layers
+        assert all(layer.gradient_checkpointing == levers.activation_checkpointing for layer in layers)
         before = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
         metrics = run.fit()
         params = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
-        trained[perf] = (metrics, params)
-    (plain_metrics, plain), (fast_metrics, fast) = trained["plain"], trained["cpu_fast"]
-    assert plain_metrics["train/reward_mean"] == fast_metrics["train/reward_mean"]  # the same rollouts
-    assert plain.keys() == fast.keys()
-    for name in plain:
-        assert torch.allclose(plain[name], fast[name], atol=1e-6, rtol=1e-5), name
-    assert max(float((fast[n] - before[n]).abs().max()) for n in fast) > 1e-4  # the step did move the adapters
+        trained[perf] = (metrics, params, before)
+    plain_metrics, plain, _ = trained["plain"]
+    for perf in ("cpu_fast", "gpu"):
+        metrics, params, before = trained[perf]
+        assert metrics["train/reward_mean"] == plain_metrics["train/reward_mean"], perf  # the same rollouts
+        assert params.keys() == plain.keys()
+        for name in plain:
+            assert torch.allclose(params[name], plain[name], atol=1e-6, rtol=1e-5), (perf, name)
+        assert max(float((params[n] - before[n]).abs().max()) for n in params) > 1e-4  # the step moved the adapters
 
 
 def test_full_finetune_keeps_a_frozen_reference(tiny_cfg):

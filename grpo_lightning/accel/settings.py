@@ -1,7 +1,8 @@
 """The speed levers' switches, one frozen object per phase, built from the `perf` config group.
 
 Defaults are the `cpu_fast` preset (grpo_lightning/conf/perf/cpu_fast.yaml); `plain()` is every lever off, the
-reference path each lever is tested against (docs/performance.md).
+reference path each lever is tested against (docs/performance.md); `perf=gpu` (what `trainer=gpu` selects) is the
+GPU's choice (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -52,9 +53,25 @@ class ForwardSettings:
     fused_lora: bool = setting(
         True, boolean, "LoRA's update added to the base layer's output in place (fused_lora.py), not peft's passes"
     )
+    activation_checkpointing: bool = setting(
+        False, boolean, "keep only each decoder layer's input for the backward and recompute the layer there "
+        "(activation_checkpointing.py): activations of one layer instead of all, for one more forward; needs "
+        "share_prefix=false"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_settings(self, "perf.forward")
+
+    @staticmethod
+    def joint_problems(values: dict, prefix: str) -> list[str]:
+        """A checkpointed layer recomputes without a KV cache (transformers drops it under checkpointing), so the
+        completions could not attend to a prompt that ran once for the group: the two levers exclude each other."""
+        if values.get("activation_checkpointing") and values.get("share_prefix"):
+            return [
+                f"{prefix}.activation_checkpointing=true needs {prefix}.share_prefix=false: a checkpointed layer "
+                "recomputes without the shared prompt's KV cache (perf=gpu sets both)"
+            ]
+        return []
 
     @classmethod
     def plain(cls) -> ForwardSettings:

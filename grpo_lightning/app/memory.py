@@ -6,16 +6,22 @@ and every run's start) prints the estimate for CPU RAM and, when the trainer or 
 memory. docs/gpu.md (Memory) explains each term.
 
 The estimate is an upper bound of the peak, not a measurement: prompts are counted at `data.max_prompt_tokens`
-and completions at `generator.max_new_tokens`, and saved activations follow a plain decoder layer without
-recomputation. Per token and layer a decoder block keeps about 10 h + 5 i + 2 kv values for its backward (norm
-inputs and outputs, q / k / v, the attention output, the MLP's gate, up, activation and product), where h is
-the hidden size, i the MLP width and kv the key / value width (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", count the same terms). The LM head adds [tokens, vocab] float32
-logits, or one chunk of them with `perf.forward.logits_chunk_tokens`.
+and completions at `generator.max_new_tokens`. Per token and layer a decoder block keeps about 10 h + 5 i + 2 kv
+values for its backward (norm inputs and outputs, q / k / v, the attention output, the MLP's gate, up, activation
+and product), where h is the hidden size, i the MLP width and kv the key / value width (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", count the same terms). With
+`perf.forward.activation_checkpointing` a layer keeps only its input (h values per token, in the weights' dtype:
+the residual stream) and one layer at a time holds the full 10 h + 5 i + 2 kv while it is recomputed. The LM head
+adds [tokens, vocab] float32 logits, or one chunk of them with `perf.forward.logits_chunk_tokens`.
+
+Sampling with LoRA merged (`perf.generate.merge_lora`, the HF engine) makes a merged copy of every targeted
+linear weight for the length of a generate call: one more copy of most of the weights while sampling.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -23,6 +29,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from grpo_lightning.generation.hf import CPU_AUTO_ROWS
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -37,6 +45,10 @@ above the process's level before the call, on the tiny model at 1,024, 2,048 and
 tokens; tests/slow/test_memory_bound.py measures it again). The rows of a call are the group's G samples of one
 prompt at least, whatever generator.batch_size says."""
 
+
+GPU_FIT_SHARE = 0.9
+"""generator.batch_size=auto on a GPU sizes a call to this share of the GPU's memory: the rest is for the CUDA
+context (a few hundred MiB, outside the allocator) and the allocator's fragmentation."""
 
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 """cuBLAS's workspace for each CUDA stream it has run on, kept for the process's life: PyTorch's size on Hopper
@@ -57,6 +69,8 @@ class ModelShape:
     kv_width: int
     """num_key_value_heads x head_dim."""
     vocab: int
+    lora_target_parameters: int
+    """Weights of the linear layers the adapter targets: what sampling with LoRA merged copies."""
 
 
 def model_shape(config, lora_r: int, target_modules: str | list[str]) -> ModelShape:
@@ -68,11 +82,12 @@ def model_shape(config, lora_r: int, target_modules: str | list[str]) -> ModelSh
         model = AutoModelForCausalLM.from_config(config)
     parameters = sum(p.numel() for p in model.parameters())
     output = model.get_output_embeddings()
-    lora = sum(
-        lora_r * (m.in_features + m.out_features)
+    targets = [
+        m
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and m is not output and _targeted(name, target_modules)
-    )
+    ]
+    lora = sum(lora_r * (m.in_features + m.out_features) for m in targets)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -84,6 +99,7 @@ def model_shape(config, lora_r: int, target_modules: str | list[str]) -> ModelSh
         layers=config.num_hidden_layers,
         kv_width=kv_heads * head_dim,
         vocab=config.vocab_size,
+        lora_target_parameters=sum(m.weight.numel() for m in targets),
     )
 
 
@@ -156,6 +172,12 @@ class RunShape:
     hf_batch_rows: int = 16
     """Sequences per HF generate call at most: generator.batch_size, the group's G samples of one prompt (a call
     never splits a prompt's samples), or eval.batch_size's greedy rows, whichever is largest."""
+    decode_rows: int = 16
+    """generator.batch_size as the HF engine will use it (`auto` resolved by `decode_rows` / `fit_decode_rows`)."""
+    decode_rows_auto: bool = False
+    """generator.batch_size=auto: `fit_decode_rows` may shrink `decode_rows` to what the GPU holds."""
+    eval_rows: int = 0
+    """eval.batch_size's greedy rows per call (0: no evaluation)."""
     trainer_on_gpu: bool = False
     engine_separate: bool = False
     """vLLM on its own GPU (generator.device=cuda:N)."""
@@ -172,6 +194,10 @@ class RunShape:
     cuda_streams: int = 1
     """Streams of the trainer's process that run cuBLAS on its GPU: the default stream; with the HF engine, the
     CUDA-graph decode's warm-up and capture streams (perf.generate.cuda_graphs) and the overlapped sampler's own."""
+    activation_checkpointing: bool = False
+    """perf.forward.activation_checkpointing: each decoder layer keeps its input only and is recomputed."""
+    merged_lora: bool = False
+    """The HF engine samples a LoRA policy through merged copies of the targeted weights (perf.generate.merge_lora)."""
 
 
 def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
@@ -195,7 +221,11 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
         tokens = run.groups_per_micro_batch * (run.prompt_tokens + run.group_size * run.new_tokens)
     else:
         tokens = rows * (run.prompt_tokens + run.new_tokens)
-    per_token = shape.layers * (10 * shape.hidden + 5 * shape.intermediate + 2 * shape.kv_width) * act_bytes
+    per_layer_token = (10 * shape.hidden + 5 * shape.intermediate + 2 * shape.kv_width) * act_bytes
+    if run.activation_checkpointing:  # every layer's input, and one layer's activations while it is recomputed
+        per_token = shape.layers * shape.hidden * weight_bytes + per_layer_token
+    else:
+        per_token = shape.layers * per_layer_token
     logit_positions = tokens if run.logits_chunk_tokens is None else min(tokens, run.logits_chunk_tokens)
     logits = logit_positions * shape.vocab * 4 * 3  # float32 logits, their log-softmax and its gradient
     micro_batch_key = "data.groups_per_micro_batch" if run.groups_per_micro_batch > 1 else "generator.num_generations"
@@ -207,15 +237,18 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
         kv = run.hf_batch_rows * sequence * 2 * shape.layers * shape.kv_width * weight_bytes
         step_logits = run.hf_batch_rows * shape.vocab * 4 * DECODE_STEP_LOGIT_COPIES
         key = "generator.num_generations" if run.hf_batch_rows == run.group_size else "generator.batch_size"
-        generation = Term("generation", kv + step_logits, key)
+        generation = [Term("generation", kv + step_logits, key)]
+        if run.merged_lora and run.lora:
+            merged = shape.lora_target_parameters * weight_bytes
+            generation.append(Term("merged LoRA weights", merged, "perf.generate.merge_lora"))
     else:
-        generation = Term("generation", 0, "")
+        generation = [Term("generation", 0, "")]
     rollouts = Term("rollouts", run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN, "data.prompts_per_round")
     if run.overlap:  # sampling beside training: both at once, and the sampler's copy of the trainable weights
         terms.append(Term("sampler copy", trainable * state_bytes, "rollout.max_staleness"))
-        peak_work = [activations, generation]
+        peak_work = [activations, *generation]
     else:  # never both at once
-        peak_work = [activations if activations.bytes >= generation.bytes else generation]
+        peak_work = [activations] if activations.bytes >= sum(t.bytes for t in generation) else generation
 
     result = MemoryEstimate()
     process = Term("process", PROCESS_BASELINE, "")
@@ -252,6 +285,44 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     workspaces = Term("cuBLAS workspaces", run.cuda_streams * CUBLAS_WORKSPACE_BYTES, "")  # no key: a fixed cost
     result.trainer_gpu = [*training, workspaces]
     return result
+
+
+def fit_decode_rows(shape: ModelShape, run: RunShape, gpu_bytes: int | None) -> RunShape:
+    """`run` with generator.batch_size=auto sized to the trainer's GPU (any other run comes back unchanged).
+
+    The rank's whole round (`run.decode_rows` as `decode_rows` set it) when its estimate fits `GPU_FIT_SHARE` of
+    the GPU, or when no GPU is visible to size it (a plan made on another machine); else the most whole groups
+    (multiples of the group size: a call never splits a prompt's samples) that fit, and one group when none does
+    (the plan's check then refuses the run, naming the largest term's key).
+    """
+    if not (run.decode_rows_auto and run.trainer_on_gpu and run.engine == "hf") or gpu_bytes is None:
+        return run
+    group = max(1, run.group_size)
+
+    def with_rows(rows: int) -> RunShape:
+        return dataclasses.replace(run, decode_rows=rows, hf_batch_rows=max(rows, group, run.eval_rows))
+
+    def fits(rows: int) -> bool:
+        return sum(t.bytes for t in estimate(shape, with_rows(rows)).trainer_gpu) <= GPU_FIT_SHARE * gpu_bytes
+
+    if fits(run.decode_rows):
+        return run
+    low, high = 1, max(1, run.decode_rows // group)  # whole groups per call: `low` fits, `high` does not
+    if not fits(low * group):
+        return with_rows(group)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * group) else (low, middle)
+    return with_rows(low * group)
+
+
+def decode_rows(batch_size: int | str, trainer_on_gpu: bool, round_rows: int) -> int:
+    """Sequences per HF generate call before any fitting: `generator.batch_size` when a number; `auto`: 16 on a
+    CPU (`CPU_AUTO_ROWS`, the rows the CPU rounds were measured with, benchmarks/README.md), the rank's whole
+    round on a GPU (`fit_decode_rows` shrinks it to what fits)."""
+    if batch_size != "auto":
+        return int(batch_size)
+    return round_rows if trainer_on_gpu else CPU_AUTO_ROWS
 
 
 def gpu_memory() -> int | None:
@@ -298,11 +369,17 @@ def _fix(key: str) -> str:
 
 
 def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
-    """The estimate's view of a composed config (validated: every key has its type)."""
-    from grpo_lightning.app.validation import is_vllm, trainer_devices, vllm_settings
+    """The estimate's view of a composed config (validated: every key has its type). With
+    `generator.batch_size=auto` the decode rows are `decode_rows`' (train.py fits them to the GPU)."""
+    from grpo_lightning.app.validation import is_vllm, trainer_devices, vllm_settings, world_size
     from grpo_lightning.generation.vllm_io import engine_dtype, installed_platform
 
     forward = cfg.perf.forward
+    trainer_on_gpu = bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda")
+    round_rows = math.ceil(rollouts_per_round / world_size(cfg))  # this rank's share of the round
+    batch_size = cfg.generator.get("batch_size", CPU_AUTO_ROWS)
+    rows = decode_rows(batch_size, trainer_on_gpu, round_rows)
+    eval_rows = cfg.eval.batch_size if cfg.eval.enabled else 0
     shape = dict(
         dtype=cfg.model.dtype,
         lora=bool(cfg.model.lora.enabled),
@@ -315,16 +392,19 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         rollouts_per_round=rollouts_per_round,
         share_prefix=bool(forward.get("share_prefix", False)),
         logits_chunk_tokens=forward.get("logits_chunk_tokens"),
+        activation_checkpointing=bool(forward.get("activation_checkpointing", False)),
         engine="vllm" if is_vllm(cfg) else "hf",
-        hf_batch_rows=max(
-            cfg.generator.get("batch_size", 16), group_size, cfg.eval.batch_size if cfg.eval.enabled else 0
-        ),
-        trainer_on_gpu=bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda"),
+        hf_batch_rows=max(rows, group_size, eval_rows),
+        decode_rows=rows,
+        decode_rows_auto=batch_size == "auto",
+        eval_rows=eval_rows,
+        trainer_on_gpu=trainer_on_gpu,
         overlap=bool(cfg.get("rollout", {}).get("max_staleness", 0)),
     )
     if shape["engine"] == "hf":  # the default stream, then the graphs' two and the overlapped sampler's
         graphs = bool(cfg.perf.generate.get("cuda_graphs", False))
         shape["cuda_streams"] = 1 + 2 * graphs + shape["overlap"]
+        shape["merged_lora"] = bool(cfg.perf.generate.get("merge_lora", False))
     if shape["engine"] == "vllm":
         settings = vllm_settings(cfg)
         on_cpu = installed_platform() == "cpu"

@@ -22,12 +22,15 @@ from hydra.utils import get_object, instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from grpo_lightning.accel.activation_checkpointing import enable_activation_checkpointing
 from grpo_lightning.accel.fused_lora import install_fused_lora_forward
 from grpo_lightning.app.export import export_policy
 from grpo_lightning.app.memory import (
     MemoryEstimate,
+    RunShape,
     check_fits,
     estimate,
+    fit_decode_rows,
     gpu_memory,
     machine_memory,
     model_shape,
@@ -122,9 +125,11 @@ class Plan:
     output_dir: str
     memory: MemoryEstimate | None = None
     """The peak-memory estimate (grpo_lightning/app/memory.py); None when the model's config.json cannot be read."""
+    decode_rows_per_call: int | None = None
+    """Sequences per HF generate call (generator.batch_size, `auto` resolved and fitted to the GPU); None: vLLM."""
 
     def render(self) -> str:
-        rows = {k: v for k, v in self.__dict__.items() if k != "memory"}
+        rows = {k: v for k, v in self.__dict__.items() if k != "memory" and v is not None}
         rows |= self.memory.render() if self.memory is not None else {"memory": "unknown (no model config.json)"}
         if self.memory is not None and self.memory.engine_share is not None:
             rows["memory_gpu_engine_share"] = f"{self.memory.engine_share:.0%} of the engine GPU's memory (vLLM)"
@@ -304,15 +309,19 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
     forward_settings = build(cfg.perf.forward)  # training-forward levers (docs/performance.md)
     if forward_settings.fused_lora:
         install_fused_lora_forward(policy)  # no-op without LoRA layers
+    if forward_settings.activation_checkpointing:
+        enable_activation_checkpointing(policy)
     run_info = {"model": plan.model, "lora": repr(lora) if lora.enabled else "full fine-tuning"}
     if ckpt_path is not None:
         check_resumable(ckpt_path, policy, run_info)
+    rows = {"batch_size": plan.decode_rows_per_call} if cfg.generator.get("batch_size") == "auto" else {}
     generator = build(
         cfg.generator,
         model=policy,
         tokenizer=tokenizer,
         generation_settings=build(cfg.perf.generate),
         trainer_devices=trainer_devices(cfg),
+        **rows,  # generator.batch_size=auto: the plan's rows (fitted to the GPU's memory)
     )
     module: GRPOModule = build(cfg.module, _partial_=True)(  # the `module` node with what the run built
         policy=policy,
@@ -507,6 +516,7 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
         )
     per_round = dm.micro_batches_per_round * dm.num_iterations
     rollouts_per_round = variant.rollouts_per_round(dm.prompts_per_round)
+    memory, run = memory_estimate(cfg, source, rollouts_per_round, rollouts_per_round // dm.prompts_per_round)
     return Plan(
         model=source.describe(),
         data=dm.dataset.describe(),
@@ -521,19 +531,25 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
         loss=build(cfg.loss).describe(),
         reward=reward_fn.describe(),
         output_dir=str(Path(cfg.paths.output_dir).resolve()),
-        memory=memory_estimate(cfg, source, rollouts_per_round, rollouts_per_round // dm.prompts_per_round),
+        memory=memory,
+        decode_rows_per_call=run.decode_rows if run.engine == "hf" else None,
     )
 
 
-def memory_estimate(cfg: DictConfig, source, rollouts_per_round: int, group_size: int) -> MemoryEstimate | None:
-    """The run's peak-memory estimate from the model's config.json (no weights are read)."""
+def memory_estimate(
+    cfg: DictConfig, source, rollouts_per_round: int, group_size: int
+) -> tuple[MemoryEstimate | None, RunShape]:
+    """The run's peak-memory estimate from the model's config.json (no weights are read; None without one), and
+    the run's shape as estimated (its decode rows fitted to the GPU for generator.batch_size=auto)."""
+    run = run_shape(cfg, group_size, rollouts_per_round)
     config = source.config(cfg.model.trust_remote_code)
     if config is None:
-        return None
+        return None, run
     lora = cfg.model.lora
     target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
     shape = model_shape(config, lora.r, target)
-    return estimate(shape, run_shape(cfg, group_size, rollouts_per_round))
+    run = fit_decode_rows(shape, run, gpu_memory())
+    return estimate(shape, run), run
 
 
 def score_references(dm: RolloutDataModule, reward_fn) -> float:

@@ -34,12 +34,27 @@ from grpo_lightning.schema import boolean, check_settings, configures, integer, 
 from grpo_lightning.types import Completion
 
 
+def rows_or_auto(value) -> str | None:
+    """generator.batch_size's rule: a row count >= 1, or `auto`."""
+    return None if value == "auto" or integer(1)(value) is None else "must be an integer >= 1 or auto"
+
+
+CPU_AUTO_ROWS = 16
+"""generator.batch_size=auto on a CPU: sequences per generate call. A CPU decode step reads every weight once
+whatever the row count while its time grows with the rows; 16 is what the CPU rounds are measured with
+(benchmarks/README.md). A run passes the plan's rows (app/memory.py `decode_rows`); an engine built outside a run
+reads this."""
+
+
 @dataclass(frozen=True)
 class HFSettings:
     """The Hugging Face engine's own keys (generator=hf); the sampling keys are `SamplingConfig`'s, the speed
     levers `perf.generate`'s."""
 
-    batch_size: int = setting(16, integer(1), "sequences per generate call")
+    batch_size: int | str = setting(
+        "auto", rows_or_auto, "sequences per generate call; auto: 16 on a CPU, on a GPU the rank's whole round "
+        "or as much of it as the memory estimate says fits"
+    )  # fmt: skip
     seed_per_prefix: bool = setting(
         False, boolean, "seed each prompt's sampling from (seed, round, prompt tokens): rollouts independent of "
         "batching, rank and world size (slower: no batching)"
@@ -65,7 +80,7 @@ class HFGenerator(Generator):
         temperature: float = SamplingConfig.temperature,
         top_p: float = SamplingConfig.top_p,
         top_k: int = SamplingConfig.top_k,
-        batch_size: int = HFSettings.batch_size,
+        batch_size: int | str = HFSettings.batch_size,
         logp_diff_threshold: float | None = HFSettings.logp_diff_threshold,
         on_stale: str = HFSettings.on_stale,
         seed_per_prefix: bool = HFSettings.seed_per_prefix,
@@ -109,6 +124,14 @@ class HFGenerator(Generator):
             yield
         finally:
             self.batch_size = previous
+
+    def rows_per_call_now(self) -> int:
+        """Sequences per generate call: `batch_size`, or for `auto` (an engine built outside a run, which gets the
+        plan's number) 16 on a CPU and no limit on a GPU."""
+        if self.batch_size != "auto":
+            return self.batch_size
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        return CPU_AUTO_ROWS if on_cpu else 2**31 - 1
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
@@ -169,7 +192,7 @@ class HFGenerator(Generator):
         budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
         # Prefixes with similar budgets share a generate call (stable sort: equal budgets keep their order).
         order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
-        prefixes_per_call = 1 if self.seed_per_prefix else max(1, self.batch_size // num_samples)
+        prefixes_per_call = 1 if self.seed_per_prefix else max(1, self.rows_per_call_now() // num_samples)
         was_training = self.model.training
         self.model.eval()
         try:

@@ -86,3 +86,19 @@ def test_bad_budgets_are_rejected(tiny_model, tokenizer):
         gen.generate([[1], [2]], 2, max_new_tokens=[3])
     with pytest.raises(ValueError, match=">= 1"):
         gen.generate([[1]], 2, max_new_tokens=[0])
+
+
+def test_auto_batch_size_samples_sixteen_rows_a_call_on_a_cpu(tiny_model, tokenizer, monkeypatch):
+    """generator.batch_size=auto (the default) on a CPU model: 16 rows a call (2 prompts of 8 samples), as a
+    number 16 does; a number is kept. Counted at the call the decode makes."""
+    calls = []
+    for batch_size, expected in (("auto", 16), (16, 16), (8, 8)):
+        gen = HFGenerator(tiny_model, tokenizer, num_generations=8, max_new_tokens=2, batch_size=batch_size)
+        real = gen._generate_chunk
+        monkeypatch.setattr(gen, "_generate_chunk", lambda p, *a, real=real: calls.append(len(p)) or real(p, *a))
+        assert gen.rows_per_call_now() == expected
+        calls.clear()
+        gen.generate([[5, 6], [7, 8], [9, 10], [11, 12], [13, 14]], 8)
+        assert calls == [expected // 8] * (5 // (expected // 8)) + [5 % (expected // 8)] * bool(5 % (expected // 8))
+    with pytest.raises(ValueError, match="generator.batch_size must be an integer >= 1 or auto"):
+        HFGenerator(tiny_model, tokenizer, batch_size="all")

@@ -13,11 +13,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from grpo_lightning.app.memory import (
     CUBLAS_WORKSPACE_BYTES,
     GIB,
+    GPU_FIT_SHARE,
     PROCESS_BASELINE,
     ModelShape,
     RunShape,
     check_fits,
     estimate,
+    fit_decode_rows,
     model_shape,
 )
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
@@ -40,9 +42,12 @@ def test_shape_counts_what_the_built_model_and_peft_count(tie, target):
     policy, _ = wrap_policy(model, LoraSettings(r=8, alpha=16, target_modules=target), needs_reference=False)
     assert shape.lora_parameters == sum(p.numel() for p in policy.parameters() if p.requires_grad)
     assert (shape.hidden, shape.intermediate, shape.layers, shape.kv_width, shape.vocab) == (64, 96, 3, 32, 1000)
+    targeted = [m.base_layer.weight for m in policy.modules() if hasattr(m, "base_layer")]  # what merging copies
+    assert shape.lora_target_parameters == sum(w.numel() for w in targeted) > 0
 
 
-SHAPE = ModelShape(parameters=10_000, lora_parameters=500, hidden=8, intermediate=16, layers=2, kv_width=4, vocab=50)
+SHAPE = ModelShape(parameters=10_000, lora_parameters=500, hidden=8, intermediate=16, layers=2, kv_width=4, vocab=50,
+                   lora_target_parameters=6_000)  # fmt: skip
 
 
 def _run(**changes) -> RunShape:
@@ -186,3 +191,98 @@ def test_the_plan_prints_the_estimate(tmp_path):
     assert "GiB (" in line and "weights" in line
     assert "activations" in line or "generation" in line  # the larger of the two phases, never both at once
     assert torch.cuda.is_available() or "memory_gpu" not in result.stdout  # trainer=cpu: no GPU estimate
+
+
+def test_checkpointed_layers_keep_their_input_and_one_layer_by_hand():
+    """perf.forward.activation_checkpointing: every layer's input in the weights' dtype (the residual stream, float32
+    here though the activations are half precision under autocast), and one layer's 10h + 5i + 2kv values."""
+    run = _run(activation_checkpointing=True, mixed_precision=True)
+    terms = _terms(estimate(SHAPE, run).cpu)
+    tokens = 4 * (10 + 5)
+    per_token = 2 * 8 * 4 + (10 * 8 + 5 * 16 + 2 * 4) * 2  # layers x h x float32, one layer in bf16
+    assert terms["activations"] == tokens * per_token + tokens * 50 * 4 * 3
+    plain = _terms(estimate(SHAPE, _run(mixed_precision=True)).cpu)["activations"]
+    assert plain - tokens * 50 * 4 * 3 == tokens * 2 * (10 * 8 + 5 * 16 + 2 * 4) * 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampling_with_lora_merged_counts_a_copy_of_the_targeted_weights(overlap):
+    """perf.generate.merge_lora: a merged copy of every targeted linear weight lives while a call samples, beside
+    its KV cache and logits; not with full fine-tuning (nothing to merge) nor with merge_lora off."""
+    big_rows = dict(hf_batch_rows=64, overlap=overlap)  # generation larger than training: it is the peak
+    terms = _terms(estimate(SHAPE, _run(merged_lora=True, **big_rows)).cpu)
+    assert terms["merged LoRA weights"] == 6_000 * 4
+    assert terms["generation"] == 64 * 15 * 2 * 2 * 4 * 4 + 64 * 50 * 4 * 7
+    assert "merged LoRA weights" not in _terms(estimate(SHAPE, _run(**big_rows)).cpu)
+    assert "merged LoRA weights" not in _terms(estimate(SHAPE, _run(merged_lora=True, lora=False, **big_rows)).cpu)
+
+
+def test_the_phase_with_the_merged_copy_can_be_the_peak():
+    """Training's activations exceed the decode's KV cache and logits alone, but not with the merged copy: the
+    generation phase (both of its terms) is the peak, and training's activations are not listed."""
+    run = _run(merged_lora=True)
+    terms = _terms(estimate(ModelShape(**(SHAPE.__dict__ | {"lora_target_parameters": 10**6})), run).cpu)
+    assert "activations" not in terms and terms["merged LoRA weights"] == 4 * 10**6 and "generation" in terms
+
+
+def _gpu_run(**changes) -> RunShape:
+    base = dict(trainer_on_gpu=True, decode_rows_auto=True, group_size=4, decode_rows=64, hf_batch_rows=64)
+    return _run(**(base | changes))
+
+
+def test_auto_decode_rows_take_the_whole_round_when_it_fits():
+    assert fit_decode_rows(SHAPE, _gpu_run(), 80 * GIB).decode_rows == 64
+    assert fit_decode_rows(SHAPE, _gpu_run(), None).decode_rows == 64  # no GPU to size it: the round
+    fixed = _gpu_run(decode_rows_auto=False)
+    assert fit_decode_rows(SHAPE, fixed, 1) == fixed  # a number the user set is kept
+
+
+def test_auto_decode_rows_shrink_to_the_most_whole_groups_that_fit():
+    """Against brute force: the largest multiple of the group whose whole GPU estimate fits GPU_FIT_SHARE."""
+    run = _gpu_run(overlap=True)  # the decode's terms add to training's: every row counts
+    budget = sum(t.bytes for t in estimate(SHAPE, _gpu_run(overlap=True, decode_rows=24, hf_batch_rows=24))
+                 .trainer_gpu) / GPU_FIT_SHARE + 1  # fmt: skip
+    fitted = fit_decode_rows(SHAPE, run, int(budget))
+    brute = max(
+        rows for rows in range(4, 65, 4)
+        if sum(t.bytes for t in estimate(SHAPE, _gpu_run(overlap=True, decode_rows=rows, hf_batch_rows=rows))
+               .trainer_gpu) <= GPU_FIT_SHARE * int(budget)
+    )  # fmt: skip
+    assert fitted.decode_rows == brute == 24 and fitted.hf_batch_rows == 24
+    assert fit_decode_rows(SHAPE, run, 1).decode_rows == 4  # nothing fits: one group (check_fits then refuses)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rows"),
+    [
+        ([], 16),  # the CPU default: 16 rows a call, as the CPU rounds are measured
+        (["trainer=gpu"], 16),  # the default round: 2 prompts x 8
+        (["trainer=gpu", "data.prompts_per_round=8"], 64),  # the whole round in one call
+        (["trainer=gpu", "data.prompts_per_round=8", "generator.batch_size=24"], 24),  # a number is kept
+        (["trainer=ddp", "trainer.devices=2", "trainer.accelerator=gpu", "data.prompts_per_round=8"], 32),  # a rank's
+    ],
+)
+def test_auto_decode_rows_from_the_composed_config(tmp_path, overrides, rows):
+    from grpo_lightning.app.memory import run_shape
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, overrides)
+    run = run_shape(cfg, group_size=8, rollouts_per_round=8 * cfg.data.prompts_per_round)
+    assert run.decode_rows == rows
+
+
+def test_the_7b_plan_with_long_completions_fits_a_gpu_with_trainer_gpu(tmp_path):
+    """trainer=gpu's levers at Qwen2.5-7B's shape, LoRA, bf16, 8 prompts x 8 completions of 2,048 new tokens: the
+    plan's trainer GPU estimate stays under 60 GiB (every activation kept, it was 130.9 GiB)."""
+    from grpo_lightning.app.memory import run_shape
+    from grpo_lightning.models.architectures import known_config
+    from tests.conftest import make_cfg
+
+    overrides = ["trainer=gpu", "model.dtype=bfloat16", "generator.num_generations=8", "data.prompts_per_round=8",
+                 "generator.max_new_tokens=2048"]  # fmt: skip
+    config = known_config("Qwen/Qwen2.5-7B-Instruct")
+    shape = model_shape(config, lora_r=16, target_modules="all-linear")
+    gpu = estimate(shape, run_shape(make_cfg(tmp_path, overrides), 8, 64)).trainer_gpu
+    assert sum(t.bytes for t in gpu) <= 60 * GIB
+    plain = run_shape(make_cfg(tmp_path, [*overrides, "perf=plain"]), 8, 64)
+    assert sum(t.bytes for t in estimate(shape, plain).trainer_gpu) > 100 * GIB
