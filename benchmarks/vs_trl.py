@@ -21,6 +21,7 @@ On a GPU (`--gpu`), at the sizes users train, with random weights of a published
 
     python benchmarks/vs_trl.py --gpu --model random_qwen0.5b --fixed-length --group 8 --prompts 8 \
         --micro 16 --systems trl ours_eager ours          # LoRA; --full: full fine-tuning
+    benchmarks/gpu_step.sh .tok                           # the prepared GPU comparison, one JSON per run
 
 `--model` is one of our `model=` presets; TRL gets the same model object (same architecture, same seed, same
 weights, the embedded tokenizer). `--fixed-length` makes every completion `--max-new` tokens long on both sides
@@ -30,6 +31,13 @@ from CUDA graphs). Both sides sample in bf16 (`model.dtype=bfloat16`, TRL `bf16=
 adds rollout tokens/s (generated tokens over generation time: TRL's `_generate`, our generate calls), peak GPU
 memory (`torch.cuda.max_memory_allocated`) and, for ours, the plan's estimate of the trainer's GPU memory.
 
+`trl_liger` (GPU only) is TRL's GRPOTrainer with `use_liger_kernel=True`, every other field as `trl`'s
+(`TRL_SYSTEMS`): transformers patches Liger's Triton kernels into the model (RMSNorm, RoPE, SwiGLU, ...) and TRL
+computes its loss with Liger's fused linear GRPO loss (the LM head and the loss together, a chunk of rows at a
+time). Its subprocess needs the `liger_kernel` package and stops with one line when it is missing. The table's ratio
+rows divide by the plain `trl` row; when a `trl_liger` row is present, our rows are also divided by it ("ratio ... /
+TRL, Liger kernel").
+
 Per step: wall time of a whole cycle (rollout + train + bookkeeping), median over the steps after the first.
 Neither side writes a checkpoint during the run (ours: `checkpoint.last_every_n_rounds` = the step count, TRL:
 `save_strategy='no'`), and our run's end (the last last.ckpt, the exported policy) is left out of the last step.
@@ -37,16 +45,16 @@ Neither side writes a checkpoint during the run (ours: `checkpoint.last_every_n_
 rollout callback's generation (the reference forward is in our train step). Peak RSS is the child's VmHWM.
 Timings on a shared machine are noisy: compare the two systems within one invocation, by their ratio.
 
-`--json PATH` writes one entry per system, keyed by its name (`trl`, `ours`, `ours_plain`, `ours_eager`): the raw
-timings (`step_s`, `rollout_s`, `train_s`, `generate_s`: seconds per step; `completion_len`: mean tokens per
-completion per step; `peak_rss_gb`, `peak_gpu_gb`, ours: `gpu_estimate_gb`, `round_end_s`, `run_end_s`; `wall_s`:
-the whole subprocess) and, beside them, the facts of the run that produced them (`run_facts`, taken in that
-system's subprocess): `device` (the GPU's name with `--gpu`, else the CPU's model name), `cpu_flags` (on the CPU:
-which of avx2 / avx512f / avx512_bf16 / amx_tile it has, the kernels torch picks depend on them; null on a GPU),
-`gpu`, `model` (the `model=` preset, `smollm2_135m` without `--model`), `tuning` (`lora` or `full`), `loss`,
-`steps`, `group`, `prompts`, `max_new`, `micro`, `fixed_length`, `dtype` (`bf16` or `fp32`), `ours_override` and
-`versions` (torch, transformers, peft, lightning, trl in TRL's subprocess, and CUDA with `--gpu`). `--check`'s
-entry is its per-loss comparison, without facts.
+`--json PATH` writes one entry per system, keyed by its name (`trl`, `trl_liger`, `ours`, `ours_plain`,
+`ours_eager`): the raw timings (`step_s`, `rollout_s`, `train_s`, `generate_s`: seconds per step; `completion_len`:
+mean tokens per completion per step; `peak_rss_gb`, `peak_gpu_gb`, ours: `gpu_estimate_gb`, `round_end_s`,
+`run_end_s`; `wall_s`: the whole subprocess) and, beside them, the facts of the run that produced them (`run_facts`,
+taken in that system's subprocess): `device` (the GPU's name with `--gpu`, else the CPU's model name), `cpu_flags`
+(on the CPU: which of avx2 / avx512f / avx512_bf16 / amx_tile it has, the kernels torch picks depend on them; null
+on a GPU), `gpu`, `model` (the `model=` preset, `smollm2_135m` without `--model`), `tuning` (`lora` or `full`),
+`loss`, `steps`, `group`, `prompts`, `max_new`, `micro`, `fixed_length`, `dtype` (`bf16` or `fp32`), `ours_override`
+and `versions` (torch, transformers, peft, lightning, trl in TRL's subprocess, liger-kernel in `trl_liger`'s, and
+CUDA with `--gpu`). `--check`'s entry is its per-loss comparison, without facts.
 
 `--merge A.json B.json ...` prints the table of entries saved with `--json` (one system per invocation, say):
 its caption and its rollout tokens/s come from the facts each entry recorded; the merging command's other flags
@@ -310,22 +318,47 @@ def run_ours(pinned: list[Pin], extra: list[str], fixed_length: bool = False) ->
 
 
 # ---- TRL -----------------------------------------------------------------------------------------------------
-def trl_args(output_dir: str, pinned: list[Pin], gc: bool, gpu: bool = False, fixed_length: bool = False):
-    """TRL's GRPOConfig: every pinned field, and what only says where and how often it writes."""
+# TRL's systems: the GRPOConfig fields each sets beyond the shared ones (`trl_config`).
+TRL_SYSTEMS: dict[str, dict[str, Any]] = {"trl": {}, "trl_liger": {"use_liger_kernel": True}}
+LIGER_MISSING = "trl_liger needs liger-kernel: ../shared/tools/gpu-bundle liger-kernel==0.8.5 adds its wheel"
+
+
+def trl_config(
+    output_dir: str, pinned: list[Pin], gc: bool, gpu: bool = False, fixed_length: bool = False, system: str = "trl"
+) -> dict[str, Any]:
+    """The fields of TRL's GRPOConfig: every pinned one, what only says where and how often it writes, and the
+    system's own (`TRL_SYSTEMS`; `use_liger_kernel` is set on every system, so theirs differ only in it)."""
+    max_new = next(p.trl_value for p in pinned if p.trl == "max_completion_length")
+    return {
+        "output_dir": output_dir,
+        "use_cpu": not gpu,
+        "generation_kwargs": {"min_new_tokens": max_new} if fixed_length else None,
+        **trl_fields(pinned),
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "shuffle_dataset": False,  # our data module's order, as bench_prompts lays it out
+        "gradient_checkpointing": gc,
+        "use_liger_kernel": False,
+        **TRL_SYSTEMS[system],
+    }
+
+
+def trl_args(
+    output_dir: str, pinned: list[Pin], gc: bool, gpu: bool = False, fixed_length: bool = False, system: str = "trl"
+):
+    """TRL's GRPOConfig (`trl_config`'s fields)."""
     from trl import GRPOConfig
 
-    max_new = next(p.trl_value for p in pinned if p.trl == "max_completion_length")
-    return GRPOConfig(
-        output_dir=output_dir,
-        use_cpu=not gpu,
-        generation_kwargs={"min_new_tokens": max_new} if fixed_length else None,
-        **trl_fields(pinned),
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        shuffle_dataset=False,  # our data module's order, as bench_prompts lays it out
-        gradient_checkpointing=gc,
-    )
+    return GRPOConfig(**trl_config(output_dir, pinned, gc, gpu, fixed_length, system))
+
+
+def require_liger() -> None:
+    """`trl_liger`'s subprocess: stop with one line, not a traceback from inside TRL, when Liger is missing."""
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        sys.exit(LIGER_MISSING)
 
 
 def gsm8k_reward_for_trl():
@@ -358,11 +391,12 @@ def check_prompt_lengths(rows, tokenizer) -> None:
 
 def run_trl(
     pinned: list[Pin], gc: bool, model_choice: list[str] = (), gpu: bool = False, full: bool = False,
-    fixed_length: bool = False,
+    fixed_length: bool = False, system: str = "trl",
 ) -> dict:  # fmt: skip
     """TRL's GRPOTrainer on the pinned work. `model_choice`: overrides naming one of our `model=` presets, loaded
     by its source (the random-weight architectures: the same weights as our side's, from the same seed); none: the
-    embedded model's converted folder. Its dtype is the pinned precision's (bf16 with `--bf16`)."""
+    embedded model's converted folder. Its dtype is the pinned precision's (bf16 with `--bf16`). `system`: one of
+    `TRL_SYSTEMS`."""
     import torch
     from datasets import Dataset
     from hydra.utils import instantiate
@@ -416,7 +450,7 @@ def run_trl(
         trainer = TimedGRPOTrainer(
             model=model,
             reward_funcs=gsm8k_reward_for_trl(),
-            args=trl_args(tmp, pinned, gc, gpu, fixed_length),
+            args=trl_args(tmp, pinned, gc, gpu, fixed_length, system),
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
             peft_config=None if full else lora_config(pinned),
@@ -426,7 +460,7 @@ def run_trl(
         lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     step_s = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     return {
-        "system": "trl",
+        "system": system,
         "step_s": step_s,
         "rollout_s": rollout,
         "train_s": [s - r for s, r in zip(step_s, rollout, strict=False)],
@@ -641,6 +675,7 @@ def check(losses: list[str], tiny: bool = False) -> dict:
 OUR_SYSTEMS = {"ours": [], "ours_plain": PLAIN, "ours_eager": ["perf.generate.cuda_graphs=false"]}
 SYSTEM_NAMES = {
     "trl": "TRL GRPOTrainer",
+    "trl_liger": "TRL GRPOTrainer, Liger kernel",
     "ours": "grpo_lightning",
     "ours_plain": "grpo_lightning, levers off",
     "ours_eager": "grpo_lightning, eager decode (no CUDA graphs)",
@@ -697,8 +732,8 @@ def cpu_facts(cpuinfo: str) -> tuple[str, list[str]]:
 
 
 def package_versions(gpu: bool) -> dict[str, str | None]:
-    """The installed versions of the stack both sides run on; trl's only where it was imported (TRL's subprocess:
-    ours never imports it); CUDA's (the one torch was built with) on a GPU."""
+    """The installed versions of the stack both sides run on; trl's and liger-kernel's only where they were
+    imported (TRL's subprocesses: ours never imports them); CUDA's (the one torch was built with) on a GPU."""
     from importlib.metadata import PackageNotFoundError, version
 
     versions: dict[str, str | None] = {}
@@ -709,6 +744,11 @@ def package_versions(gpu: bool) -> dict[str, str | None]:
             versions[name] = None
     if "trl" in sys.modules:
         versions["trl"] = getattr(sys.modules["trl"], "__version__", None)
+    if "liger_kernel" in sys.modules:  # trl_liger's subprocess
+        try:
+            versions["liger-kernel"] = version("liger-kernel")
+        except PackageNotFoundError:
+            versions["liger-kernel"] = None
     if gpu:
         import torch
 
@@ -783,8 +823,12 @@ def child(args) -> None:
     if args.child in OUR_SYSTEMS:
         result = run_ours(pinned, ours_extra(args) + OUR_SYSTEMS[args.child], args.fixed_length)
         result["system"] = args.child
-    elif args.child == "trl":
-        result = run_trl(pinned, not args.trl_no_gc, model_overrides(args), args.gpu, args.full, args.fixed_length)
+    elif args.child in TRL_SYSTEMS:
+        if args.child == "trl_liger":
+            require_liger()
+        result = run_trl(
+            pinned, not args.trl_no_gc, model_overrides(args), args.gpu, args.full, args.fixed_length, args.child
+        )
     else:
         result = check(args.check_losses, tiny=args.tiny)
     if args.child != "check":  # --check's entry maps each loss to its comparison: no room for facts
@@ -836,6 +880,8 @@ def main() -> None:
     args.bf16 = args.bf16 or args.gpu
     if args.micro % args.group or (args.prompts * args.group) % args.micro:
         parser.error("--micro must be a multiple of --group and divide --prompts x --group")
+    if "trl_liger" in (args.systems or []) + [args.child] and not args.gpu:
+        parser.error("trl_liger runs Liger's Triton kernels: only with --gpu")
     if args.child:
         child(args)
         return
@@ -972,15 +1018,18 @@ def print_table(results: dict[str, dict], where: dict[str, str] | None = None) -
             f"{memory} {r['len']:.0f} | {r['steps']} |"
         )
     by_name = {r["name"]: r for r in rows}
-    trl = by_name.get("trl")
-    for name in ("ours_plain", "ours_eager", "ours"):
-        if trl and name in by_name:
-            r = by_name[name]
-            memory = f" {r['gpu'] / trl['gpu']:.2f} | |" if gpu else f" {r['rss'] / trl['rss']:.2f} |"
-            print(
-                f"| ratio {r['system']} / TRL | {r['step'] / trl['step']:.2f} | {r['rollout'] / trl['rollout']:.2f} "
-                f"| {r['train'] / trl['train']:.2f} | {r['tokens_s'] / trl['tokens_s']:.2f} |{memory} | |"
-            )
+    # Our rows over the plain TRL row, then (when present) over TRL with the Liger kernel.
+    for base, label in (("trl", "TRL"), ("trl_liger", "TRL, Liger kernel")):
+        trl = by_name.get(base)
+        for name in ("ours_plain", "ours_eager", "ours"):
+            if trl and name in by_name:
+                r = by_name[name]
+                memory = f" {r['gpu'] / trl['gpu']:.2f} | |" if gpu else f" {r['rss'] / trl['rss']:.2f} |"
+                print(
+                    f"| ratio {r['system']} / {label} | {r['step'] / trl['step']:.2f} | "
+                    f"{r['rollout'] / trl['rollout']:.2f} | {r['train'] / trl['train']:.2f} | "
+                    f"{r['tokens_s'] / trl['tokens_s']:.2f} |{memory} | |"
+                )
 
 
 def _gib(value: float | None) -> str:

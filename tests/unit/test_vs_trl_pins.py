@@ -99,3 +99,28 @@ def test_trl_side_carries_every_pinned_value(tmp_path, loss):
             assert (values if len(names) > 1 else values[0]) == pin.trl_value, pin.what
         prompts = BENCH.PROMPTS_PER_STEP if which == "timing" else BENCH.CHECK_PROMPTS
         assert args.generation_batch_size == prompts * BENCH.GROUP  # one sampling pass per optimizer step
+
+
+@pytest.mark.parametrize(("loss", "which"), CASES, ids=[f"{loss}-{which}" for loss, which in CASES])
+def test_trl_liger_differs_from_trl_only_by_the_liger_kernel(tmp_path, loss, which):
+    """`trl_liger` is TRL's side with `use_liger_kernel=True` and every other GRPOConfig field as `trl`'s."""
+    pinned = PIN_SETS[which](loss)
+    for gpu, fixed_length in ((False, False), (True, True)):
+        plain = BENCH.trl_config(str(tmp_path), pinned, gc=True, gpu=gpu, fixed_length=fixed_length, system="trl")
+        liger = BENCH.trl_config(str(tmp_path), pinned, True, gpu, fixed_length, system="trl_liger")
+        assert plain["use_liger_kernel"] is False and liger["use_liger_kernel"] is True
+        assert {key for key in plain.keys() | liger.keys() if plain.get(key) != liger.get(key)} == {"use_liger_kernel"}
+        assert plain == BENCH.trl_config(str(tmp_path), pinned, True, gpu, fixed_length)  # `trl` is the default
+        assert BENCH.trl_fields(pinned).items() <= liger.items()  # every pinned field, on both
+
+
+def test_trl_systems_are_timed_systems():
+    assert set(BENCH.TRL_SYSTEMS) == {"trl", "trl_liger"} <= set(BENCH.SYSTEM_NAMES)
+    assert not set(BENCH.TRL_SYSTEMS) & set(BENCH.OUR_SYSTEMS)
+
+
+def test_trl_liger_config_sets_the_liger_kernel(tmp_path):
+    pytest.importorskip("trl")
+    pinned = BENCH.pins(steps=3)
+    assert BENCH.trl_args(str(tmp_path), pinned, gc=True, system="trl_liger").use_liger_kernel is True
+    assert BENCH.trl_args(str(tmp_path), pinned, gc=True).use_liger_kernel is False

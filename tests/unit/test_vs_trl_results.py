@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import types
 from importlib.metadata import version
@@ -232,3 +233,90 @@ def test_merge_refuses_entries_without_facts(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match=r"old\.json: entry 'trl' lacks the run facts \(missing: all of them\)"):
         merge(monkeypatch, path)
     assert capsys.readouterr().out == ""
+
+
+def test_trl_liger_is_a_system_of_its_own():
+    assert BENCH.SYSTEM_NAMES["trl_liger"] == "TRL GRPOTrainer, Liger kernel"
+    assert len(set(BENCH.SYSTEM_NAMES.values())) == len(BENCH.SYSTEM_NAMES)  # every row named distinctly
+    assert BENCH.TRL_SYSTEMS["trl_liger"] == {"use_liger_kernel": True}
+
+
+def without_liger(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # `import liger_kernel` raises ImportError
+
+
+def test_trl_liger_without_liger_stops_with_one_line(tmp_path, monkeypatch):
+    without_liger(monkeypatch)
+    monkeypatch.setattr(BENCH, "run_trl", lambda *a, **k: pytest.fail("TRL started without Liger"))
+    out = tmp_path / "trl_liger.json"
+    args = bench_args(child="trl_liger", out=str(out), gpu=True, bf16=True, trl_no_gc=False)
+    with pytest.raises(SystemExit) as stopped:
+        BENCH.child(args)
+    assert str(stopped.value) == BENCH.LIGER_MISSING
+    assert BENCH.LIGER_MISSING == (
+        "trl_liger needs liger-kernel: ../shared/tools/gpu-bundle liger-kernel==0.8.5 adds its wheel"
+    )
+    assert not out.exists()
+
+
+def test_trl_liger_child_process_prints_one_line(tmp_path):
+    """The child as the parent starts it: exit code 1 and the one line on stderr, no traceback."""
+    script = ROOT / "benchmarks" / "vs_trl.py"
+    argv = [str(script), "--gpu", "--systems", "trl_liger", "--child", "trl_liger", "--out", str(tmp_path / "x.json")]
+    code = (
+        "import runpy, sys; sys.modules['liger_kernel'] = None; "
+        f"sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == BENCH.LIGER_MISSING
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_trl_liger_child_runs_trl_with_the_liger_kernel(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H100)
+    calls = []
+
+    def fake_run_trl(pinned, gc, model_choice=(), gpu=False, full=False, fixed_length=False, system="trl"):
+        calls.append((gpu, fixed_length, system))
+        return {"system": system, "step_s": [2.0, 1.0], "rollout_s": [1.0, 0.5], "train_s": [1.0, 0.5]}
+
+    monkeypatch.setattr(BENCH, "run_trl", fake_run_trl)
+    out = tmp_path / "trl_liger.json"
+    args = bench_args(child="trl_liger", out=str(out), gpu=True, bf16=True, fixed_length=True, trl_no_gc=False)
+    BENCH.child(args)
+    assert calls == [(True, True, "trl_liger")]
+    entry = json.loads(out.read_text())
+    assert entry["system"] == "trl_liger" and entry["device"] == H100
+    assert "liger-kernel" in entry["versions"]  # imported in its subprocess: recorded
+
+
+def test_trl_liger_needs_the_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["vs_trl.py", "--systems", "trl", "trl_liger"])
+    with pytest.raises(SystemExit) as refused:
+        BENCH.main()
+    assert refused.value.code == 2
+    assert "trl_liger runs Liger's Triton kernels: only with --gpu" in capsys.readouterr().err
+
+
+def test_merge_rates_ours_against_trl_and_against_trl_liger(tmp_path, monkeypatch, capsys):
+    trl = gpu_entry([3.0, 2.0, 2.0], [9.0, 6.0, 6.0], peak_gpu_gb=4.0)
+    liger = gpu_entry([3.0, 2.0, 2.0], [8.0, 4.0, 4.0], peak_gpu_gb=2.0)
+    ours = gpu_entry([1.0, 0.5, 0.5], [4.0, 3.0, 3.0], peak_gpu_gb=8.0, gpu_estimate_gb=9.0)
+    paths = (
+        write(tmp_path / "trl.json", {"trl": trl, "ours": ours}),
+        write(tmp_path / "liger.json", {"trl_liger": liger}),
+    )
+    merge(monkeypatch, *paths)
+    rows = table_rows(capsys.readouterr().out)
+    assert rows["TRL GRPOTrainer, Liger kernel"][1] == "4.00"  # its own row, by its name
+    assert rows["ratio grpo_lightning / TRL"][1] == "0.50"  # step: 3.0 / 6.0
+    assert rows["ratio grpo_lightning / TRL, Liger kernel"][1] == "0.75"  # step: 3.0 / 4.0
+    assert rows["ratio grpo_lightning / TRL, Liger kernel"][5] == "4.00"  # peak GPU: 8.0 / 2.0
+    assert not any(name.startswith("ratio TRL") for name in rows)
+
+    merge(monkeypatch, paths[1], write(tmp_path / "ours.json", {"ours": ours}))  # no plain TRL row
+    rows = table_rows(capsys.readouterr().out)
+    assert "ratio grpo_lightning / TRL" not in rows
+    assert rows["ratio grpo_lightning / TRL, Liger kernel"][1] == "0.75"
