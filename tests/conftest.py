@@ -31,6 +31,7 @@ SLOW_FILES = {
 # The slow tier's longest files, longest first: a file's seconds in its worker in one `make test` on a 2-core AMD
 # EPYC Zen 4. `pytest -n` hands them out first (pytest_collection_modifyitems).
 LONGEST_FILES = (
+    "tests/slow/test_plan_bounds_peak.py",  # 166 s
     "tests/test_resume.py",  # 124 s
     "tests/slow/test_embedded_default.py",  # 102 s
     "tests/test_ddp.py",  # 62 s

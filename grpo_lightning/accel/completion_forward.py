@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from grpo_lightning.accel.chunked_head import chunked_logprobs
 from grpo_lightning.accel.entropy_terms import EntropySink, EntropyTerms, entropy_and_logit_grad, token_entropy
+from grpo_lightning.accel.head_input import restrided_head_input
 from grpo_lightning.accel.hf_internals import Cache, DynamicLayer
 from grpo_lightning.algorithm.losses import selective_log_softmax
 from grpo_lightning.algorithm.rollouts import position_ids_from_mask
@@ -252,13 +253,14 @@ def _completion_forward(
     parts = backbone_and_head(model) if share_prefix or chunk_tokens or by_length else None
     if parts is None:  # plain path: the model's own logits at completion positions
         completion_len = batch.completion_ids.shape[1]
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=position_ids_from_mask(batch.attention_mask),
-            logits_to_keep=completion_len + 1,
-            use_cache=False,
-        )
+        with restrided_head_input(model):  # half precision on a CPU: no copy of the head per row
+            out = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=position_ids_from_mask(batch.attention_mask),
+                logits_to_keep=completion_len + 1,
+                use_cache=False,
+            )
         logits = out.logits[:, :-1, :] / temperature  # [B, C, V]: position t predicts token t + 1
         terms = None if entropy_weights is None else _logits_terms(logits, entropy_weights, entropy_grad)
         return logits, selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0), terms

@@ -41,6 +41,35 @@ def _lora_layers(model: nn.Module) -> list[nn.Module] | None:
     return layers or None
 
 
+class _DeltaScratch:
+    """Each layer's `scale * B @ A` computed into buffers made once per merge, as peft's `get_delta_weight` computes
+    it (in the adapter's dtype, float32 on a CPU for a half-precision adapter, rounded to the adapter's dtype, then
+    to the weight's): the same bits, without a new `[out, in]` tensor (two in half precision) per layer. Those,
+    freed while the merged weights were being made, left the heap fragmented: sampling a bf16 Qwen2.5-1.5B on a
+    CPU held up to 1.6 GiB more than its merged copy (2.6 GiB above the loaded model with the buffers, 3.7 without)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.largest = max(module.get_base_layer().weight.numel() for module in layers)
+        self.buffers: dict[torch.dtype, Tensor] = {}
+
+    def _buffer(self, dtype: torch.dtype, shape: torch.Size, device: torch.device) -> Tensor:
+        if dtype not in self.buffers:
+            self.buffers[dtype] = torch.empty(self.largest, dtype=dtype, device=device)
+        return self.buffers[dtype][: shape.numel()].view(shape)
+
+    def delta(self, module: nn.Module, adapter: str, weight_dtype: torch.dtype) -> Tensor:  # [out, in]
+        a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight  # [r, in], [out, r]
+        adapter_dtype = b.dtype
+        if b.device.type == "cpu" and adapter_dtype in (torch.float16, torch.bfloat16):  # peft's rule
+            a, b = a.float(), b.float()
+        delta = self._buffer(a.dtype, torch.Size((b.shape[0], a.shape[1])), a.device)
+        torch.mm(b, a, out=delta).mul_(module.scaling[adapter])
+        for dtype in (adapter_dtype, weight_dtype):  # peft returns the adapter's dtype; the merge adds the weight's
+            if delta.dtype != dtype:
+                delta = self._buffer(dtype, delta.shape, delta.device).copy_(delta)
+        return delta
+
+
 @contextlib.contextmanager
 def merged_lora(model: nn.Module) -> Iterator[bool]:
     """Generate with LoRA merged into new weight tensors; yields whether it merged (False: unchanged model)."""
@@ -49,6 +78,7 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
         yield False
         return
     saved = []
+    scratch = _DeltaScratch(layers)
     try:
         with torch.no_grad():
             for module in layers:
@@ -56,9 +86,10 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
                 weight = base.weight.detach().clone()
                 for adapter in module.active_adapters:
                     if adapter in module.lora_A:
-                        weight += module.get_delta_weight(adapter).to(weight.dtype)
+                        weight += scratch.delta(module, adapter, weight.dtype)
                 saved.append((base, base.weight))
                 base.weight = nn.Parameter(weight, requires_grad=False)
+        del scratch
         with model.disable_adapter():
             yield True
     finally:

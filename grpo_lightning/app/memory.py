@@ -356,7 +356,7 @@ def check_fits(result: MemoryEstimate, cpu_bytes: int, gpu_bytes: int | None = N
             continue
         largest = max((t for t in terms if t.key and t.key != "model"), key=lambda t: t.bytes, default=None)
         advice = f"{largest.name} alone take ~{largest.bytes / GIB:.1f} GiB: lower {largest.key}" if largest else ""
-        if largest is not None and largest.key in ("model.lora.enabled", "loss.beta"):
+        if largest is not None and largest.key in SWITCHES:
             advice = f"{largest.name} alone take ~{largest.bytes / GIB:.1f} GiB: set {_fix(largest.key)}"
         raise ValueError(
             f"this run needs about {total / GIB:.1f} GiB of {place} and the machine has {available / GIB:.1f} GiB; "
@@ -364,8 +364,16 @@ def check_fits(result: MemoryEstimate, cpu_bytes: int, gpu_bytes: int | None = N
         )
 
 
+SWITCHES = {
+    "model.lora.enabled": "model.lora.enabled=true (LoRA)",
+    "loss.beta": "loss.beta=0 (no reference copy)",
+    "perf.generate.merge_lora": "perf.generate.merge_lora=false (sample through the LoRA layers, no merged copy)",
+}
+"""Terms whose key is a switch: the refusal says how to set it, not to lower it."""
+
+
 def _fix(key: str) -> str:
-    return {"model.lora.enabled": "model.lora.enabled=true (LoRA)", "loss.beta": "loss.beta=0 (no reference copy)"}[key]
+    return SWITCHES[key]
 
 
 def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:

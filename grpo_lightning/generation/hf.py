@@ -25,6 +25,8 @@ from grpo_lightning.accel import GenerationSettings
 from grpo_lightning.accel.decode_loop import attention_backends_for_decoding, new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
 from grpo_lightning.accel.graph_decode import StaticSteps
+from grpo_lightning.accel.head_input import restrided_head_input
+from grpo_lightning.accel.heap_trim import release_freed_memory
 from grpo_lightning.accel.low_precision import low_precision_linears
 from grpo_lightning.accel.packed_weights import packed_linears
 from grpo_lightning.distributed import derive_seed
@@ -212,13 +214,22 @@ class HFGenerator(Generator):
     @contextlib.contextmanager
     def _decode_weights(self) -> Iterator[None]:
         """The weights a generate call samples with, made once per call: LoRA merged into temporary weights
-        (`merge_lora`), then the linear layers' low-precision copies of them (`weights`; accel/low_precision.py)."""
+        (`merge_lora`), then the linear layers' low-precision copies of them (`weights`; accel/low_precision.py);
+        and the LM head's input re-laid where its slice would copy the head per row (accel/head_input.py).
+
+        The copies are handed back to the operating system when the call ends (`release_freed_memory`): glibc
+        keeps the freed blocks, scattered among live ones, so without it the process stays near the call's peak
+        and the training phase's memory adds on top (a bf16 Qwen2.5-1.5B on a CPU: 3.3 GiB resident before three
+        calls with LoRA merged, 6.0 GiB after them; with it 3.3 GiB)."""
         levers = self.generation_settings
         with (
-            merged_lora(self.model) if levers.merge_lora else contextlib.nullcontext(),
-            low_precision_linears(self.model, levers.weights),
+            merged_lora(self.model) if levers.merge_lora else contextlib.nullcontext() as merged,
+            low_precision_linears(self.model, levers.weights) as low_precision_layers,
+            restrided_head_input(self.model),  # half precision on a CPU: no copy of the head per row
         ):
             yield
+        if merged or low_precision_layers:
+            release_freed_memory()
 
     def _generate_chunk(
         self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int, greedy: bool = False

@@ -286,3 +286,11 @@ def test_the_7b_plan_with_long_completions_fits_a_gpu_with_trainer_gpu(tmp_path)
     assert sum(t.bytes for t in gpu) <= 60 * GIB
     plain = run_shape(make_cfg(tmp_path, [*overrides, "perf=plain"]), 8, 64)
     assert sum(t.bytes for t in estimate(shape, plain).trainer_gpu) > 100 * GIB
+
+
+def test_a_merged_copy_too_large_is_refused_with_the_switch_that_removes_it():
+    """The refusal names how to set a switch (perf.generate.merge_lora=false), not "lower" it."""
+    shape = ModelShape(**(SHAPE.__dict__ | {"lora_target_parameters": GIB}))  # 4 GiB merged in float32
+    result = estimate(shape, _run(merged_lora=True))
+    with pytest.raises(ValueError, match=r"merged LoRA weights alone take ~4.0 GiB: set perf.generate.merge_lora=false"):
+        check_fits(result, cpu_bytes=2 * GIB)
