@@ -9,6 +9,7 @@ checked here, before Hydra creates it (Hydra's own failure is a traceback); a dr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -49,12 +50,39 @@ def run(cfg: DictConfig) -> tuple[int, dict[str, float]]:
 
 
 def describe(err: BaseException) -> str:
-    """One line (two for stops): OmegaConf errors get their full key instead of their multi-line report."""
+    """One line (two for stops): OmegaConf errors get their full key instead of their multi-line report; a config
+    mistake in a value the chosen recipe set, not the command line, says so (`recipe_origin`)."""
     if isinstance(err, OmegaConfBaseException):
         key = getattr(err, "full_key", None)
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
         return f"config key {key}: {first_line}" if key else first_line
+    if isinstance(err, ValueError):
+        return str(err) + recipe_origin(str(err))
     return str(err)
+
+
+LEADING_KEY = re.compile(r"(?P<key>[a-z_]\w*(?:\.[a-z_]\w*)+)\b")
+
+
+def recipe_origin(message: str) -> str:
+    """' (set by experiment=<name> ...)' when the key a message begins with was set by the recipe's file and not on
+    the command line, else ''. A value the user never typed is then traced to where it came from."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    match = LEADING_KEY.match(message)
+    if match is None or not HydraConfig.initialized():
+        return ""
+    hydra_cfg = HydraConfig.get()
+    recipe = hydra_cfg.runtime.choices.get("experiment")
+    key = match["key"]
+    recipe_file = Path(__file__).parent / "conf" / "experiment" / f"{recipe}.yaml"
+    if recipe in (None, "null") or not recipe_file.is_file():
+        return ""
+    typed = {override.lstrip("~+").split("=", 1)[0] for override in hydra_cfg.overrides.task}
+    if key in typed or OmegaConf.select(OmegaConf.load(recipe_file), key, default=None) is None:
+        return ""
+    return f" (the value is set by experiment={recipe}, conf/experiment/{recipe}.yaml: override {key} to change it)"
 
 
 def remove_fresh_run_dir() -> None:

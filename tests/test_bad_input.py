@@ -110,6 +110,9 @@ CONFIG_MISTAKES = [
     ("wrong type (int)", ["generator.num_generations=four"], ["generator.num_generations must be an integer"]),
     ("wrong type (lr)", ["optim.optimizer.lr=fast"], ["optim.optimizer.lr must be a finite number", "'fast'"]),
     ("group size < 2", ["generator.num_generations=1"], ["generator.num_generations must be >= 2"]),
+    ("pass@k samples without k", ["eval.num_samples=4"], ["eval.num_samples=4 samples completions", "eval.pass_k"]),
+    ("game reward on gsm8k", ["reward=selfplay_role"], ["use data=games variant=selfplay"]),
+    ("games played by grpo", ["data=games", "reward=selfplay"], ["variant=grpo", "add variant=selfplay"]),
     ("negative lr", ["optim.optimizer.lr=-0.1"], ["optim.optimizer.lr must be >= 0", "-0.1"]),
     ("max_new_tokens 0", ["generator.max_new_tokens=0"], ["generator.max_new_tokens must be >= 1"]),
     ("negative beta", ["loss.beta=-1"], ["loss.beta must be >= 0"]),
@@ -567,3 +570,31 @@ def test_cli_validation_mistake_exits_2(tmp_path, overrides, words):
 def test_cli_unwritable_run_dir(tmp_path):
     result = cli("hydra.run.dir=/proc/grpo_lightning_run", *TINY, cwd=tmp_path)
     assert_clean_failure(result, "/proc/grpo_lightning_run", code=2)
+
+
+def test_an_unknown_textarena_game_suggests_only_games_that_run(tmp_path):
+    """Close names come from the games that run offline here, never from those refused (ScorableGames-v0)."""
+    overrides = ["data=games", "variant=selfplay", "reward=selfplay", "data.dataset.game=textarena:NoSuchGame-v0"]
+    result = cli("dry_run=true", f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
+    assert_clean_failure(result, "data.dataset.game")
+    assert "ScorableGames" not in result.stderr and "Scorable" not in result.stderr, result.stderr
+
+
+def test_a_csv_named_parquet_names_the_key_and_the_file(tmp_path):
+    fake = write(tmp_path / "train.parquet", "question,answer\nWhat is 1+1?,2\n")
+    overrides = ["data.dataset.source=path", f"data.dataset.path={fake}", "eval.enabled=false"]
+    result = cli("dry_run=true", f"hydra.run.dir={tmp_path}/run", *overrides, cwd=tmp_path)
+    assert_clean_failure(result, "data.dataset.path", str(fake), "is not a Parquet file")
+
+
+def test_a_mistake_in_a_value_the_recipe_set_names_the_recipe(tmp_path):
+    """learn_arith sets data.prompts_per_round=16; with 3 groups a micro-batch it does not divide, and the message
+    says the value came from the recipe. A value typed on the command line gets no such note. (The real command:
+    the note reads Hydra's record of the run's choices and overrides.)"""
+    result = real_cli("dry_run=true", f"hydra.run.dir={tmp_path}/run", "experiment=learn_arith",
+                 "data.groups_per_micro_batch=3", cwd=tmp_path)  # fmt: skip
+    assert_clean_failure(result, "data.prompts_per_round", "experiment=learn_arith")
+    typed = real_cli("dry_run=true", f"hydra.run.dir={tmp_path}/run2", "experiment=learn_arith",
+                "data.groups_per_micro_batch=3", "data.prompts_per_round=16", cwd=tmp_path)  # fmt: skip
+    assert_clean_failure(typed, "data.prompts_per_round")
+    assert "experiment=learn_arith" not in typed.stderr, typed.stderr

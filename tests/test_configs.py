@@ -23,7 +23,7 @@ OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for opti
 
 
 def test_expected_groups_exist():
-    assert GROUPS["loss"] == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo"]
+    assert GROUPS["loss"] == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "grpo_clip_higher", "gspo"]
     assert GROUPS["model"] == [
         "local",
         "qwen0.5b",
@@ -199,3 +199,60 @@ def test_callback_mistakes_name_the_key(tmp_path, overrides, words):
 
     with pytest.raises(ValueError, match=words):
         callback_parameters(make_cfg(tmp_path, overrides).callbacks)
+
+
+RECIPES = GROUPS["experiment"]
+LOSSES = GROUPS["loss"]
+
+
+def _loss_block(tmp_path, overrides: list[str]) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(make_cfg(tmp_path, overrides).loss, resolve=False)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_loss_chosen_with_a_recipe_keeps_its_own_preset(tmp_path, recipe):
+    """`experiment=R loss=L` composes exactly `loss=L`'s block (its preset's values, interpolations unresolved), for
+    every recipe and every loss preset; a user's override on top changes that key only. A recipe that needs other
+    loss values chooses a loss preset (`override /loss: ...`), which a loss= on the command line replaces whole."""
+    for loss in LOSSES:
+        alone = _loss_block(tmp_path, [f"loss={loss}"])
+        assert _loss_block(tmp_path, [f"experiment={recipe}", f"loss={loss}"]) == alone, (recipe, loss)
+        assert _loss_block(tmp_path, [f"loss={loss}", f"experiment={recipe}"]) == alone, (recipe, loss)  # either order
+        tuned = _loss_block(tmp_path, [f"experiment={recipe}", f"loss={loss}", "loss.beta=0.07"])
+        assert tuned == alone | {"beta": 0.07}, (recipe, loss)
+
+
+def test_recipes_set_no_loss_key_of_their_own():
+    """A recipe's loss values live in a loss preset it chooses, never in its own `loss:` block (which would overrule
+    whatever loss the user picks)."""
+    from omegaconf import OmegaConf
+
+    for recipe in RECIPES:
+        node = OmegaConf.load(Path(CONF_DIR) / "experiment" / f"{recipe}.yaml")
+        assert "loss" not in node, recipe
+
+
+def test_the_clip_higher_recipes_train_with_their_loss_as_before(tmp_path):
+    """learn_cpu and learn_arith compose grpo with epsilon_high 0.28 (and beta 0), as when they set those keys."""
+    for recipe in ("learn_cpu", "learn_arith"):
+        block = _loss_block(tmp_path, [f"experiment={recipe}"])
+        assert block == _loss_block(tmp_path, ["loss=grpo"]) | {"epsilon_high": 0.28}, recipe
+        assert block["beta"] == 0.0 and block["loss_type"] == "grpo"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "~/.cache/grpo_lightning"),
+        ({"XDG_CACHE_HOME": "/xdg"}, "/xdg/grpo_lightning"),  # the XDG base directory specification
+        ({"XDG_CACHE_HOME": "/xdg", "GRPO_LIGHTNING_CACHE": "/own"}, "/own"),  # the project's own variable wins
+    ],
+)
+def test_the_cache_follows_the_environment(tmp_path, monkeypatch, env, expected):
+    for name in ("XDG_CACHE_HOME", "GRPO_LIGHTNING_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert make_cfg(tmp_path).paths.cache_dir == expected

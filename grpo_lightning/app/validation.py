@@ -219,11 +219,21 @@ def check_reward_fits_data(cfg: DictConfig) -> None:
     for name, spec in (cfg.reward.get("terms") or {}).items():
         term = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
         if getattr(term, "needs_record", False):
+            where = getattr(term, "record_source", "a data source whose problems carry records")
             raise ValueError(
-                f"reward.terms.{name} ({term.__name__}) scores with each problem's reasoning-gym record, which "
-                f"data.dataset ({source.__name__}) does not give: use data=reasoning_gym, or another reward "
-                "(reward=gsm8k)"
+                f"reward.terms.{name} ({term.__name__}) scores with each problem's record from {where}, which "
+                f"data.dataset ({source.__name__}) does not give: use {where}, or another reward (reward=gsm8k)"
             )
+
+
+def variant_name(variant: type | None) -> str:
+    """`variant=<name>` of a variant class, or its class path when it is not a registered variant."""
+    from grpo_lightning.variants.base import VARIANTS
+
+    names = [name for name, cls in VARIANTS.items() if cls is variant]
+    if names:
+        return f"variant={names[0]}"
+    return f"{variant.__module__}.{variant.__qualname__}" if variant is not None else "unknown"
 
 
 def check_selfplay(cfg: DictConfig) -> None:
@@ -240,7 +250,10 @@ def check_selfplay(cfg: DictConfig) -> None:
     selfplay = variant is not None and issubclass(variant, SelfPlay)
     games = source is not None and issubclass(source, GameSeeds)
     if games and not selfplay:
-        raise ValueError(f"data=games is played by variant=selfplay, not variant.{cfg.variant._target_}")
+        raise ValueError(
+            f"data=games is played by variant=selfplay (this run's variant is {variant_name(variant)}): add "
+            "variant=selfplay reward=selfplay"
+        )
     if not selfplay:
         return
     if not games:

@@ -180,7 +180,12 @@ class GSM8K:
             return read_jsonl(path), None
         datasets = import_datasets(f"data.dataset.path ({kind}: {path.name})")
         if kind == "parquet":
-            data = datasets.load_dataset("parquet", data_files=str(path), split="train")
+            check_parquet(path, "data.dataset.path")
+            try:
+                data = datasets.load_dataset("parquet", data_files=str(path), split="train")
+            except Exception as err:  # noqa: BLE001 - a damaged file: one line naming the key and the file
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise ValueError(f"data.dataset.path: cannot read {path} as Parquet: {first_line}") from None
         else:
             data = datasets.load_from_disk(str(path))
             if isinstance(data, datasets.DatasetDict):
@@ -213,6 +218,24 @@ def import_datasets(what: str):
     except ImportError as err:
         raise ValueError(f"{what} needs `datasets`: {INSTALL_DATASETS}") from err
     return datasets
+
+
+PARQUET_MAGIC = b"PAR1"
+"""The four bytes a Parquet file begins and ends with."""
+
+
+def check_parquet(path: Path, key: str) -> None:
+    """A one-line error naming `key` and the file when `path` is not a Parquet file (a CSV named .parquet, say),
+    before pyarrow's own message, which names neither."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(0, path.stat().st_size - 4))
+        tail = f.read(4)
+    if head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
+        raise ValueError(
+            f"{key}: {path} is not a Parquet file (it does not begin and end with {PARQUET_MAGIC.decode()}; "
+            f"begins with {head!r}): give a Parquet file, or convert it to .jsonl (one JSON object a line)"
+        )
 
 
 def path_format(path: Path, key: str) -> str:

@@ -377,7 +377,7 @@ def textarena_problem(env_id: Any) -> str | None:
             "must be a two-player TextArena game that runs offline (docs/selfplay.md); "
             f"textarena:{env_id} {NOT_HERE[env_id]}"
         )
-    close = difflib.get_close_matches(env_id, sorted(OFFLINE_TWO_PLAYER | NOT_HERE.keys()), n=3)
+    close = difflib.get_close_matches(env_id, sorted(OFFLINE_TWO_PLAYER), n=3)  # only games that run here
     if close:
         return f"must be a TextArena env id; close: {', '.join(close)}"
     return "must be a TextArena env id (docs/selfplay.md lists them)"

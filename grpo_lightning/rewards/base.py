@@ -70,6 +70,8 @@ class RewardTerm(Stage, ABC):
     needs_record: ClassVar[bool] = False
     """Whether `score` reads `info["record"]`, the per-problem record a data source attaches (data=reasoning_gym
     gives one); the config check refuses such a term with a data source that gives none."""
+    record_source: ClassVar[str] = "data=reasoning_gym"
+    """The choice that gives the records such a term reads: the config check's advice when they are missing."""
 
     @abstractmethod
     def score(self, completion: str, reference: str, **info: Any) -> RewardResult:

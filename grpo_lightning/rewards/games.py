@@ -28,6 +28,10 @@ def _finite(name: str, value) -> float:
     return float(value)
 
 
+GAME_RECORDS = "data=games variant=selfplay"
+"""What gives a game term its records: the turns of games played by self-play (docs/selfplay.md)."""
+
+
 class GameOutcome(RewardTerm):
     """The learner's result of the game the turn belongs to: `win`, `draw` or `loss` (default +1 / 0 / -1).
 
@@ -36,6 +40,7 @@ class GameOutcome(RewardTerm):
     answer, so `rollout/format_rate` is the share of replies with a bracketed move."""
 
     needs_record: ClassVar[bool] = True
+    record_source: ClassVar[str] = GAME_RECORDS
     reports_answer: ClassVar[bool] = True
 
     def __init__(self, win: float = 1.0, draw: float = 0.0, loss: float = -1.0) -> None:
@@ -51,6 +56,7 @@ class LegalMove(RewardTerm):
     can learn, with a signal in every turn rather than once a game."""
 
     needs_record: ClassVar[bool] = True
+    record_source: ClassVar[str] = GAME_RECORDS
 
     def __init__(self, legal: float = 0.0, illegal: float = -1.0) -> None:
         self.legal, self.illegal = _finite("legal", legal), _finite("illegal", illegal)
@@ -64,6 +70,7 @@ class MoveFormat(RewardTerm):
     """1 when the reply holds a bracketed move (legal or not), else 0."""
 
     needs_record: ClassVar[bool] = True
+    record_source: ClassVar[str] = GAME_RECORDS
 
     def score(self, completion: str, reference: str, **info: Any) -> RewardResult:
         return RewardResult(reward=float(_turn(info).move is not None), extracted=None, correct=False)

@@ -120,8 +120,19 @@ class EvalSettings:
 
     def __post_init__(self) -> None:
         check_settings(self, "eval")
-        if self.pass_k and self.num_samples and self.num_samples < self.pass_k:
-            raise ValueError(f"eval.num_samples ({self.num_samples}) must be >= eval.pass_k ({self.pass_k}) or 0")
+
+    @staticmethod
+    def joint_problems(values: dict, prefix: str) -> list[str]:
+        """pass@k's two keys together (checked with the config, before anything loads)."""
+        pass_k, samples = values.get("pass_k", 0), values.get("num_samples", 0)
+        if pass_k and samples and samples < pass_k:
+            return [f"{prefix}.num_samples ({samples}) must be >= {prefix}.pass_k ({pass_k}) or 0"]
+        if samples and not pass_k:  # the samples would be drawn for no metric
+            return [
+                f"{prefix}.num_samples={samples} samples completions for eval/pass@k: set {prefix}.pass_k (1 to "
+                f"{samples}) too, or {prefix}.num_samples=0"
+            ]
+        return []
 
 
 def default_checker(dataset, reward=None) -> AnswerChecker:
