@@ -292,5 +292,6 @@ def test_a_merged_copy_too_large_is_refused_with_the_switch_that_removes_it():
     """The refusal names how to set a switch (perf.generate.merge_lora=false), not "lower" it."""
     shape = ModelShape(**(SHAPE.__dict__ | {"lora_target_parameters": GIB}))  # 4 GiB merged in float32
     result = estimate(shape, _run(merged_lora=True))
-    with pytest.raises(ValueError, match=r"merged LoRA weights alone take ~4.0 GiB: set perf.generate.merge_lora=false"):
+    expected = r"merged LoRA weights alone take ~4.0 GiB: set perf.generate.merge_lora=false"
+    with pytest.raises(ValueError, match=expected):
         check_fits(result, cpu_bytes=2 * GIB)
