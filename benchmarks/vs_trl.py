@@ -819,6 +819,9 @@ def shared_facts(results: dict[str, dict], where: dict[str, str] | None = None) 
 
 
 def child(args) -> None:
+    from grpo_lightning.openmp import set_openmp_wait
+
+    set_openmp_wait()  # before torch loads, as `python -m grpo_lightning` does: both systems wait alike
     pinned = pinned_for(args)
     if args.child in OUR_SYSTEMS:
         result = run_ours(pinned, ours_extra(args) + OUR_SYSTEMS[args.child], args.fixed_length)

@@ -8,19 +8,23 @@ checked here, before Hydra creates it (Hydra's own failure is a traceback); a dr
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import sys
-from pathlib import Path
+from grpo_lightning.openmp import set_openmp_wait
 
-import hydra
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+set_openmp_wait()  # before torch loads: GNU OpenMP reads its wait policy once (grpo_lightning/openmp.py)
 
-from grpo_lightning.app.train import train
-from grpo_lightning.errors import RunInterrupted, TrainingStopped
-from grpo_lightning.rewards.pipeline import check_moved_overrides
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
+from grpo_lightning.app.train import train  # noqa: E402
+from grpo_lightning.errors import RunInterrupted, TrainingStopped  # noqa: E402
+from grpo_lightning.rewards.pipeline import check_moved_overrides  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -2,13 +2,15 @@
 
 Rounds are sharded by prompt: rank r of W takes the r-th contiguous block of the round's prompts, so a group
 (one prompt's rollouts) never spans ranks. Round metrics are computed from every rank's rollouts (gathered as
-small summaries), not from rank 0's share.
+small summaries), not from rank 0's share. State that every rank keeps alike and updates from the round's results
+(self-play's rated pool) is updated on every rank from every rank's results, in one order (`in_rank_order`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -42,6 +44,23 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def in_rank_order(items: Sequence[T], group: Any = None) -> list[T]:
+    """Every rank's `items` in one sequence: rank 0's first, each rank's in its own order (on one process, `items`
+    as a list). Every rank gets the same sequence, so state that every rank updates from all ranks' results, one
+    result after another (self-play's ratings), stays identical on every rank when each applies it in this order;
+    one process takes the same path with its own results. Picklable items only."""
+    return [item for part in gather_objects(list(items), group) for item in part]
+
+
+def sum_counts_across_ranks(counts: dict[str, float]) -> dict[str, float]:
+    """Each of `counts` summed over ranks (every rank passes the same keys in the same order; a copy on one
+    process). Summed as float64, so counts stay exact integers."""
+    if not is_distributed():
+        return dict(counts)
+    totals = sum_across_ranks(torch.tensor(list(counts.values()), dtype=torch.float64))
+    return dict(zip(counts, totals.tolist(), strict=True))
 
 
 def sum_across_ranks(values: torch.Tensor) -> torch.Tensor:

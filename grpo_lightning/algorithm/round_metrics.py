@@ -44,11 +44,14 @@ class RolloutStats:
 
 
 def round_metrics(per_rank: list[dict]) -> dict[str, float]:
-    """Metrics of a whole round from every rank's part (stats over all rollouts; variant metrics: rank mean)."""
+    """Metrics of a whole round from every rank's part (stats over all rollouts; variant metrics: rank mean, except
+    a value every rank reports alike, kept as it is: a variant's metric already over all ranks, as self-play's
+    are, is that value, not a float mean that may round away from it)."""
     stats = [s for part in per_rank for s in part["stats"]]
     metrics = rollout_metrics(stats, max(part["rollout_s"] for part in per_rank))  # ranks generate in parallel
     for key in per_rank[0]["variant"]:
-        metrics[key] = sum(part["variant"][key] for part in per_rank) / len(per_rank)
+        values = [part["variant"][key] for part in per_rank]
+        metrics[key] = values[0] if all(v == values[0] for v in values) else sum(values) / len(values)
     for key in per_rank[0]["sampling"]:  # dynamic sampling: counts over all ranks (extra batches: equal on all)
         values = [part["sampling"][key] for part in per_rank]
         metrics[key] = values[0] if key == "rollout/ds_extra_batches" else sum(values)

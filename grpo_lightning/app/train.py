@@ -22,6 +22,7 @@ from hydra.utils import get_object, instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from grpo_lightning import openmp
 from grpo_lightning.accel.activation_checkpointing import enable_activation_checkpointing
 from grpo_lightning.accel.fused_lora import install_fused_lora_forward
 from grpo_lightning.app.export import export_policy
@@ -47,6 +48,7 @@ from grpo_lightning.app.validation import (
     world_size,
 )
 from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.data.games import GameSeeds, TurnPrompts
 from grpo_lightning.errors import RunInterrupted, TrainingStopped
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from grpo_lightning.models.sources import resolve_dtype
@@ -236,6 +238,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Run GRPO as configured; returns the last logged value of every metric (dry run: the plan's checks)."""
     if cfg.dry_run:
         return dry_run(cfg)
+    if openmp.CHOICE is not None:
+        log.info("%s", openmp.CHOICE)
     return build_run(cfg).fit()
 
 
@@ -372,9 +376,11 @@ def load_model(source, cfg: DictConfig):
 
 
 def check_model_fits(cfg: DictConfig, model, tokenizer, datamodule: RolloutDataModule) -> None:
-    """Token budgets the model can serve: prompt + completion within its context, and room for the question.
+    """Token budgets the model can serve: prompt + completion within its context, room for the question, and for
+    data=games the opening prompts of the game (rules and first state, which no cut may drop: data/games.py
+    `TurnPrompts`).
 
-    Why here: both need the model's config or tokenizer, so they run right after loading, before any round.
+    Why here: they need the model's config or tokenizer, so they run right after loading, before any round.
     """
     context = getattr(model.config, "max_position_embeddings", None)
     prompt_tokens = cfg.data.max_prompt_tokens
@@ -395,6 +401,12 @@ def check_model_fits(cfg: DictConfig, model, tokenizer, datamodule: RolloutDataM
             f"data.max_prompt_tokens ({prompt_tokens}) leaves no room for the question: the chat template, system "
             f"prompt and data.dataset.prompt_template alone take {template_tokens} tokens; raise it (default 512)"
         )
+    if isinstance(datamodule.dataset, GameSeeds):  # a game's opening prompts, both seats, within each budget
+        limits = {"data.max_prompt_tokens": prompt_tokens}
+        if cfg.eval.enabled:
+            limits["eval.max_prompt_tokens"] = cfg.eval.get("max_prompt_tokens", prompt_tokens)
+        for key, limit in limits.items():
+            TurnPrompts(datamodule.dataset, tokenizer, limit, key).check_opening()
 
 
 def build_pipeline(cfg: DictConfig):

@@ -6,17 +6,21 @@ advantage group). The test split is `num_test` seeds from `eval_seed` on, disjoi
 
 How a game's observation becomes a prompt is this source's: the system message, and `reply_prefix`, text put at
 the start of the model's reply (`[` asks for a bracketed move). The prefix is part of the prompt the turn is
-sampled from and trained on, so what the policy learns is exactly what it was asked.
+sampled from and trained on, so what the policy learns is exactly what it was asked. `TurnPrompts` fits a turn's
+prompt into `data.max_prompt_tokens` by leaving out old history, never the rules or the current state.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from grpo_lightning.data.source import Problem
-from grpo_lightning.games.base import check_game_id
+from grpo_lightning.games.base import TwoPlayerGame, check_game_id, make_game
 from grpo_lightning.schema import check_settings, choice, integer, optional, setting, text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,3 +95,83 @@ class GameSeeds:
         """The prompt ids of one observation: the chat template with the generation prompt, then `reply_prefix`."""
         chat = tokenizer.apply_chat_template(self.messages(observation), tokenize=False, add_generation_prompt=True)
         return tokenizer(chat + self.reply_prefix, add_special_tokens=False)["input_ids"]
+
+
+class TurnPrompts:
+    """The prompt ids of game turns within a token budget: `data.max_prompt_tokens` in self-play's rounds,
+    `eval.max_prompt_tokens` in the game evaluation (`key` names it in messages).
+
+    The rule. A prompt that fits is the source's encoding of the whole observation, unchanged. A longer one leaves
+    out the observation's oldest history messages, as few as make it fit (`TwoPlayerGame.droppable_messages`,
+    `shortened_observation`): the rules, the player's seat and the move format at its start and the current state at
+    its end are always kept. A turn whose rules and current state alone exceed the budget is refused: a ValueError
+    whose one line starts with the key.
+
+    Why not keep the last tokens, as the other data sources do: a game's prompt grows with its history (TextArena's
+    ConnectFour passes 512 tokens by its fifth move), and its last tokens lose the system message, the seat and the
+    move format, which every move needs, while what old moves did is summed up in the current state. Why refuse
+    rather than cut into the rules: a model asked to move without them learns from prompts that do not say the game.
+
+    Each cut prompt is counted by the caller (`encode` says how many messages it left out; self-play logs
+    `game/prompts_cut`), and the first cut of a run is logged once as a warning naming the key and the game.
+    """
+
+    def __init__(self, source: GameSeeds, tokenizer, max_prompt_tokens: int, key: str = "data.max_prompt_tokens",
+                 metric: str | None = "game/prompts_cut") -> None:  # fmt: skip
+        self.source, self.tokenizer, self.max_prompt_tokens, self.key = source, tokenizer, max_prompt_tokens, key
+        self.metric = metric
+        """Where the caller counts the cut prompts (named in the warning), None where they are not counted."""
+        self.warned = False
+
+    def encode(self, game: TwoPlayerGame, player: int) -> tuple[list[int], int]:
+        """`player`'s prompt ids in `game`, and how many history messages they leave out (0: the whole observation).
+
+        The fewest messages are found by bisection over the number left out (each try tokenises the prompt once):
+        the prompt's length falls as messages go, and a game late in a long history has dozens of them.
+        """
+        ids = self.source.encode(self.tokenizer, game.observation(player))
+        if len(ids) <= self.max_prompt_tokens:
+            return ids, 0
+        droppable = game.droppable_messages(player)
+        shortest = self._ids(game, player, droppable)
+        if len(shortest) > self.max_prompt_tokens:
+            raise ValueError(self._refusal(game, player, len(shortest), droppable))
+        fits, low, high = shortest, 1, droppable  # `high` messages left out always fit
+        while low < high:
+            middle = (low + high) // 2
+            tried = self._ids(game, player, middle)
+            if len(tried) <= self.max_prompt_tokens:
+                fits, high = tried, middle
+            else:
+                low = middle + 1
+        if not self.warned:
+            self.warned = True
+            counted = f"; counted in {self.metric}" if self.metric else ""
+            log.warning(
+                "%s=%d: prompts of %s grow with the game's history and are cut to fit: they leave out the oldest "
+                "history messages and keep the rules and the current state (the first left out %d of %d messages, "
+                "%d tokens before the cut%s); raise %s to keep more history",
+                self.key, self.max_prompt_tokens, game.game_id, high, droppable, len(ids), counted, self.key,
+            )  # fmt: skip
+        return fits, high
+
+    def check_opening(self, seed: int | None = None) -> None:
+        """Refuse, before the first round, a game whose opening prompts (either seat, nothing played, so nothing to
+        leave out) do not fit: what `encode` would refuse at the first move, said before anything is played."""
+        game = make_game(self.source.game)
+        game.reset(self.source.seed if seed is None else seed)
+        for player in (0, 1):
+            length = len(self.source.encode(self.tokenizer, game.observation(player)))
+            if length > self.max_prompt_tokens:
+                raise ValueError(self._refusal(game, player, length, 0))
+
+    def _ids(self, game: TwoPlayerGame, player: int, dropped: int) -> list[int]:
+        return self.source.encode(self.tokenizer, game.shortened_observation(player, dropped))
+
+    def _refusal(self, game: TwoPlayerGame, player: int, length: int, dropped: int) -> str:
+        history = f", {dropped} history messages left out" if dropped else ""
+        return (
+            f"{self.key} ({self.max_prompt_tokens}) cannot hold a prompt of {game.game_id}: its rules and current "
+            f"state alone take {length} tokens (seat {player}, with the chat template, system prompt and reply "
+            f"prefix{history}); raise {self.key} (and check the model's context) or choose a shorter game"
+        )

@@ -67,6 +67,23 @@ class TwoPlayerGame(ABC):
     def observation(self, player: int) -> str:
         """What `player` sees before moving: the rules, the state and how to answer (the user message)."""
 
+    def droppable_messages(self, player: int) -> int:
+        """How many messages of `observation(player)` are old history that a prompt too long for its token budget
+        may leave out, oldest first (`shortened_observation`; data/games.py `TurnPrompts` cuts with them).
+
+        0 by default: an observation that is the rules and the current state alone (the built-in TicTacToe's) has
+        nothing to drop, and one too long for the budget is refused rather than sent without its rules.
+        """
+        return 0
+
+    def shortened_observation(self, player: int, dropped: int) -> str:
+        """`observation(player)` without its `dropped` oldest droppable messages (0 <= dropped <=
+        `droppable_messages(player)`). What is never dropped: the rules, seat and move format at the start and the
+        current state at the end, which the player needs at every move; old moves are summed up in that state."""
+        if dropped != 0:
+            raise ValueError(f"{self.game_id} has no history messages to leave out (asked for {dropped})")
+        return self.observation(player)
+
     @abstractmethod
     def legal_moves(self) -> list[str]:
         """The moves the player to move may make, each as it is written in a reply (`[4]`)."""

@@ -26,6 +26,10 @@ wheel does not ship. Python 3.12 is not surveyed: the games that need it are ref
 - Legal moves: textarena has no uniform API for them. `legal_moves` reads them from the state for the games in
   `LEGAL_MOVES` (TicTacToe, Nim, KuhnPoker, ConnectFour, IteratedRockPaperScissors, IteratedMatchingPennies and
   their variants) and returns [] for the rest: a scripted random player cannot play those.
+- Long prompts. textarena's observation is the whole game so far, so it grows every move (ConnectFour's passes 512
+  tokens by the fifth move). `droppable_indices` says which messages a prompt too long for its budget may leave
+  out (the history between the rules and the current state), and `shortened_observation` renders the rest with
+  the game's own observation wrapper (data/games.py `TurnPrompts` decides how many to leave out).
 """
 
 from __future__ import annotations
@@ -431,6 +435,34 @@ def _render_messages(messages: list[tuple], role_mapping: dict[int, str]) -> str
     return "\n".join(lines)
 
 
+def _kind(message: tuple) -> str | None:
+    """The name of a message's textarena ObservationType (`PROMPT`, `GAME_BOARD`, ...), None when it has none."""
+    return getattr(message[2], "name", None) if len(message) > 2 else None
+
+
+def droppable_indices(messages: list[tuple], player: int) -> list[int]:
+    """The indices, oldest first, of the messages in `player`'s list that a prompt too long for its budget may
+    leave out: the history between the head and the current state.
+
+    - The head is kept: the first message and the `PROMPT` messages right after it (textarena's rules, the
+      player's seat and symbol, the move format).
+    - The current state is kept: every message after the player's own last move (the opponent's reply, the board
+      or the round the game showed since). Why not only the last board: some games say what the board does not
+      after the player's move (KuhnPoker deals a round's card in a message of its own), and what happened since
+      the player last moved is what its next move answers. A player who has not moved yet has no history.
+    - The latest `GAME_BOARD` message is kept wherever it is: the wrappers that show only the current board
+      (`-train` ids) need one.
+    """
+    head = 1
+    while head < len(messages) and _kind(messages[head]) == "PROMPT":
+        head += 1
+    own_moves = [i for i, m in enumerate(messages) if m[0] == player and _kind(m) == "PLAYER_ACTION"]
+    state = own_moves[-1] + 1 if own_moves else head
+    boards = [i for i, m in enumerate(messages) if _kind(m) == "GAME_BOARD"]
+    last_board = boards[-1] if boards else None
+    return [i for i in range(head, state) if i != last_board]
+
+
 class TextArenaGame(TwoPlayerGame):
     """One game of a TextArena environment between seat 0 (textarena's Player 0) and seat 1 (Player 1)."""
 
@@ -445,6 +477,8 @@ class TextArenaGame(TwoPlayerGame):
         self._history: dict[int, list[tuple]] = {0: [], 1: []}
         self._flagged: set[int] = set()
         self._hooked: Any = None
+        self._raw = False
+        """The id has no observation wrapper (`-raw`): its messages are kept and put together here."""
         self.reset(0)
 
     @contextlib.contextmanager
@@ -541,12 +575,56 @@ class TextArenaGame(TwoPlayerGame):
                     _, observation = self.env.get_observation()
                 finally:
                     state.current_player_id = to_move
-            if isinstance(observation, str):
+            self._raw = not isinstance(observation, str)
+            if not self._raw:
                 self._seen[player] = observation.strip()
             else:  # no observation wrapper (the `-raw` ids): the new messages only, so keep the history here
                 self._history[player].extend(observation or [])
                 self._seen[player] = _render_messages(self._history[player], state.role_mapping).strip()
         return self._seen[player]
+
+    def droppable_messages(self, player: int) -> int:
+        """The history messages of `player`'s observation a long prompt may leave out (`droppable_indices`)."""
+        messages, _ = self._messages(player)
+        return len(droppable_indices(messages, player))
+
+    def shortened_observation(self, player: int, dropped: int) -> str:
+        """The observation rendered by the game's own observation wrapper (or, for `-raw` ids, as `observation`
+        puts them together) from `player`'s messages less the `dropped` oldest droppable ones: the text keeps the
+        format the game gives it, and with nothing dropped it is `observation(player)`."""
+        messages, render = self._messages(player)
+        droppable = droppable_indices(messages, player)
+        if not 0 <= dropped <= len(droppable):
+            raise ValueError(f"{self.game_id}: {dropped} messages asked to leave out, {len(droppable)} droppable")
+        if dropped == 0:
+            return self.observation(player)
+        left_out = set(droppable[:dropped])
+        return render([m for i, m in enumerate(messages) if i not in left_out])
+
+    def _messages(self, player: int) -> tuple[list[tuple], Callable[[list[tuple]], str]]:
+        """`player`'s (sender, message, type) messages so far, and how the game renders a list of them as the
+        observation's text. Ids whose observation wrapper keeps no message list have none (nothing to drop)."""
+        self.observation(player)  # the player's new messages join its list
+        if self._raw:
+            role_mapping = self.state.role_mapping
+            return list(self._history[player]), lambda kept: _render_messages(kept, role_mapping).strip()
+        env = self.env
+        while not (hasattr(env, "full_observations") and hasattr(env, "_convert_obs_to_str")):
+            env = getattr(env, "env", None)
+            if env is None:
+                return [], lambda kept: self.observation(player)
+        wrapper = env
+
+        def render(kept: list[tuple]) -> str:  # the wrapper's own rendering of `kept`, its list put back after
+            full = wrapper.full_observations
+            own = full[player]
+            full[player] = kept
+            try:
+                return str(wrapper._convert_obs_to_str(player_id=player)).strip()
+            finally:
+                full[player] = own
+
+        return list(wrapper.full_observations.get(player, [])), render
 
     def step(self, reply: str) -> StepResult:
         if self.done:

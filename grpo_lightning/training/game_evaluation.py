@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 
+from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
-from grpo_lightning.games.base import make_game
+from grpo_lightning.games.base import TwoPlayerGame, make_game
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, configures, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
@@ -71,6 +72,7 @@ class GameEvaluator(Evaluator):
         super().__init__(dataset, reward=None, checker=_NoChecker(), **settings)
         self.opponents, self.max_turns = opponents, max_turns
         self.seeds: list[int] = []
+        self._prompts: TurnPrompts | None = None
 
     def at_fit_start(self, trainer: L.Trainer) -> None:
         if not self.enabled:
@@ -94,8 +96,12 @@ class GameEvaluator(Evaluator):
                     rng = random.Random(derive_seed(self.seed, "eval", name, seed, seat))
                     matches.append(Match(game, seat, opponent, rng))
 
-        def encode(observation: str) -> list[int]:  # the last eval.max_prompt_tokens tokens, as training's
-            return self.dataset.encode(self.tokenizer, observation)[-self.max_prompt_tokens :]
+        if self._prompts is None:  # one for the run: its first cut is warned once
+            self._prompts = TurnPrompts(self.dataset, self.tokenizer, self.max_prompt_tokens, "eval.max_prompt_tokens",
+                                        metric=None)  # fmt: skip
+
+        def encode(game: TwoPlayerGame, player: int) -> list[int]:  # within eval.max_prompt_tokens, as training's
+            return self._prompts.encode(game, player)[0]
 
         with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves training's RNG
             torch.manual_seed(self.seed)

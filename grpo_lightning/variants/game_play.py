@@ -114,15 +114,15 @@ LEARNER_PLAYER = ModelPlayer("learner")
 def play(
     matches: Sequence[Match],
     engine,
-    encode: Callable[[str], list[int]],
+    encode: Callable[[TwoPlayerGame, int], list[int]],
     decode: Callable[[list[int]], str],
     reply_prefix: str,
     max_turns: int,
     max_new_tokens: int | None = None,
     on_step: Callable[[Sequence[Match]], None] | None = None,
 ) -> None:
-    """Play every match to its end, in lockstep (`encode`: an observation's prompt ids; `on_step` is called after
-    every move of the batch, for progress)."""
+    """Play every match to its end, in lockstep (`encode(game, player)`: the prompt ids of that player's turn,
+    data/games.py `TurnPrompts`; `on_step` is called after every move of the batch, for progress)."""
     while True:
         active = [m for m in matches if not m.done]
         if not active:
@@ -141,7 +141,7 @@ def play(
                 replies[id(m)] = (player.choose(m.game, m.rng), None, None)
         for name in sorted(model_groups, key=lambda n: (n != "learner", n)):  # the learner's batch first
             group, weights = model_groups[name], weights_of[name]
-            prompts = [encode(m.game.observation(m.game.current_player)) for m in group]
+            prompts = [encode(m.game, m.game.current_player) for m in group]
             swap = engine.sampling_from(weights) if weights is not None else contextlib.nullcontext()
             with swap:
                 completions = [c[0] for c in engine.generate(prompts, 1, max_new_tokens)]

@@ -2,7 +2,9 @@
 
 Ratings are openskill's Thurstone-Mosteller model (the TrueSkill family: a mean `mu` and an uncertainty `sigma`
 per player; Joshy 2024, openskill.py), updated after every game between the learner and its opponent, in the
-order the games were dealt. A snapshot enters the pool with the learner's rating at that moment. Everything is
+order the games were dealt. Under several processes there is one pool: every rank applies every rank's results,
+rank 0's first, then rank 1's, each rank's in its own order (`record_all_ranks`), so every rank holds the same
+ratings after every batch of games. A snapshot enters the pool with the learner's rating at that moment. Everything is
 plain numbers and CPU tensors, saved in every checkpoint and restored exactly (the rating objects are rebuilt
 from `mu` and `sigma`).
 
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
+from grpo_lightning.distributed import in_rank_order
 from grpo_lightning.variants.selfplay_progress import PoolEntry
 
 LEARNER = "learner"
@@ -94,6 +98,18 @@ class OpponentPool:
         [[learner], [other]] = self.model.rate([[self._rating(LEARNER)], [self._rating(opponent)]], ranks=ranks)
         for name, new in ((LEARNER, learner), (opponent, other)):
             self.ratings[name].mu, self.ratings[name].sigma = float(new.mu), float(new.sigma)
+
+    def record_all_ranks(self, results: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
+        """This rank's games, `(opponent, learner's score)` in the order they were dealt, recorded with every
+        other rank's: all ranks' results in rank order, then each rank's own order, applied on every rank (a
+        collective: every rank calls it once per batch of games). Why all of them, in one order: a rating update
+        depends on the ratings before it, so ranks applying only their own games, or the same games in different
+        orders, would hold different pools and draw rating-aware opponents from different ratings. One process
+        records its own by the same path. Returns the results applied, in their order."""
+        applied = in_rank_order([(str(opponent), float(score)) for opponent, score in results])
+        for opponent, score in applied:
+            self.record(opponent, score)
+        return applied
 
     def _rating(self, name: str):
         rating = self.ratings[name]

@@ -16,6 +16,11 @@ z-score).
 Snapshots: at the start of every `snapshot_every`-th round (round 0 included) the policy's adapter joins the pool
 (`round<NNN>`). The pool, its ratings and its snapshots are saved in every checkpoint; a resumed run plays on
 exactly as the uninterrupted one.
+
+Several processes (DDP): each rank plays the groups of its block of the round's seeds; after every batch of games
+every rank applies every rank's results to its pool, in one order (rank, then the order dealt), so the ranks hold
+one pool, draw opponents from the same ratings, and report the same `pool/...` values; `game/...` counts every
+rank's games.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from grpo_lightning.distributed import derive_seed
-from grpo_lightning.games.base import make_game
+from grpo_lightning.data.games import TurnPrompts
+from grpo_lightning.distributed import derive_seed, sum_counts_across_ranks
+from grpo_lightning.games.base import TwoPlayerGame, make_game
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, choice, configures, integer, setting, strings
 from grpo_lightning.types import Rollout, TurnRecord
@@ -95,6 +101,8 @@ class SelfPlay(GRPOVariant):
         self.source = None
         """The game data source (data/games.py GameSeeds): how an observation becomes a prompt (`bind_data`)."""
         self.tokenizer = None
+        self.prompts: TurnPrompts | None = None
+        """Turn prompts within `data.max_prompt_tokens` (`bind_data`): long histories cut, the cut warned once a run."""
         self.progress_listeners: list[Callable[[SelfPlayProgress], None]] = []
         """Called with the round's progress after every move of its games (training/live_view.py)."""
         self.round_index = 0
@@ -104,6 +112,7 @@ class SelfPlay(GRPOVariant):
     def bind_data(self, source, tokenizer, max_prompt_tokens: int) -> None:
         """The run's game source (data=games), tokenizer and prompt limit, given once by train.py."""
         self.source, self.tokenizer, self.max_prompt_tokens = source, tokenizer, max_prompt_tokens
+        self.prompts = TurnPrompts(source, tokenizer, max_prompt_tokens)
 
     def rollouts_per_round(self, num_prompts: int) -> int:
         """At most: every game lasts `max_turns` moves, half of them the learner's."""
@@ -136,10 +145,10 @@ class SelfPlay(GRPOVariant):
                 self.play([extra], generator, decode)
                 matches.append(extra)
                 self._counts["extra_games"] += 1
-        for m in matches:
-            self.pool.record(m.opponent.name, m.learner_score)
+        self.pool.record_all_ranks([(m.opponent.name, m.learner_score) for m in matches])  # every rank's games
         rollouts = self.rollouts_of(matches, reward_fn)
-        self.metrics.update(self.round_metrics())  # the round so far (dynamic sampling may call again)
+        # the round so far (dynamic sampling may call again), counted over every rank's games
+        self.metrics.update(self.round_metrics(sum_counts_across_ranks(self._counts)))
         return rollouts
 
     def deal(self, generator, prompts: Sequence) -> list[Match]:
@@ -170,13 +179,13 @@ class SelfPlay(GRPOVariant):
         return ModelPlayer(name, self.pool.snapshots[name])
 
     def play(self, matches: list[Match], generator, decode: Callable) -> None:
-        def encode(observation: str) -> list[int]:
-            """The observation's prompt, its last `data.max_prompt_tokens` tokens: a long game history keeps its
-            latest moves, and prompt + completion stay within the context train.py checked."""
-            ids = self.source.encode(self.tokenizer, observation)
-            if len(ids) > self.max_prompt_tokens:
+        def encode(game: TwoPlayerGame, player: int) -> list[int]:
+            """The turn's prompt within `data.max_prompt_tokens` (`TurnPrompts`: old history left out, the rules and
+            the current state kept), so prompt + completion stay within the context train.py checked; counted."""
+            ids, dropped = self.prompts.encode(game, player)
+            if dropped:
                 self._counts["prompts_cut"] += 1
-            return ids[-self.max_prompt_tokens :]
+            return ids
 
         on_step = self._report if self.progress_listeners else None
         play(matches, generator, encode, decode, self.source.reply_prefix, self.max_turns, on_step=on_step)
@@ -207,8 +216,11 @@ class SelfPlay(GRPOVariant):
         c["opp_moves_fixed"] += m.opponent_illegal
         c["capped"] += m.capped
 
-    def round_metrics(self) -> dict[str, float]:
-        c = self._counts
+    def round_metrics(self, counts: dict[str, float] | None = None) -> dict[str, float]:
+        """The round's `game/...` metrics from `counts` (default: this rank's own), and the pool's `pool/...`.
+        `sample_rollouts` passes the counts summed over ranks, so the rates are over every rank's games and every
+        rank reports the same values, as it does the pool's (one pool, the same on every rank)."""
+        c = self._counts if counts is None else counts
         games, turns = max(c["games"], 1.0), max(c["turns"], 1.0)
         return {
             "game/games": c["games"],

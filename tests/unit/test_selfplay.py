@@ -229,8 +229,8 @@ def test_lockstep_play_batches_each_model_player_and_records_the_learners_prompt
         m.game.reset(0)
     original = src.encode
 
-    def encode(observation):
-        return original(tokenizer, observation)
+    def encode(game, player):
+        return original(tokenizer, game.observation(player))
 
     steps = []
     play(matches, engine, encode, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), "[", 30,
@@ -255,7 +255,8 @@ def test_an_opponents_illegal_move_is_replaced_and_counted(tokenizer):
     engine = MoveEngine(tokenizer, lambda text, who: "4]" if who == "base" else lowest_legal(text, who))
     m = Match(make_game("tictactoe"), 1, ModelPlayer("base", adapter_off(engine.adapter_weights())), random.Random(0))
     m.game.reset(0)
-    play([m], engine, lambda o: source().encode(tokenizer, o), lambda ids: tokenizer.decode(ids), "[", 30)
+    play([m], engine, lambda g, p: source().encode(tokenizer, g.observation(p)), lambda ids: tokenizer.decode(ids), "[",
+         30)  # fmt: skip
     assert m.opponent_illegal >= 1  # base insists on the centre after it is taken
     assert m.game.done and not any(t.illegal for t in m.turns)
 
@@ -264,7 +265,8 @@ def test_a_game_past_max_turns_is_a_draw(tokenizer):
     engine = MoveEngine(tokenizer, lowest_legal)
     m = Match(make_game("tictactoe"), 0, RandomMovePlayer(), random.Random(0))
     m.game.reset(0)
-    play([m], engine, lambda o: source().encode(tokenizer, o), lambda ids: tokenizer.decode(ids), "[", 2)
+    play([m], engine, lambda g, p: source().encode(tokenizer, g.observation(p)), lambda ids: tokenizer.decode(ids), "[",
+         2)  # fmt: skip
     assert m.capped and m.moves == 2 and m.learner_score == 0.0
 
 
@@ -314,30 +316,17 @@ def test_a_round_of_rollouts_scored_as_worked_out_by_hand(tokenizer):
         assert sum(values) == pytest.approx(0.0, abs=1e-5)
 
 
-def test_prompts_longer_than_data_max_prompt_tokens_keep_their_last_tokens(tokenizer):
-    """A limit below a TicTacToe prompt's length: the engine is given, and every rollout trains on, the last 20
-    tokens of the prompt the source builds (the truth: the source's encoding of the same observation, cut by
-    hand), and each cut prompt is counted."""
-    src = source()
+def test_a_game_whose_rules_and_state_exceed_data_max_prompt_tokens_is_refused_in_one_line(tokenizer):
+    """A limit below a TicTacToe prompt's length: TicTacToe's prompt is its rules and the board alone (nothing to
+    leave out), so the round is refused instead of training on the prompt's last tokens, which lose the rules
+    (long histories: tests/unit/test_game_prompt_cut.py)."""
     v = SelfPlay(games_per_group=2, fixed_opponents=["random"])
-    v.bind_data(src, tokenizer, 20)
-    seen = []
-
-    class Recording(MoveEngine):
-        def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
-            seen.extend(prefixes)
-            return super().generate(prefixes, num_samples, max_new_tokens, greedy)
-
+    v.bind_data(source(), tokenizer, 20)
     v.begin_round(0)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    rollouts = v.generate_rollouts(Recording(tokenizer, always_centre), prompts([0, 1]), build_reward(REWARD), decode)
-    empty = make_game("tictactoe")
-    empty.reset(0)
-    full = src.encode(tokenizer, empty.observation(0))
-    assert len(full) > 20 and full[-20:] in seen  # an opening position, as the engine got it
-    assert all(len(p) == 20 for p in seen) and all(len(r.prompt_ids) == 20 for r in rollouts)
-    assert {tuple(r.prompt_ids) for r in rollouts} <= {tuple(p) for p in seen}  # trained on what was sampled from
-    assert v.metrics["game/prompts_cut"] == len(seen)  # one encode per learner move: each was cut
+    with pytest.raises(ValueError, match=r"^data\.max_prompt_tokens \(20\) cannot hold a prompt of tictactoe") as err:
+        v.generate_rollouts(MoveEngine(tokenizer, always_centre), prompts([0, 1]), build_reward(REWARD), decode)
+    assert "\n" not in str(err.value)
 
 
 def test_resuming_the_pool_plays_the_same_next_round(tokenizer):
