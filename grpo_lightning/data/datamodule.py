@@ -62,7 +62,9 @@ class DataSettings:
     num_iterations: int = setting(
         1, integer(1), "passes over each round (mu in GRPO); > 1 scores old log-probs once before the first update"
     )
-    max_prompt_tokens: int = setting(512, integer(1), "longer prompts keep their last tokens")
+    max_prompt_tokens: int = setting(
+        512, integer(1), "longer prompts keep their last tokens; a game's leave out old history (docs/selfplay.md)"
+    )
     seed: int = setting(0, integer(0), "the prompt order: a seeded permutation per pass over the data")
 
     def __post_init__(self) -> None:

@@ -112,7 +112,9 @@ class EvalSettings:
     pass_k: int = setting(0, integer(0), "> 0: also sample completions per problem -> eval/pass@k (unbiased)")
     num_samples: int = setting(0, integer(0), "n samples per problem for pass@k (n >= pass_k); 0: n = pass_k")
     max_new_tokens: int = setting(96, integer(1), "completion budget (generator.max_new_tokens by default)")
-    max_prompt_tokens: int = setting(512, integer(1), "longer prompts keep their last tokens")
+    max_prompt_tokens: int = setting(
+        512, integer(1), "longer prompts keep their last tokens; a game's leave out old history (docs/selfplay.md)"
+    )
     num_samples_logged: int = setting(4, integer(0), "problems shown in the eval/samples text table")
     at_start: bool = setting(True, boolean, "evaluate the starting policy too")
     seed: int = setting(1234, integer(0), "which subset")
