@@ -19,7 +19,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from grpo_lightning.app.train import train  # noqa: E402
@@ -71,9 +72,6 @@ LEADING_KEY = re.compile(r"(?P<key>[a-z_]\w*(?:\.[a-z_]\w*)+)\b")
 def recipe_origin(message: str) -> str:
     """' (set by experiment=<name> ...)' when the key a message begins with was set by the recipe's file and not on
     the command line, else ''. A value the user never typed is then traced to where it came from."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
     match = LEADING_KEY.match(message)
     if match is None or not HydraConfig.initialized():
         return ""
@@ -96,8 +94,6 @@ def remove_fresh_run_dir() -> None:
     anything else in it (an earlier run's checkpoints, say) is left as it is; emptied parents below the working
     directory (`outputs/<date>/`) go too.
     """
-    from hydra.core.hydra_config import HydraConfig
-
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     own = {hc.output_subdir, f"{hc.job.name}.log"} - {None}

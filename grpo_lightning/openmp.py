@@ -13,13 +13,15 @@ machine"):
 No one setting is best for both, so `set_openmp_wait` looks: when other processes keep busy more cores than this
 process's threads would leave them, threads sleep at once (`OMP_WAIT_POLICY=PASSIVE`); otherwise the default
 spin stays. The wait policy changes no result, only who waits how. GNU OpenMP reads it once, when torch loads:
-`grpo_lightning` calls this on import, so `python -m grpo_lightning` and anything importing the package before
-torch get it. A wait policy or spin count the user set is kept.
+`python -m grpo_lightning` calls this first (grpo_lightning/__main__.py), and so do `benchmarks/vs_trl.py`'s
+children, one per system; the other benchmarks that train run the CLI. A wait policy or spin count the user set
+is kept.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 SAMPLE_SECONDS = 0.1
@@ -66,8 +68,6 @@ def set_openmp_wait() -> None:
     """`OMP_WAIT_POLICY=PASSIVE` when other processes leave fewer free cores than torch will run threads (the
     module docstring); nothing when the user set `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`, or torch is loaded."""
     global CHOICE
-    import sys
-
     if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     others = others_busy_cores()

@@ -122,3 +122,16 @@ class Recorder(L.Callback):
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+
+
+def load_benchmark(name: str):
+    """The script `benchmarks/<name>.py` as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(name, root / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module

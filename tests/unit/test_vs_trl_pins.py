@@ -5,26 +5,16 @@ benchmark-only extra: without it, only its side is skipped."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tests.conftest import CONF_DIR, ROOT
+from tests.conftest import CONF_DIR
+from tests.helpers import load_benchmark
 
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = load_benchmark()
+BENCH = load_benchmark("vs_trl")
 PIN_SETS = {"timing": lambda loss: BENCH.pins(loss, steps=3), "check": BENCH.check_pins}
 """The timing benchmark's settings (4 prompts x 4 per step, micro-batches of 4) and --check's (one batch)."""
 CASES = [(loss, which) for loss in BENCH.LOSSES for which in PIN_SETS]

@@ -6,7 +6,6 @@ and timings: no model, no TRL."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -19,17 +18,9 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.helpers import load_benchmark
 
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = load_benchmark()
+BENCH = load_benchmark("vs_trl")
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
 model name\t: Test EPYC 9000
