@@ -1,17 +1,22 @@
-"""Each config key declared once: its type and range (a rule), its default and its meaning, in a settings dataclass.
+"""Each config key declared once: its type, range (a rule) and default in a settings dataclass; its meaning in conf/.
 
-A settings dataclass declares its keys with `setting(default, rule, "meaning")`. The same declaration serves three
-readers:
+A settings dataclass declares its keys with `setting(default, rule)`. The same declaration serves three readers:
 
-- the object's constructor, which calls `check_settings(self)` (a direct construction fails like a config run);
-- the config check (app/validation.py), which checks a composed config node against the declaration before
-  anything is built or loaded, so a mistake fails in a second with one line naming the key;
-- the reference page (docs/configuration.md, generated), which shows each key's meaning.
+- the component's constructor: a `Configured` class (a variant, an engine, the data module) takes the keys of its
+  config node and builds its settings objects from them (`settings_from`), each of which checks itself, so a
+  direct construction fails like a config run and no constructor re-lists a setting;
+- the config check (app/validation.py), which checks a composed config node against the declaration of its
+  `_target_` before anything is built or loaded, so a mistake fails in a second with one line naming the key,
+  then asks each component for the rules that span its keys and other nodes (`Configured.check_config`);
+- docs/configuration.md, whose tables list the declared keys with their values in conf/.
 
-`configures(cls, *schemas)` names the declarations of a class that is not itself a settings dataclass (an engine
-whose keys are its sampling and engine settings, or a third-party class such as Lightning's Trainer); a settings
-dataclass configures itself. A rule returns what the value must be ("must be an integer"), or None when it is fine.
-Rules mirror the message format of every error the project prints: "<key> <what it must be> (got <value>)".
+A key's meaning is written once, where users set it: the comment on its line in grpo_lightning/conf/ (the reference
+page is generated from those comments, app/config_reference.py). The default config states the declared defaults
+(tests/unit/test_schema.py fails where they differ).
+
+`configures(cls, *schemas)` names the declarations of a class that is not ours (Lightning's loggers) or not a class
+(a function target). A rule returns what the value must be ("must be an integer"), or None when it is fine. Rules
+mirror the message format of every error the project prints: "<key> <what it must be> (got <value>)".
 """
 
 from __future__ import annotations
@@ -19,19 +24,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 SEED_MAX = 2**32 - 1
 """numpy's limit on a seed, which Lightning's seed_everything applies (it replaces others at random)."""
 Rule = Callable[[Any], str | None]
 """A check of one value: what the value must be ("must be an integer"), or None when it is fine."""
 
-_SCHEMAS: dict[type, tuple[type, ...]] = {}
+_SCHEMAS: dict[Callable, tuple[type, ...]] = {}
 
 
-def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, help: str = "", *, factory=None) -> Any:
-    """A dataclass field carrying its rule and meaning (`factory`: a default built per instance, e.g. a dict)."""
-    metadata = {"rule": rule, "help": help}
+def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, *, factory=None) -> Any:
+    """A dataclass field carrying its rule (`factory`: a default built per instance, e.g. a dict)."""
+    metadata = {"rule": rule}
     if factory is not None and dataclasses.is_dataclass(factory):
         metadata["schema"] = factory  # a nested node: its keys are the fields of this dataclass
     if factory is not None:
@@ -39,16 +44,50 @@ def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, help: 
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def configures(cls: type, *schemas: type) -> None:
-    """Declare that the keys of a config node whose `_target_` is `cls` are the fields of `schemas`."""
+class Configured:
+    """A component configured by settings dataclasses (`settings_types`): its config node's keys are their fields.
+
+    Hydra calls the constructor with the node's keys; the constructor passes them to `settings_from`, which builds
+    one settings object per type (each checks its own keys), so a setting is never re-listed as an argument. A
+    component's rules that span other nodes of the run's config (a variant that needs a data source, an engine
+    that needs a platform) are its `check_config`, which the config check calls before anything loads.
+    """
+
+    settings_types: ClassVar[tuple[type, ...]] = ()
+
+    @classmethod
+    def settings_from(cls, keys: Mapping[str, Any]) -> tuple[Any, ...]:
+        """One object of each of `settings_types` from a config node's keys (a key no type declares is a
+        TypeError naming it, as an unknown keyword argument would be)."""
+        names = [{f.name for f in dataclasses.fields(schema)} for schema in cls.settings_types]
+        unknown = sorted(set(keys) - set().union(*names))
+        if unknown:
+            raise TypeError(f"{cls.__name__} got unexpected keys: {', '.join(unknown)}")
+        return tuple(
+            schema(**{k: v for k, v in keys.items() if k in declared_names})
+            for schema, declared_names in zip(cls.settings_types, names, strict=True)
+        )
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Rules between this component's keys and the rest of the run's composed config (`cfg`, an omegaconf
+        DictConfig), raised as one ValueError naming the keys; called by the config check before anything is
+        built or loaded. None by default: each key's own rule is checked from its declaration."""
+
+
+def configures(cls: Callable, *schemas: type) -> None:
+    """Declare that the keys of a config node whose `_target_` is `cls` (a class not ours, or a function) are the
+    fields of `schemas`; a `Configured` class says so itself."""
     _SCHEMAS[cls] = schemas
 
 
-def schemas_of(cls: type) -> tuple[type, ...]:
-    """The settings dataclasses declaring the keys of `cls`'s config node (itself, when it is one)."""
-    if cls in _SCHEMAS:
-        return _SCHEMAS[cls]
-    return (cls,) if dataclasses.is_dataclass(cls) else ()
+def schemas_of(target: Any) -> tuple[type, ...]:
+    """The settings dataclasses declaring the keys of `target`'s config node (itself, when it is one)."""
+    if isinstance(target, type) and issubclass(target, Configured):
+        return target.settings_types
+    if target in _SCHEMAS:
+        return _SCHEMAS[target]
+    return (target,) if dataclasses.is_dataclass(target) else ()
 
 
 def declared(schema: type) -> dict[str, dataclasses.Field]:

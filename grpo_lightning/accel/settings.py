@@ -40,23 +40,14 @@ def correction_dtype(weights: str) -> str:
 class ForwardSettings:
     """Training forward (`perf.forward`): how completion log-probs are computed (completion_forward.py)."""
 
-    share_prefix: bool = setting(
-        True, boolean, "each distinct prompt of a micro-batch runs once; its completions reuse its KV cache"
-    )
+    share_prefix: bool = setting(True, boolean)
     logits_chunk_tokens: int | None = setting(
-        128, optional(integer(1)), "LM head + log-softmax this many positions at a time (chunked_head.py); null: "
-        "the [B, C, V] logits at once"
+        128, optional(integer(1))
     )  # fmt: skip
-    runs_by_length: bool = setting(
-        True, boolean, "rows in runs of similar completion length, each computed only as far as its longest row"
-    )
-    fused_lora: bool = setting(
-        True, boolean, "LoRA's update added to the base layer's output in place (fused_lora.py), not peft's passes"
-    )
+    runs_by_length: bool = setting(True, boolean)
+    fused_lora: bool = setting(True, boolean)
     activation_checkpointing: bool = setting(
-        False, boolean, "keep only each decoder layer's input for the backward and recompute the layer there "
-        "(activation_checkpointing.py): activations of one layer instead of all, for one more forward; needs "
-        "share_prefix=false"
+        False, boolean
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -82,31 +73,19 @@ class ForwardSettings:
 class GenerationSettings:
     """HF generation (`perf.generate`): how rollouts are sampled (generator=hf; the vLLM engine ignores these)."""
 
-    custom_decode: bool = setting(
-        True, boolean, "our sampling loop (decode_loop.py: pre-allocated KV cache) instead of HF generate"
-    )
-    sampler: str = setting(
-        "inverse_cdf", choice(*SAMPLERS), "custom_decode's draw: inverse_cdf (one uniform per row) | multinomial"
-    )
-    merge_lora: bool = setting(
-        True, boolean, "generate with LoRA merged into temporary weights; the base is never modified"
-    )
-    share_prefill: bool = setting(True, boolean, "prefill each prompt once, repeat its KV cache for its G samples")
-    stream_logprobs: bool = setting(
-        True, boolean, "generate only: sampled-token log-probs through hooks, no per-step [N, V] logits kept"
-    )
+    custom_decode: bool = setting(True, boolean)
+    sampler: str = setting("inverse_cdf", choice(*SAMPLERS))
+    merge_lora: bool = setting(True, boolean)
+    share_prefill: bool = setting(True, boolean)
+    stream_logprobs: bool = setting(True, boolean)
     packed_weights: bool | str = setting(
-        "auto", choice("auto", True, False), "CPU float32: MKL-packed linear weights; auto = the shapes a one-off "
-        "trial finds exact and faster"
+        "auto", choice("auto", True, False)
     )  # fmt: skip
     weights: str = setting(
-        "float32", choice(*DECODE_WEIGHTS), "sample with copies of the linear weights in this precision "
-        "(low_precision.py): float32 = the policy's own; bfloat16 | int8 (CPU): faster, the rollout correction "
-        "turns on"
+        "float32", choice(*DECODE_WEIGHTS)
     )  # fmt: skip
     cuda_graphs: bool = setting(
-        True, boolean, "CUDA, custom_decode: decode steps replayed from CUDA graphs over a static KV cache "
-        "(graph_decode.py); does nothing on a CPU"
+        True, boolean
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -30,10 +30,8 @@ from grpo_lightning.types import Rollout
 class DynamicSampling:
     """`data.dynamic_sampling`: the switch and the cap on extra generation batches per round."""
 
-    enabled: bool = setting(True, boolean, "drop groups whose rewards are all equal, refill with fresh prompts")
-    max_extra_batches: int = setting(
-        1, integer(0), "extra batches of prompts_per_round fresh prompts a round may draw (0: filter only)"
-    )
+    enabled: bool = setting(True, boolean)
+    max_extra_batches: int = setting(1, integer(0))
 
     def __post_init__(self) -> None:
         check_settings(self, "data.dynamic_sampling")

@@ -160,15 +160,13 @@ def _check_inputs(
 class GRPOLoss:
     """Clipped-surrogate GRPO loss with k3 KL; `__call__` maps one micro-batch's log-probs to `LossOutput`."""
 
-    loss_type: str = setting("grpo", choice(*LOSS_TYPES), "how token losses aggregate (docs/algorithm.md)")
-    beta: float = setting(0.0, number(low=0), "weight of the k3 KL to the reference; 0 skips the reference forward")
-    epsilon_low: float = setting(0.2, number(low=0, below=1), "clip range below 1")
-    epsilon_high: float = setting(0.2, number(low=0), "clip range above 1 (DAPO's clip-higher: 0.28); cispo: the cap")
-    max_completion_length: int = setting(256, integer(1), "the constant of dr_grpo's denominator")
-    importance_sampling_level: str = setting("token", choice(*IS_LEVELS), "the ratio per token, or GSPO's per sequence")
-    rollout_correction: RolloutCorrection = setting(
-        factory=RolloutCorrection, help="importance weights against the generator's log-probs (TIS / MIS)"
-    )
+    loss_type: str = setting("grpo", choice(*LOSS_TYPES))
+    beta: float = setting(0.0, number(low=0))
+    epsilon_low: float = setting(0.2, number(low=0, below=1))
+    epsilon_high: float = setting(0.2, number(low=0))
+    max_completion_length: int = setting(256, integer(1))
+    importance_sampling_level: str = setting("token", choice(*IS_LEVELS))
+    rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
 
     def __post_init__(self) -> None:
         check_settings(self, "loss")

@@ -112,17 +112,17 @@ class CorrectionWeights:
 class RolloutCorrection:
     """`loss.rollout_correction`: TIS / MIS weights against the generator's log-probs (see the module docstring)."""
 
-    enabled: bool | str = setting("auto", switch, "auto: on where the generator differs from the trainer")
-    level: str = setting("token", choice(*LEVELS), "token: a ratio per token | sequence: per completion")
-    mode: str = setting("truncate", choice(*MODES), "truncate: min(ratio, cap) | mask: 0 outside [low, high]")
-    cap: float = setting(2.0, number(above=1), "truncate: the largest weight")
-    low: float = setting(0.5, number(low=0, below=1), "mask: smaller ratios get weight 0")
-    high: float = setting(5.0, number(above=1), "mask: larger ratios get weight 0")
-    max_staleness: int | None = setting(0, optional(integer(0)), "auto reads it: rounds a rollout may lag the weights")
-    sync_every: int = setting(1, integer(1), "auto reads it: the engine gets the weights every N rounds")
-    engine_dtype: str = setting("auto", dtype_name, "auto reads it: the engine's dtype (auto: model_dtype)")
-    model_dtype: str = setting("float32", dtype_name, "auto reads it: the policy's weights")
-    trainer_precision: str | int = setting("32-true", precision_name, "auto reads it: the trainer's precision")
+    enabled: bool | str = setting("auto", switch)
+    level: str = setting("token", choice(*LEVELS))
+    mode: str = setting("truncate", choice(*MODES))
+    cap: float = setting(2.0, number(above=1))
+    low: float = setting(0.5, number(low=0, below=1))
+    high: float = setting(5.0, number(above=1))
+    max_staleness: int | None = setting(0, optional(integer(0)))
+    sync_every: int = setting(1, integer(1))
+    engine_dtype: str = setting("auto", dtype_name)
+    model_dtype: str = setting("float32", dtype_name)
+    trainer_precision: str | int = setting("32-true", precision_name)
 
     def __post_init__(self) -> None:
         check_settings(self, "loss.rollout_correction")

@@ -70,80 +70,74 @@ def betas(value) -> str | None:
 
 @dataclass(frozen=True)
 class PathsSettings:
-    output_dir: str = setting("", text, "the run's directory: Hydra's run dir (hydra.run.dir) by default")
-    cache_dir: str = setting("~/.cache/grpo_lightning", text, "converted models (GGUF -> safetensors), shared")
+    output_dir: str = setting("", text)
+    cache_dir: str = setting("~/.cache/grpo_lightning", text)
 
 
 @dataclass(frozen=True)
 class GuardSettings:
-    max_consecutive_skipped_steps: int = setting(
-        3, integer(1), "this many non-finite steps in a row: save a checkpoint and stop with an error"
-    )
-    max_norm_growth: float | None = setting(
-        2.0, optional(number(above=1)), "one step multiplies the trainable norm by more: diverged, stop (null: off)"
-    )
+    max_consecutive_skipped_steps: int = setting(3, integer(1))
+    max_norm_growth: float | None = setting(2.0, optional(number(above=1)))
 
 
 @dataclass(frozen=True)
 class LoggingSettings:
-    samples_every_n_rounds: int = setting(1, integer(1), "text table of completions and histograms, every N rounds")
-    num_samples_logged: int = setting(4, integer(0), "rows in that table")
+    samples_every_n_rounds: int = setting(1, integer(1))
+    num_samples_logged: int = setting(4, integer(0))
 
 
 @dataclass(frozen=True)
 class ExportSettings:
-    merged: bool = setting(False, boolean, "also write merged full weights to policy/merged/")
+    merged: bool = setting(False, boolean)
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    dtype: str = setting("float32", choice(*DTYPES), "the policy's dtype")
-    trust_remote_code: bool = setting(False, boolean, "passed to from_pretrained")
-    lora: LoraSettings = setting(factory=LoraSettings, help="LoRA through peft (model.lora.enabled=false: full)")
+    dtype: str = setting("float32", choice(*DTYPES))
+    trust_remote_code: bool = setting(False, boolean)
+    lora: LoraSettings = setting(factory=LoraSettings)
 
 
 @dataclass(frozen=True)
 class OptimizerKeys:
     """The keys of `optim.optimizer` (torch.optim.AdamW by default) that the application sets or documents."""
 
-    lr: float = setting(5.0e-4, number(low=0), "learning rate; 0 is a control run that never updates")
-    weight_decay: float = setting(0.0, number(low=0), "decoupled weight decay")
-    betas: tuple[float, float] = setting((0.9, 0.99), betas, "Adam's moment decays")
-    eps: float = setting(1e-8, number(above=0), "Adam's epsilon")
-    amsgrad: bool = setting(False, boolean, "AMSGrad variant")
+    lr: float = setting(5.0e-4, number(low=0))
+    weight_decay: float = setting(0.0, number(low=0))
+    betas: tuple[float, float] = setting((0.9, 0.99), betas)
+    eps: float = setting(1e-8, number(above=0))
+    amsgrad: bool = setting(False, boolean)
 
 
 @dataclass(frozen=True)
 class OptimSettings:
-    optimizer: OptimizerKeys = setting(factory=OptimizerKeys, help="a partial optimizer class (_partial_: true)")
+    optimizer: OptimizerKeys = setting(factory=OptimizerKeys)
 
 
 @dataclass(frozen=True)
 class TrainerKeys:
     """The `lightning.pytorch.Trainer` arguments the application relies on (any other passes through as is)."""
 
-    max_epochs: int = setting(12, integer(1), "rounds: an epoch is one rollout round")
-    accumulate_grad_batches: int | None = setting(
-        None, optional(integer(1)), "micro-batches per optimizer step; null: the whole round in one step"
-    )
-    gradient_clip_val: float | None = setting(1.0, optional(number(low=0)), "gradient norm clip")
-    log_every_n_steps: int = setting(1, integer(1), "Lightning's logging cadence")
-    enable_progress_bar: bool = setting(True, boolean, "the Rich bar with the round's reward")
-    enable_model_summary: bool = setting(False, boolean, "Lightning's model summary at the start")
-    precision: str = setting("32-true", precision, "32-true on CPU, bf16-mixed on GPU")
-    accelerator: str = setting("cpu", choice(*ACCELERATORS), "cpu | gpu | auto")
-    devices: int | str | list[int] = setting(1, devices, "a count, -1, auto or a list of device ids")
-    num_nodes: int = setting(1, integer(1), "machines (docs/multiprocess.md)")
+    max_epochs: int = setting(12, integer(1))
+    accumulate_grad_batches: int | None = setting(None, optional(integer(1)))
+    gradient_clip_val: float | None = setting(1.0, optional(number(low=0)))
+    log_every_n_steps: int = setting(1, integer(1))
+    enable_progress_bar: bool = setting(True, boolean)
+    enable_model_summary: bool = setting(False, boolean)
+    precision: str = setting("32-true", precision)
+    accelerator: str = setting("cpu", choice(*ACCELERATORS))
+    devices: int | str | list[int] = setting(1, devices)
+    num_nodes: int = setting(1, integer(1))
 
 
 @dataclass(frozen=True)
 class TensorBoardKeys:
     """`logger.tensorboard`: the `lightning.pytorch.loggers.TensorBoardLogger` arguments the application sets."""
 
-    save_dir: str = setting("", text, "the run directory")
-    name: str = setting("tensorboard", text, "subdirectory of save_dir")
-    version: str | int = setting("", log_version, '"": no version_N subdirectory')
-    default_hp_metric: bool = setting(False, boolean, "a placeholder hp_metric scalar")
+    save_dir: str = setting("", text)
+    name: str = setting("tensorboard", text)
+    version: str | int = setting("", log_version)
+    default_hp_metric: bool = setting(False, boolean)
 
 
 @dataclass(frozen=True)
@@ -151,30 +145,30 @@ class CSVKeys:
     """`logger.csv`: the `lightning.pytorch.loggers.CSVLogger` arguments the application sets (also those of
     `ResumingCSVLogger`, the default target, which keeps a resumed run's rows)."""
 
-    save_dir: str = setting("", text, "the run directory")
-    name: str = setting("csv", text, "subdirectory of save_dir")
-    version: str | int = setting("", log_version, '"": no version_N subdirectory')
+    save_dir: str = setting("", text)
+    name: str = setting("csv", text)
+    version: str | int = setting("", log_version)
 
 
 @dataclass(frozen=True)
 class WandbKeys:
     """`logger.wandb`: the `lightning.pytorch.loggers.WandbLogger` arguments the application sets."""
 
-    save_dir: str = setting("", text, "the run directory (W&B adds wandb/)")
-    offline: bool = setting(True, boolean, "true: no network, `wandb sync` uploads later")
-    project: str = setting("grpo_lightning", text, "the W&B project")
-    name: str | None = setting(None, optional(text), "the run's display name")
-    log_model: bool | str = setting(False, log_model, "upload checkpoints as artifacts (needs offline=false)")
+    save_dir: str = setting("", text)
+    offline: bool = setting(True, boolean)
+    project: str = setting("grpo_lightning", text)
+    name: str | None = setting(None, optional(text))
+    log_model: bool | str = setting(False, log_model)
 
 
 @dataclass(frozen=True)
 class MLflowKeys:
     """`logger.mlflow`: the `lightning.pytorch.loggers.MLFlowLogger` arguments the application sets."""
 
-    tracking_uri: str = setting("", text, "where runs are recorded: sqlite:///..., http://host:port, file:<dir>")
-    artifact_location: str | None = setting(None, optional(text), "where a new experiment keeps its runs' files")
-    experiment_name: str = setting("grpo_lightning", text, "the MLflow experiment")
-    run_name: str | None = setting(None, optional(text), "the run's display name")
+    tracking_uri: str = setting("", text)
+    artifact_location: str | None = setting(None, optional(text))
+    experiment_name: str = setting("grpo_lightning", text)
+    run_name: str | None = setting(None, optional(text))
 
 
 configures(TensorBoardLogger, TensorBoardKeys)
@@ -188,18 +182,16 @@ configures(MLFlowLogger, MLflowKeys)
 class RunSettings:
     """The top level of the composed config; nodes with a `_target_` are declared by their target's settings."""
 
-    seed: int = setting(0, integer(0, SEED_MAX), "everything random: sampling, prompt order, initialisation")
-    dry_run: bool = setting(False, boolean, "validate, load the data, print the plan; load no model")
-    ckpt_path: str | None = setting(None, checkpoint_path, "resume: null, last, a run directory or a .ckpt file")
-    max_tokens_generated: int | None = setting(
-        None, optional(integer(1)), "end at the first round end with this many tokens generated; null: off"
-    )
-    paths: PathsSettings = setting(factory=PathsSettings, help="where the run writes")
-    rollout: RolloutSettings = setting(factory=RolloutSettings, help="generate and train at the same time")
-    checkpoint: CheckpointSettings = setting(factory=CheckpointSettings, help="checkpoint cadence")
-    guard: GuardSettings = setting(factory=GuardSettings, help="non-finite and divergence guards")
-    logging: LoggingSettings = setting(factory=LoggingSettings, help="sample tables and histograms")
-    export: ExportSettings = setting(factory=ExportSettings, help="what <output_dir>/policy/ gets")
-    model: ModelSettings = setting(factory=ModelSettings, help="the policy: source, dtype, LoRA")
-    optim: OptimSettings = setting(factory=OptimSettings, help="optimizer and schedule")
-    trainer: TrainerKeys = setting(factory=TrainerKeys, help="Lightning Trainer arguments")
+    seed: int = setting(0, integer(0, SEED_MAX))
+    dry_run: bool = setting(False, boolean)
+    ckpt_path: str | None = setting(None, checkpoint_path)
+    max_tokens_generated: int | None = setting(None, optional(integer(1)))
+    paths: PathsSettings = setting(factory=PathsSettings)
+    rollout: RolloutSettings = setting(factory=RolloutSettings)
+    checkpoint: CheckpointSettings = setting(factory=CheckpointSettings)
+    guard: GuardSettings = setting(factory=GuardSettings)
+    logging: LoggingSettings = setting(factory=LoggingSettings)
+    export: ExportSettings = setting(factory=ExportSettings)
+    model: ModelSettings = setting(factory=ModelSettings)
+    optim: OptimSettings = setting(factory=OptimSettings)
+    trainer: TrainerKeys = setting(factory=TrainerKeys)

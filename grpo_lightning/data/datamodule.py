@@ -55,17 +55,11 @@ def _identity(batch: RolloutBatch) -> RolloutBatch:
 class DataSettings:
     """`data`: the round's size and layout (the dataset and dynamic sampling are nodes of their own)."""
 
-    prompts_per_round: int = setting(
-        2, integer(1), "prompts sampled per rollout round, over all processes; many small steps learn faster on a CPU"
-    )
-    groups_per_micro_batch: int = setting(1, integer(1), "whole advantage groups per forward / backward")
-    num_iterations: int = setting(
-        1, integer(1), "passes over each round (mu in GRPO); > 1 scores old log-probs once before the first update"
-    )
-    max_prompt_tokens: int = setting(
-        512, integer(1), "longer prompts keep their last tokens; a game's leave out old history (docs/selfplay.md)"
-    )
-    seed: int = setting(0, integer(0), "the prompt order: a seeded permutation per pass over the data")
+    prompts_per_round: int = setting(2, integer(1))
+    groups_per_micro_batch: int = setting(1, integer(1))
+    num_iterations: int = setting(1, integer(1))
+    max_prompt_tokens: int = setting(512, integer(1))
+    seed: int = setting(0, integer(0))
 
     def __post_init__(self) -> None:
         check_settings(self, "data")

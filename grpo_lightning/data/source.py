@@ -38,12 +38,9 @@ class TestSplitSettings:
     """`eval.dataset`: the training data's test split; its file or folder when the training data is local."""
 
     path: str | None = setting(
-        None, optional(text), "data.dataset.source=path: the test split's file or save_to_disk folder (null: a "
-        "DatasetDict folder's own test split)"
+        None, optional(text)
     )  # fmt: skip
-    num_problems: int | None = setting(
-        None, optional(integer(1)), "problems a generated source makes for its test split (eval.num_problems)"
-    )
+    num_problems: int | None = setting(None, optional(integer(1)))
 
 
 def test_split_of(train, path: str | None = None, num_problems: int | None = None):

@@ -36,13 +36,11 @@ LOW_TEMPERATURE = 0.1
 class SamplingConfig:
     """Sampling parameters shared by every engine (config group `generator`)."""
 
-    num_generations: int = setting(8, integer(2), "G: completions per prompt (the group size)")
-    max_new_tokens: int = setting(96, integer(1), "completion budget; the embedded default answers within 96")
-    temperature: float = setting(
-        0.7, number(above=0), "sampling temperature, also the trainer's: log-probs are log_softmax(logits / T)"
-    )
-    top_p: float = setting(1.0, number(above=0, high=1), "nucleus sampling; 1 = off")
-    top_k: int = setting(0, integer(0), "0 = off")
+    num_generations: int = setting(8, integer(2))
+    max_new_tokens: int = setting(96, integer(1))
+    temperature: float = setting(0.7, number(above=0))
+    top_p: float = setting(1.0, number(above=0, high=1))
+    top_k: int = setting(0, integer(0))
 
     def __post_init__(self) -> None:
         check_settings(self, "generator")

@@ -54,17 +54,13 @@ class HFSettings:
     levers `perf.generate`'s."""
 
     batch_size: int | str = setting(
-        "auto", rows_or_auto, "sequences per generate call; auto: 16 on a CPU, on a GPU the rank's whole round "
-        "or as much of it as the memory estimate says fits"
+        "auto", rows_or_auto
     )  # fmt: skip
     seed_per_prefix: bool = setting(
-        False, boolean, "seed each prompt's sampling from (seed, round, prompt tokens): rollouts independent of "
-        "batching, rank and world size (slower: no batching)"
+        False, boolean
     )  # fmt: skip
-    logp_diff_threshold: float | None = setting(
-        0.1, THRESHOLD_RULE, "stale-weight guard on rollout/logp_diff_mean (~1e-7 in float32 here); null: off"
-    )
-    on_stale: str = setting("warn", ACTION_RULE, "warn | abort when the guard trips")
+    logp_diff_threshold: float | None = setting(0.1, THRESHOLD_RULE)
+    on_stale: str = setting("warn", ACTION_RULE)
 
     def __post_init__(self) -> None:
         check_settings(self, "generator")

@@ -85,18 +85,13 @@ _TAGS = ("weights", "kv_cache")
 class VLLMSourceSettings:
     """The vLLM generator's keys beside its engine settings (`VLLMSettings`) and sampling (`SamplingConfig`)."""
 
-    model_path: str | None = setting(
-        None, optional(text), "folder or Hub id the engine loads; null: where the policy was loaded from"
-    )
-    revision: str | None = setting(None, optional(text), "Hub revision (model.source.revision by default)")
-    trust_remote_code: bool = setting(False, boolean, "passed to vLLM (model.trust_remote_code by default)")
-    logp_diff_threshold: float | None = setting(
-        0.05, THRESHOLD_RULE, "stale-weight guard on rollout/logp_diff_mean (bf16 engine vs bf16 trainer ~1e-2)"
-    )
-    on_stale: str = setting("warn", ACTION_RULE, "warn | abort when the guard trips")
+    model_path: str | None = setting(None, optional(text))
+    revision: str | None = setting(None, optional(text))
+    trust_remote_code: bool = setting(False, boolean)
+    logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
+    on_stale: str = setting("warn", ACTION_RULE)
     engine_process: bool = setting(
-        False, boolean, "true: the engine runs in a spawned process of its own (needed to sample beside the "
-        "trainer, rollout.max_staleness >= 1); false: in the training process"
+        False, boolean
     )  # fmt: skip
 
     def __post_init__(self) -> None:

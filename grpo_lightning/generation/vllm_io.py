@@ -53,31 +53,21 @@ class VLLMSettings:
     """Engine and sync options (config group `generator`, generator=vllm); validated here."""
 
     device: str | None = setting(
-        None, optional(text), "null: colocated, on the trainer's GPU (vLLM's CPU build: the CPU); cuda:N: a GPU of "
-        "the engine's own; cpu: needs vLLM's CPU build"
+        None, optional(text)
     )  # fmt: skip
-    dtype: str = setting("auto", choice(*DTYPES), "engine dtype; auto: the model config's")
-    gpu_memory_utilization: float = setting(
-        0.3, number(above=0, high=1), "share of the engine GPU's memory vLLM takes (weights + KV cache)"
-    )
+    dtype: str = setting("auto", choice(*DTYPES))
+    gpu_memory_utilization: float = setting(0.3, number(above=0, high=1))
     kv_cache_gib: float | None = setting(
-        None, optional(number(above=0)), "KV cache in GiB; null: from gpu_memory_utilization on a GPU, "
-        f"{CPU_KV_CACHE_GIB} GiB on the CPU"
+        None, optional(number(above=0))
     )  # fmt: skip
-    max_model_len: int | None = setting(None, optional(integer(2)), "null: the model's; the KV cache holds one")
-    enable_prefix_caching: bool = setting(True, boolean, "STORPO's branches share their prompt + completion prefixes")
-    enable_sleep_mode: bool | None = setting(
-        None, optional(boolean), "null: on when colocated on a GPU, off on a GPU of its own; the CPU build has none"
-    )
-    sleep_level: int = setting(1, choice(1, 2), "1: weights to CPU memory, KV cache dropped; 2: weights dropped too")
-    sync_every: int = setting(1, integer(1), "push the trained weights every N rounds")
-    lora_sync: str = setting(
-        "merge", choice("merge", "adapter"), "merge: push W + scaling * B @ A; adapter: hot-swap a LoRARequest"
-    )
-    seed: int = setting(0, integer(0, SEED_MAX), "engine seed")
-    engine_kwargs: dict[str, Any] = setting(
-        factory=dict, rule=mapping, help="anything else vllm.LLM takes, e.g. {enforce_eager: true}"
-    )
+    max_model_len: int | None = setting(None, optional(integer(2)))
+    enable_prefix_caching: bool = setting(True, boolean)
+    enable_sleep_mode: bool | None = setting(None, optional(boolean))
+    sleep_level: int = setting(1, choice(1, 2))
+    sync_every: int = setting(1, integer(1))
+    lora_sync: str = setting("merge", choice("merge", "adapter"))
+    seed: int = setting(0, integer(0, SEED_MAX))
+    engine_kwargs: dict[str, Any] = setting(factory=dict, rule=mapping)
 
     def __post_init__(self) -> None:
         check_settings(self, "generator")

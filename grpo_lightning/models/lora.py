@@ -19,13 +19,11 @@ from grpo_lightning.schema import boolean, check_settings, integer, number, sett
 class LoraSettings:
     """`model.lora`: LoRA through peft; `enabled: false` means full fine-tuning."""
 
-    enabled: bool = setting(True, boolean, "false: full fine-tuning (a frozen reference copy when loss.beta > 0)")
-    r: int = setting(16, integer(1), "adapter rank")
-    alpha: float = setting(32, number(above=0), "scaling alpha / r")
-    dropout: float = setting(0.0, number(low=0, below=1), "> 0 makes trainer log-probs differ from the sampler's")
-    target_modules: str | list[str] = setting(
-        "all-linear", strings, "all-linear (every linear layer but the LM head), a regex or a list of module names"
-    )
+    enabled: bool = setting(True, boolean)
+    r: int = setting(16, integer(1))
+    alpha: float = setting(32, number(above=0))
+    dropout: float = setting(0.0, number(low=0, below=1))
+    target_modules: str | list[str] = setting("all-linear", strings)
 
     def __post_init__(self) -> None:
         check_settings(self, "model.lora")

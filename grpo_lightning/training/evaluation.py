@@ -106,19 +106,17 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
 class EvalSettings:
     """`eval`: greedy pass@1 on a fixed, seeded subset of the test split, with the training generator."""
 
-    enabled: bool = setting(True, boolean, "evaluate during training")
-    every_n_rounds: int = setting(12, integer(1), "and at the start (at_start) and after the last round")
-    num_problems: int = setting(32, integer(1), "the fixed seeded subset of the test split")
-    pass_k: int = setting(0, integer(0), "> 0: also sample completions per problem -> eval/pass@k (unbiased)")
-    num_samples: int = setting(0, integer(0), "n samples per problem for pass@k (n >= pass_k); 0: n = pass_k")
-    max_new_tokens: int = setting(96, integer(1), "completion budget (generator.max_new_tokens by default)")
-    max_prompt_tokens: int = setting(
-        512, integer(1), "longer prompts keep their last tokens; a game's leave out old history (docs/selfplay.md)"
-    )
-    num_samples_logged: int = setting(4, integer(0), "problems shown in the eval/samples text table")
-    at_start: bool = setting(True, boolean, "evaluate the starting policy too")
-    seed: int = setting(1234, integer(0), "which subset")
-    batch_size: int = setting(64, integer(1), "greedy rows per decode call (HF engine)")
+    enabled: bool = setting(True, boolean)
+    every_n_rounds: int = setting(12, integer(1))
+    num_problems: int = setting(32, integer(1))
+    pass_k: int = setting(0, integer(0))
+    num_samples: int = setting(0, integer(0))
+    max_new_tokens: int = setting(96, integer(1))
+    max_prompt_tokens: int = setting(512, integer(1))
+    num_samples_logged: int = setting(4, integer(0))
+    at_start: bool = setting(True, boolean)
+    seed: int = setting(1234, integer(0))
+    batch_size: int = setting(64, integer(1))
 
     def __post_init__(self) -> None:
         check_settings(self, "eval")

@@ -39,9 +39,8 @@ class GameEvalSettings:
 
     opponents: list[str] = setting(
         rule=opponent_names, factory=lambda: ["random", "base"],
-        help="data=games: who the policy is evaluated against: random | perfect | base",
     )  # fmt: skip
-    max_turns: int = setting(30, integer(1), "data=games: moves before a game is called a draw (variant.max_turns)")
+    max_turns: int = setting(30, integer(1))
 
     def __post_init__(self) -> None:
         check_settings(self, "eval")

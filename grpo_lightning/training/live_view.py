@@ -138,8 +138,8 @@ def waiting() -> RenderableType:
 class LiveViewSettings:
     """`callbacks.live_view`: the self-play round's live view in the terminal."""
 
-    enabled: bool = setting(True, boolean, "show the view (only a variant that reports its rounds gets one)")
-    refresh_per_second: float = setting(4.0, number(above=0), "redraws per second at most")
+    enabled: bool = setting(True, boolean)
+    refresh_per_second: float = setting(4.0, number(above=0))
 
     def __post_init__(self) -> None:
         check_settings(self, "callbacks.live_view")

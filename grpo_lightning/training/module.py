@@ -60,9 +60,9 @@ SCHEDULE_KINDS = ("constant", "linear", "cosine")
 class LRSchedule:
     """`optim.schedule`: linear warmup then constant, linear or cosine decay to `min_ratio` x lr."""
 
-    kind: str = setting("constant", choice(*SCHEDULE_KINDS), "after warmup: constant | linear | cosine decay")
-    warmup_steps: int = setting(1, integer(0), "optimizer steps of linear warmup")
-    min_ratio: float = setting(0.0, number(low=0, high=1), "decay to this fraction of the lr")
+    kind: str = setting("constant", choice(*SCHEDULE_KINDS))
+    warmup_steps: int = setting(1, integer(0))
+    min_ratio: float = setting(0.0, number(low=0, high=1))
 
     def __post_init__(self) -> None:
         check_settings(self, "optim.schedule")

@@ -49,12 +49,10 @@ class RolloutSettings:
     """`rollout`: whether the next round is sampled while this one trains."""
 
     max_staleness: int = setting(
-        0, integer(0), "0: each round is sampled after the previous one trained; >= 1: round k+1 is sampled while "
-        "round k trains, so its rollouts lag the weights by round k's optimizer steps, which must be <= this"
+        0, integer(0)
     )  # fmt: skip
     sampler_threads: int | None = setting(
-        None, optional(integer(1)), "CPU threads of the background sampler while it runs beside the trainer (the "
-        "trainer keeps the rest); null: half of them"
+        None, optional(integer(1))
     )  # fmt: skip
 
     def __post_init__(self) -> None:

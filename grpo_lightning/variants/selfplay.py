@@ -59,19 +59,16 @@ def opponent_names(value) -> str | None:
 class SelfPlaySettings:
     """`variant` for variant=selfplay."""
 
-    games_per_group: int = setting(4, integer(2), "games a group: same seed, learner seat and opponent (G)")
-    opponent_sampling: str = setting(
-        "random", choice(*SAMPLING_MODES), "mirror | lagged | random | match_quality (rating-aware)"
-    )
+    games_per_group: int = setting(4, integer(2))
+    opponent_sampling: str = setting("random", choice(*SAMPLING_MODES))
     fixed_opponents: list[str] = setting(
         rule=opponent_names, factory=lambda: ["random", "base"],
-        help="opponents besides the snapshots: random (legal move) | perfect (solved games) | base (adapter off)",
     )  # fmt: skip
-    snapshot_every: int = setting(2, integer(1), "rounds between snapshots of the policy joining the pool")
-    max_snapshots: int = setting(4, integer(1), "the oldest snapshots beyond this leave the pool")
-    lagged_window: int = setting(2, integer(1), "lagged: uniform over the newest this many snapshots")
-    max_turns: int = setting(30, integer(1), "moves (both players) before a game is called a draw")
-    seed: int = setting(0, integer(0), "opponents, seats and scripted moves (the run's seed)")
+    snapshot_every: int = setting(2, integer(1))
+    max_snapshots: int = setting(4, integer(1))
+    lagged_window: int = setting(2, integer(1))
+    max_turns: int = setting(30, integer(1))
+    seed: int = setting(0, integer(0))
 
     def __post_init__(self) -> None:
         check_settings(self, "variant")

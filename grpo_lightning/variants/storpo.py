@@ -62,28 +62,20 @@ class STORPOSettings:
     """`variant=storpo`: where an initial completion branches, how many continuations each branch gets, and how
     the branches are credited."""
 
-    completions_per_step: int = setting(2, integer(1), "continuations sampled from each branch point")
-    min_steps: int = setting(
-        2, integer(1), "text rules: a completion with fewer boundaries goes to variant.fallback_rule"
-    )
-    max_steps: int = setting(4, integer(1), "at most this many branch points (text rules: evenly spaced)")
-    fallback_generations: int = setting(
-        4, integer(2), "group size of a prompt sampled plainly (generator.num_generations by default)"
-    )
+    completions_per_step: int = setting(2, integer(1))
+    min_steps: int = setting(2, integer(1))
+    max_steps: int = setting(4, integer(1))
+    fallback_generations: int = setting(4, integer(2))
     step_rule: str = setting(
         "uncertainty",
         choice(*STEP_RULES),
-        "where to branch: uncertainty | fixed (every completion) | sentence | line | both (docs/algorithm.md)",
     )
     fallback_rule: str = setting(
         "uncertainty",
         choice(*FALLBACK_RULES),
-        "text rules: the token rule for a completion with fewer than min_steps boundaries; none: sample it plainly",
     )
-    min_gap: int = setting(4, integer(1), "uncertainty: branch points at least this many tokens apart (where they fit)")
-    advantage: str = setting(
-        "tree", choice(*ADVANTAGES), "group: one flat group per prompt | tree: each segment's V(end) - V(start)"
-    )
+    min_gap: int = setting(4, integer(1))
+    advantage: str = setting("tree", choice(*ADVANTAGES))
 
     def __post_init__(self) -> None:
         check_settings(self, "variant")
