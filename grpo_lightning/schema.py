@@ -50,7 +50,8 @@ class Configured:
     Hydra calls the constructor with the node's keys; the constructor passes them to `settings_from`, which builds
     one settings object per type (each checks its own keys), so a setting is never re-listed as an argument. A
     component's rules that span other nodes of the run's config (a variant that needs a data source, an engine
-    that needs a platform) are its `check_config`, which the config check calls before anything loads.
+    that needs a package or a GPU) are its `check_config` and `check_platform`, which the config check calls before
+    anything loads.
     """
 
     settings_types: ClassVar[tuple[type, ...]] = ()
@@ -73,6 +74,12 @@ class Configured:
         """Rules between this component's keys and the rest of the run's composed config (`cfg`, an omegaconf
         DictConfig), raised as one ValueError naming the keys; called by the config check before anything is
         built or loaded. None by default: each key's own rule is checked from its declaration."""
+
+    @classmethod
+    def check_platform(cls, cfg: Any) -> None:
+        """What this machine must have for the component as `cfg` configures it (a package's build, a GPU), as one
+        ValueError naming the keys; the config check calls it after `check_config` unless a dry run leaves the
+        platform out (to print a GPU recipe's plan on a machine without one). None by default."""
 
 
 def configures(cls: Callable, *schemas: type) -> None:
