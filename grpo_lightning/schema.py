@@ -22,8 +22,9 @@ mirror the message format of every error the project prints: "<key> <what it mus
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 SEED_MAX = 2**32 - 1
@@ -65,7 +66,7 @@ class Configured:
         if unknown:
             raise TypeError(f"{cls.__name__} got unexpected keys: {', '.join(unknown)}")
         return tuple(
-            schema(**{k: v for k, v in keys.items() if k in declared_names})
+            schema(**{k: plain(v) for k, v in keys.items() if k in declared_names})
             for schema, declared_names in zip(cls.settings_types, names, strict=True)
         )
 
@@ -80,6 +81,37 @@ class Configured:
         """What this machine must have for the component as `cfg` configures it (a package's build, a GPU), as one
         ValueError naming the keys; the config check calls it after `check_config` unless a dry run leaves the
         platform out (to print a GPU recipe's plan on a machine without one). None by default."""
+
+
+def plain(value: Any) -> Any:
+    """A config value as plain Python: Hydra passes a list or mapping key as an omegaconf container, which a rule
+    (and a frozen settings object) should see as the list or dict it means."""
+    if isinstance(value, Mapping) and not isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes | list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def import_target(target: Any) -> Any:
+    """What a config node's `_target_` names (a dotted path to a class or function); None when it names nothing
+    that imports (the build reports that, with the key). Without Hydra, so that every layer may ask."""
+    parts = str(target).split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name, None)
+        return found
+    return None
+
+
+def target_class(target: Any) -> type | None:
+    """The class a `_target_` names; None when it names no class."""
+    found = import_target(target)
+    return found if isinstance(found, type) else None
 
 
 def configures(cls: Callable, *schemas: type) -> None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from grpo_lightning.generation.hf import CPU_AUTO_ROWS
+from grpo_lightning.variants.base import GroupShape
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -162,7 +163,7 @@ class RunShape:
     prompt_tokens: int
     new_tokens: int
     group_size: int
-    """Rollouts per prompt (G; STORPO: its largest group)."""
+    """The most rollouts one prompt's group holds (the variant's `GroupShape.rollouts`)."""
     groups_per_micro_batch: int
     rollouts_per_round: int
     share_prefix: bool
@@ -198,6 +199,12 @@ class RunShape:
     """perf.forward.activation_checkpointing: each decoder layer keeps its input only and is recomputed."""
     merged_lora: bool = False
     """The HF engine samples a LoRA policy through merged copies of the targeted weights (perf.generate.merge_lora)."""
+    group_key: str = "generator.num_generations"
+    """The config keys that set the group's size (the variant's), named where the estimate asks to lower them."""
+    samples_per_prefix: int = 1
+    """The most sequences a generate call samples from one prefix (the variant's): the engine's fewest rows."""
+    shared_prompt: bool = True
+    """The group's rollouts continue one prompt, which `share_prefix` runs once (not a game's turns)."""
 
 
 def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
@@ -217,7 +224,7 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     terms += [gradients, optimizer]
 
     rows = run.groups_per_micro_batch * run.group_size
-    if run.share_prefix:  # each prompt runs once, its completions reuse its KV cache
+    if run.share_prefix and run.shared_prompt:  # each prompt runs once, its completions reuse its KV cache
         tokens = run.groups_per_micro_batch * (run.prompt_tokens + run.group_size * run.new_tokens)
     else:
         tokens = rows * (run.prompt_tokens + run.new_tokens)
@@ -228,7 +235,7 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
         per_token = shape.layers * per_layer_token
     logit_positions = tokens if run.logits_chunk_tokens is None else min(tokens, run.logits_chunk_tokens)
     logits = logit_positions * shape.vocab * 4 * 3  # float32 logits, their log-softmax and its gradient
-    micro_batch_key = "data.groups_per_micro_batch" if run.groups_per_micro_batch > 1 else "generator.num_generations"
+    micro_batch_key = "data.groups_per_micro_batch" if run.groups_per_micro_batch > 1 else run.group_key
     activations = Term("activations", tokens * per_token + logits, micro_batch_key)
 
     sequence = run.prompt_tokens + run.new_tokens
@@ -236,7 +243,7 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     if run.engine == "hf":
         kv = run.hf_batch_rows * sequence * 2 * shape.layers * shape.kv_width * weight_bytes
         step_logits = run.hf_batch_rows * shape.vocab * 4 * DECODE_STEP_LOGIT_COPIES
-        key = "generator.num_generations" if run.hf_batch_rows == run.group_size else "generator.batch_size"
+        key = run.group_key if run.hf_batch_rows == run.samples_per_prefix else "generator.batch_size"
         generation = [Term("generation", kv + step_logits, key)]
         if run.merged_lora and run.lora:
             merged = shape.lora_target_parameters * weight_bytes
@@ -292,12 +299,12 @@ def fit_decode_rows(shape: ModelShape, run: RunShape, gpu_bytes: int | None) -> 
 
     The rank's whole round (`run.decode_rows` as `decode_rows` set it) when its estimate fits `GPU_FIT_SHARE` of
     the GPU, or when no GPU is visible to size it (a plan made on another machine); else the most whole groups
-    (multiples of the group size: a call never splits a prompt's samples) that fit, and one group when none does
+    (multiples of the variant's samples per prefix: a call never splits them) that fit, and one group when none does
     (the plan's check then refuses the run, naming the largest term's key).
     """
     if not (run.decode_rows_auto and run.trainer_on_gpu and run.engine == "hf") or gpu_bytes is None:
         return run
-    group = max(1, run.group_size)
+    group = max(1, run.samples_per_prefix)
 
     def with_rows(rows: int) -> RunShape:
         return dataclasses.replace(run, decode_rows=rows, hf_batch_rows=max(rows, group, run.eval_rows))
@@ -376,9 +383,9 @@ def _fix(key: str) -> str:
     return SWITCHES[key]
 
 
-def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
-    """The estimate's view of a composed config (validated: every key has its type). With
-    `generator.batch_size=auto` the decode rows are `decode_rows`' (train.py fits them to the GPU)."""
+def run_shape(cfg, group: GroupShape, rollouts_per_round: int) -> RunShape:
+    """The estimate's view of a composed config (validated: every key has its type) and of the variant's group.
+    With `generator.batch_size=auto` the decode rows are `decode_rows`' (train.py fits them to the GPU)."""
     from grpo_lightning.app.validation import is_vllm, trainer_devices, vllm_settings, world_size
     from grpo_lightning.generation.vllm_io import engine_dtype, installed_platform
 
@@ -395,14 +402,17 @@ def run_shape(cfg, group_size: int, rollouts_per_round: int) -> RunShape:
         mixed_precision=str(cfg.trainer.precision) in ("bf16-mixed", "16-mixed", "16"),
         prompt_tokens=cfg.data.max_prompt_tokens,
         new_tokens=cfg.generator.max_new_tokens,
-        group_size=group_size,
+        group_size=group.rollouts,
+        group_key=" or ".join(group.keys),
+        samples_per_prefix=group.samples_per_prefix,
+        shared_prompt=group.shared_prompt,
         groups_per_micro_batch=cfg.data.groups_per_micro_batch,
         rollouts_per_round=rollouts_per_round,
         share_prefix=bool(forward.get("share_prefix", False)),
         logits_chunk_tokens=forward.get("logits_chunk_tokens"),
         activation_checkpointing=bool(forward.get("activation_checkpointing", False)),
         engine="vllm" if is_vllm(cfg) else "hf",
-        hf_batch_rows=max(rows, group_size, eval_rows),
+        hf_batch_rows=max(rows, group.samples_per_prefix, eval_rows),
         decode_rows=rows,
         decode_rows_auto=batch_size == "auto",
         eval_rows=eval_rows,

@@ -68,6 +68,7 @@ from grpo_lightning.training.evaluation import Evaluator
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.variants import VARIANTS
+from grpo_lightning.variants.base import GroupShape, GRPOVariant
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,8 @@ def dry_run(cfg: DictConfig) -> dict[str, float]:
     source = build(cfg.model.source)  # its own checks (a local folder's config.json and weights)
     build(cfg.loss)
     reward_fn = build_pipeline(cfg)
-    datamodule, variant, accumulate = _data_and_variant(cfg)
+    variant = build(cfg.variant)
+    datamodule, accumulate = build_data(cfg)
     check_reward_fits_variant(reward_fn, variant)
     build(cfg.optim.schedule)
     LoraSettings(**cfg.model.lora)
@@ -279,25 +281,29 @@ def build_run(cfg: DictConfig) -> Run:
     validate(cfg)  # first: seed_everything replaces a bad seed with a random one and only warns
     L.seed_everything(cfg.seed, workers=True)
     source = build(cfg.model.source)
+    variant = build(cfg.variant)
+    group_keys = variant.group().keys
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), cfg.paths.output_dir)
-    settings = fixed_settings(cfg)
+    settings = fixed_settings(cfg, group_keys)
     if ckpt_path is not None:
-        check_resume_settings(ckpt_path, settings)
+        check_resume_settings(ckpt_path, settings, group_keys)
     source.check_available()  # e.g. a Hub model offline and not in the cache
     lock = RunLock(cfg.paths.output_dir) if rank_zero_only.rank == 0 else None
     try:
         check_fresh_or_resume(cfg)  # again, now that no other run can start here
-        return _build_run(cfg, source, ckpt_path, settings, lock)
+        return _build_run(cfg, source, variant, ckpt_path, settings, lock)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
 
 
-def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, lock: RunLock | None) -> Run:
+def _build_run(
+    cfg: DictConfig, source, variant: GRPOVariant, ckpt_path: Path | None, settings: dict, lock: RunLock | None
+) -> Run:
     loss = build(cfg.loss)
     reward_fn = build_pipeline(cfg)  # a term that raises scores 0, counted in rollout/reward_errors
-    datamodule, variant, accumulate = _data_and_variant(cfg)
+    datamodule, accumulate = build_data(cfg)
     check_reward_fits_variant(reward_fn, variant)
     plan = make_plan(cfg, source, datamodule, variant, accumulate, reward_fn)
     rank_zero_print(f"grpo_lightning plan:\n{plan.render()}")
@@ -338,7 +344,7 @@ def _build_run(cfg: DictConfig, source, ckpt_path: Path | None, settings: dict, 
         fixed_settings=settings,
         forward_settings=forward_settings,
     )
-    variant.bind_data(datamodule.dataset, tokenizer, datamodule.max_prompt_tokens)
+    variant.bind_data(datamodule.dataset, tokenizer, datamodule.settings.max_prompt_tokens)
     evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
     run_objects = {"generator": generator, "variant": variant, "reward_fn": reward_fn, "datamodule": datamodule,
                    "tokenizer": tokenizer, "evaluator": evaluator}  # fmt: skip
@@ -422,11 +428,11 @@ def check_reward_fits_variant(reward_fn, variant) -> None:
         )
 
 
-def _data_and_variant(cfg: DictConfig):
-    variant = build(cfg.variant)
+def build_data(cfg: DictConfig) -> tuple[RolloutDataModule, int]:
+    """The data module with its problems loaded, and the micro-batches per optimizer step."""
     datamodule: RolloutDataModule = build(cfg.data, world_size=world_size(cfg))
     datamodule.setup("fit")  # the problems, for the plan's checks (Lightning's own call finds them loaded)
-    return datamodule, variant, accumulate_grad_batches(cfg, datamodule)
+    return datamodule, accumulate_grad_batches(cfg, datamodule)
 
 
 def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
@@ -508,7 +514,7 @@ def write_final_metrics(output_dir: Path, metrics: dict[str, float]) -> None:
 
 def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:
     """Micro-batches per optimizer step: by default the whole round in one step (old_logp = logp.detach())."""
-    per_round = dm.micro_batches_per_round * dm.num_iterations
+    per_round = dm.micro_batches_per_round * dm.settings.num_iterations
     value = cfg.trainer.get("accumulate_grad_batches") or dm.micro_batches_per_round
     if value < 1 or per_round % value:
         raise ValueError(
@@ -522,19 +528,19 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
     rounds = cfg.trainer.max_epochs
     if rounds is None or rounds < 1:
         raise ValueError(f"trainer.max_epochs (number of rollout rounds) must be >= 1 (got {rounds})")
-    if dm.prompts_per_round > len(dm.problems):
+    if dm.settings.prompts_per_round > len(dm.problems):
         raise ValueError(
-            f"data.prompts_per_round ({dm.prompts_per_round}) exceeds the {len(dm.problems)} problems loaded"
+            f"data.prompts_per_round ({dm.settings.prompts_per_round}) exceeds the {len(dm.problems)} problems loaded"
         )
-    per_round = dm.micro_batches_per_round * dm.num_iterations
-    rollouts_per_round = variant.rollouts_per_round(dm.prompts_per_round)
-    memory, run = memory_estimate(cfg, source, rollouts_per_round, rollouts_per_round // dm.prompts_per_round)
+    per_round = dm.micro_batches_per_round * dm.settings.num_iterations
+    rollouts_per_round = variant.rollouts_per_round(dm.settings.prompts_per_round)
+    memory, run = memory_estimate(cfg, source, rollouts_per_round, variant.group())
     return Plan(
         model=source.describe(),
         data=dm.dataset.describe(),
         num_problems=len(dm.problems),
         rounds=rounds,
-        prompts_per_round=dm.prompts_per_round,
+        prompts_per_round=dm.settings.prompts_per_round,
         rollouts_per_round=rollouts_per_round,
         micro_batches_per_round=per_round,
         accumulate_grad_batches=accumulate,
@@ -549,11 +555,11 @@ def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulat
 
 
 def memory_estimate(
-    cfg: DictConfig, source, rollouts_per_round: int, group_size: int
+    cfg: DictConfig, source, rollouts_per_round: int, group: GroupShape
 ) -> tuple[MemoryEstimate | None, RunShape]:
     """The run's peak-memory estimate from the model's config.json (no weights are read; None without one), and
     the run's shape as estimated (its decode rows fitted to the GPU for generator.batch_size=auto)."""
-    run = run_shape(cfg, group_size, rollouts_per_round)
+    run = run_shape(cfg, group, rollouts_per_round)
     config = source.config(cfg.model.trust_remote_code)
     if config is None:
         return None, run

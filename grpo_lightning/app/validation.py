@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import get_class, get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -29,7 +28,7 @@ from grpo_lightning.app.schema import RunSettings
 from grpo_lightning.data.gsm8k import INSTALL_DATASETS, disk_splits, has_splits, path_format
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.rewards.pipeline import check_moved_keys
-from grpo_lightning.schema import declared, nested_schema, problems, schemas_of
+from grpo_lightning.schema import Configured, declared, import_target, nested_schema, problems, schemas_of, target_class
 from grpo_lightning.training.overlap import optimizer_steps_per_round, staleness_problem
 from grpo_lightning.training.tracking import writer_for
 
@@ -96,10 +95,34 @@ def values_with_mappings(schemas: tuple[type, ...]) -> set[str]:
 
 def target_schemas(target: str) -> tuple[type, ...]:
     """The settings declaring a `_target_`'s keys; () when the target does not import (build() reports it)."""
-    try:
-        return schemas_of(get_object(target))
-    except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
-        return ()
+    found = import_target(target)
+    return schemas_of(found) if found is not None else ()
+
+
+def configured_targets(node: DictConfig) -> list[type[Configured]]:
+    """The `Configured` classes the `_target_`s of `node` and the nodes below it name, in config order, once each
+    (a node wired from elsewhere, `${data.dataset}`, is counted where it is written)."""
+    found: list[type[Configured]] = []
+    target = target_class(node.get("_target_")) if "_target_" in node else None
+    if target is not None and issubclass(target, Configured):
+        found.append(target)
+    for key in node:
+        if not isinstance(key, str) or OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
+            continue
+        try:
+            child = node[key]
+        except OmegaConfBaseException:  # an interpolation that resolves only in a Hydra run (${hydra:...})
+            continue
+        if isinstance(child, DictConfig):
+            found += [cls for cls in configured_targets(child) if cls not in found]
+    return found
+
+
+def check_components(cfg: DictConfig) -> None:
+    """Each configured component's rules across the config (`Configured.check_config`: a variant and its data, an
+    engine and the trainer)."""
+    for component in configured_targets(cfg):
+        component.check_config(cfg)
 
 
 # ---- the checks --------------------------------------------------------------------------------------------------
@@ -124,12 +147,10 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
     check_combinations(cfg)
     check_overlap(cfg)
     check_reward_fits_data(cfg)
-    check_selfplay(cfg)
+    check_components(cfg)
     target = cfg.optim.optimizer.get("_target_")
-    try:
-        get_class(target)
-    except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
-        raise ValueError(f"optim.optimizer._target_: cannot import {target!r}") from None
+    if target_class(target) is None:
+        raise ValueError(f"optim.optimizer._target_: cannot import {target!r}")
     processes = world_size(cfg)
     if is_vllm(cfg) and processes > 1:
         raise ValueError(
@@ -151,6 +172,8 @@ def check_platform(cfg: DictConfig) -> None:
     the engine asks for one."""
     check_vllm(cfg)
     check_accelerator(cfg)
+    for component in configured_targets(cfg):
+        component.check_platform(cfg)
 
 
 def check_combinations(cfg: DictConfig) -> None:
@@ -176,9 +199,6 @@ def check_combinations(cfg: DictConfig) -> None:
             f"trainer.accelerator={accelerator} puts the policy the HF engine samples from there: use "
             "perf.generate.weights=bfloat16 or float32"
         )
-    variant = cfg.get("variant") or {}
-    if "min_steps" in variant and "max_steps" in variant and variant.max_steps < variant.min_steps:
-        raise ValueError(f"variant.max_steps ({variant.max_steps}) must be >= variant.min_steps ({variant.min_steps})")
     dataset = cfg.data.dataset
     if dataset.get("source") == "path" and not dataset.path:
         raise ValueError("data.dataset.path must be set when data.dataset.source=path")
@@ -198,10 +218,8 @@ def check_logger_packages(cfg: DictConfig) -> None:
     """Each selected tracker's package is installed (its writer in training/tracking.py names it), decided from
     the import system without importing it; a `_target_` that does not import is build()'s to report."""
     for name, node in (cfg.get("logger") or {}).items():
-        try:
-            writer = writer_for(get_class(node.get("_target_")))
-        except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
-            continue
+        logger = target_class(node.get("_target_"))
+        writer = writer_for(logger) if logger is not None else None
         package = writer.package if writer is not None else None
         if package is not None and importlib.util.find_spec(package) is None:
             raise ValueError(
@@ -224,87 +242,6 @@ def check_reward_fits_data(cfg: DictConfig) -> None:
                 f"reward.terms.{name} ({term.__name__}) scores with each problem's record from {where}, which "
                 f"data.dataset ({source.__name__}) does not give: use {where}, or another reward (reward=gsm8k)"
             )
-
-
-def variant_name(variant: type | None) -> str:
-    """`variant=<name>` of a variant class, or its class path when it is not a registered variant."""
-    from grpo_lightning.variants.base import VARIANTS
-
-    names = [name for name, cls in VARIANTS.items() if cls is variant]
-    if names:
-        return f"variant={names[0]}"
-    return f"{variant.__module__}.{variant.__qualname__}" if variant is not None else "unknown"
-
-
-def check_selfplay(cfg: DictConfig) -> None:
-    """variant=selfplay and data=games go together, with the HF engine, a LoRA adapter (the snapshots are
-    adapters), rounds that do not overlap, game reward terms and the evaluator that plays (docs/selfplay.md)."""
-    from grpo_lightning.data.games import GameSeeds
-    from grpo_lightning.games.base import make_game
-    from grpo_lightning.rewards import games as game_rewards
-    from grpo_lightning.training.game_evaluation import GameEvaluator
-    from grpo_lightning.variants.selfplay import SelfPlay
-
-    variant = target_class(cfg.variant.get("_target_"))
-    source = target_class(cfg.data.dataset.get("_target_"))
-    selfplay = variant is not None and issubclass(variant, SelfPlay)
-    games = source is not None and issubclass(source, GameSeeds)
-    if games and not selfplay:
-        raise ValueError(
-            f"data=games is played by variant=selfplay (this run's variant is {variant_name(variant)}): add "
-            "variant=selfplay reward=selfplay"
-        )
-    if not selfplay:
-        return
-    if not games:
-        raise ValueError(
-            "variant=selfplay plays games: choose data=games (data.dataset.game=tictactoe or textarena:<id>)"
-        )
-    if is_vllm(cfg):
-        raise ValueError(
-            "variant=selfplay plays its opponents by swapping adapter weights in the HF engine, which generator=vllm "
-            "cannot do yet: use generator=hf"
-        )
-    if lookup(cfg, "rollout.max_staleness") not in (0, ABSENT):
-        raise ValueError(
-            "variant=selfplay samples from the current policy and its snapshots: set rollout.max_staleness=0"
-        )
-    if not cfg.model.lora.enabled:
-        raise ValueError("variant=selfplay keeps its opponents as LoRA snapshots: set model.lora.enabled=true")
-    game = make_game(cfg.data.dataset.game)
-    game.reset(0)
-    eval_opponents = list(cfg.eval.get("opponents") or []) if cfg.eval.enabled else []
-    for key, names in (("variant.fixed_opponents", cfg.variant.fixed_opponents), ("eval.opponents", eval_opponents)):
-        if "perfect" in names and not game.solved:
-            raise ValueError(f"{key}: 'perfect' plays solved games only (tictactoe), and {game.game_id} is not one")
-        if "random" in names and not game.legal_moves():
-            raise ValueError(
-                f"{key}: 'random' plays a random legal move, and {cfg.data.dataset.game} does not list its legal "
-                "moves here (docs/selfplay.md); leave it out"
-            )
-    for place in ("terms", "transforms"):
-        for name, spec in (cfg.reward.get(place) or {}).items():
-            stage = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
-            if getattr(stage, "needs_record", False) and stage.__module__ != game_rewards.__name__:
-                raise ValueError(
-                    f"reward.{place}.{name} ({stage.__name__}) scores another data source's records, not game turns: "
-                    "use reward=selfplay"
-                )
-    evaluator = target_class(cfg.eval.get("_target_"))
-    if cfg.eval.enabled and (evaluator is None or not issubclass(evaluator, GameEvaluator)):
-        raise ValueError(
-            "eval._target_ must be grpo_lightning.training.game_evaluation.GameEvaluator with data=games (games are "
-            "evaluated by playing; experiment=selfplay_tictactoe sets it), or set eval.enabled=false"
-        )
-
-
-def target_class(target) -> type | None:
-    """The class a `_target_` names; None when it names none (or does not import: build() reports that)."""
-    try:
-        obj = get_object(str(target))
-    except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
-        return None
-    return obj if isinstance(obj, type) else None
 
 
 def is_vllm(cfg: DictConfig) -> bool:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from grpo_lightning.algorithm.dynamic_sampling import DynamicSampling
 from grpo_lightning.data.gsm8k import GSM8K
 from grpo_lightning.data.source import Problem
-from grpo_lightning.schema import check_settings, configures, integer, setting
+from grpo_lightning.schema import Configured, check_settings, integer, setting
 from grpo_lightning.types import Prompt, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
@@ -64,40 +64,34 @@ class DataSettings:
     def __post_init__(self) -> None:
         check_settings(self, "data")
 
+    @staticmethod
+    def joint_problems(values: dict, prefix: str) -> list[str]:
+        """A round splits into whole micro-batches."""
+        prompts, groups = values.get("prompts_per_round"), values.get("groups_per_micro_batch")
+        if prompts is not None and groups is not None and prompts % groups:
+            multiple = f"must be a multiple of {prefix}.groups_per_micro_batch ({groups})"
+            return [f"{prefix}.prompts_per_round ({prompts}) {multiple}"]
+        return []
 
-class RolloutDataModule(L.LightningDataModule):
+
+class RolloutDataModule(Configured, L.LightningDataModule):
+    settings_types = (DataSettings,)
+
     def __init__(
-        self,
-        dataset: GSM8K,
-        prompts_per_round: int = DataSettings.prompts_per_round,
-        groups_per_micro_batch: int = DataSettings.groups_per_micro_batch,
-        num_iterations: int = DataSettings.num_iterations,
-        max_prompt_tokens: int = DataSettings.max_prompt_tokens,
-        seed: int = DataSettings.seed,
-        dynamic_sampling: DynamicSampling | None = None,
-        world_size: int = 1,
+        self, dataset: GSM8K, dynamic_sampling: DynamicSampling | None = None, world_size: int = 1, **keys
     ) -> None:
-        """`world_size`: the processes a round is split over (trainer.devices x trainer.num_nodes, known from the
-        config before any process starts)."""
+        """`keys`: the `data` node's own (`DataSettings`). `world_size`: the processes a round is split over
+        (trainer.devices x trainer.num_nodes, known from the config before any process starts)."""
         super().__init__()
-        DataSettings(prompts_per_round, groups_per_micro_batch, num_iterations, max_prompt_tokens, seed)
-        if prompts_per_round % groups_per_micro_batch:
+        (self.settings,) = self.settings_from(keys)
+        per_micro_batch = self.settings.groups_per_micro_batch * world_size
+        if self.settings.prompts_per_round % per_micro_batch:
             raise ValueError(
-                f"data.prompts_per_round ({prompts_per_round}) must be a multiple of "
-                f"data.groups_per_micro_batch ({groups_per_micro_batch})"
-            )
-        if prompts_per_round % (groups_per_micro_batch * world_size):
-            raise ValueError(
-                f"data.prompts_per_round ({prompts_per_round}) must be a multiple of data.groups_per_micro_batch "
-                f"({groups_per_micro_batch}) x the number of processes ({world_size}, trainer.devices x "
-                "trainer.num_nodes)"
+                f"data.prompts_per_round ({self.settings.prompts_per_round}) must be a multiple of "
+                f"data.groups_per_micro_batch ({self.settings.groups_per_micro_batch}) x the number of processes "
+                f"({world_size}, trainer.devices x trainer.num_nodes)"
             )
         self.dataset = dataset
-        self.prompts_per_round = prompts_per_round
-        self.groups_per_micro_batch = groups_per_micro_batch
-        self.num_iterations = num_iterations
-        self.max_prompt_tokens = max_prompt_tokens
-        self.seed = seed
         self.dynamic_sampling = dynamic_sampling or DynamicSampling()
         """Whether rounds drop zero-variance groups and draw fresh prompts (algorithm/dynamic_sampling.py)."""
         self.world_size = world_size
@@ -108,7 +102,7 @@ class RolloutDataModule(L.LightningDataModule):
     @property
     def micro_batches_per_round(self) -> int:
         """Micro-batches of one round on one process."""
-        return self.prompts_per_round // (self.groups_per_micro_batch * self.world_size)
+        return self.settings.prompts_per_round // (self.settings.groups_per_micro_batch * self.world_size)
 
     def setup(self, stage: str | None = None) -> None:
         if not self.problems:
@@ -127,17 +121,19 @@ class RolloutDataModule(L.LightningDataModule):
         for k in range(start, start + count):
             data_pass, offset = divmod(k, n)
             if data_pass not in permutations:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_pass)
+                gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + data_pass)
                 permutations[data_pass] = torch.randperm(n, generator=gen).tolist()
             indices.append(permutations[data_pass][offset])
         return indices
 
     def problem_indices_for_round(self, round_index: int) -> list[int]:
         """Indices of round `round_index`'s problems when every round takes `prompts_per_round` of the stream."""
-        return self.problem_indices(round_index * self.prompts_per_round, self.prompts_per_round)
+        return self.problem_indices(round_index * self.settings.prompts_per_round, self.settings.prompts_per_round)
 
     def prompts_for_round(self, round_index: int, tokenizer) -> list[Prompt]:
-        return self.prompts_at(round_index * self.prompts_per_round, self.prompts_per_round, tokenizer)
+        return self.prompts_at(
+            round_index * self.settings.prompts_per_round, self.settings.prompts_per_round, tokenizer
+        )
 
     def prompts_at(self, start: int, count: int, tokenizer) -> list[Prompt]:
         """The prompts at stream positions [start, start + count) (dynamic sampling draws past a round's own),
@@ -150,14 +146,14 @@ class RolloutDataModule(L.LightningDataModule):
                 "tokens",
                 len(cut),
                 len(prompts),
-                self.max_prompt_tokens,
+                self.settings.max_prompt_tokens,
                 max(p.full_length for p in cut),
             )
         return prompts
 
     def encode(self, problem_index: int, tokenizer) -> Prompt:
         problem = self.problems[problem_index]
-        return encode_prompt(tokenizer, self.dataset, problem, problem_index, self.max_prompt_tokens)
+        return encode_prompt(tokenizer, self.dataset, problem, problem_index, self.settings.max_prompt_tokens)
 
     # ---- the round it serves -------------------------------------------------------------------------------
     def serve(self, round_: Round) -> None:
@@ -176,6 +172,3 @@ class RolloutDataModule(L.LightningDataModule):
         if not self.schedule:
             raise RuntimeError("no rollouts for this round: the rollout loop must serve one before the data loader")
         return DataLoader(list(self.schedule), batch_size=None, shuffle=False, collate_fn=_identity)
-
-
-configures(RolloutDataModule, DataSettings)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,12 +144,13 @@ FIXED_ON_RESUME = (
     "loss",
     "variant",
     "data",
-    "generator.num_generations",
     "optim.optimizer._target_",
     "trainer.accumulate_grad_batches",
 )
-"""Keys a resume may not change: the checkpoint's weights, optimizer state, pending rollouts and RNG streams were
-made with them (model and LoRA shape: the weights; seed, data, variant and G: the rollouts and the prompt order;
+"""Keys a resume may not change, beside the keys that set the variant's group size (`GroupShape.keys`: G is
+`generator.num_generations` for variant=grpo, unused by self-play): the checkpoint's weights, optimizer state,
+pending rollouts and RNG streams were made with them (model and LoRA shape: the weights; seed, data, variant and
+its group: the rollouts and the prompt order;
 loss: the objective those weights were trained on; optimizer class and steps per round: the optimizer state and
 the step count). Everything else (lr and the schedule, max_epochs, eval, logging, checkpoint cadence, guard) may
 change, and the new values apply."""
@@ -156,8 +158,13 @@ IGNORED_ON_RESUME = ("cache_dir",)
 """Leaf names inside the fixed groups that say where files are, not what is trained."""
 
 
-def fixed_settings(cfg) -> dict[str, Any]:
-    """The values of `FIXED_ON_RESUME` in a config, flattened to dotted keys (stored in every checkpoint)."""
+def fixed_keys(group_keys: Sequence[str]) -> tuple[str, ...]:
+    """The keys (or nodes) a resume may not change: `FIXED_ON_RESUME` and the variant's group keys."""
+    return (*FIXED_ON_RESUME, *(key for key in group_keys if key not in FIXED_ON_RESUME))
+
+
+def fixed_settings(cfg, group_keys: Sequence[str]) -> dict[str, Any]:
+    """The values of `fixed_keys(group_keys)` in a config, flattened to dotted keys (stored in every checkpoint)."""
     from omegaconf import OmegaConf
 
     flat: dict[str, Any] = {}
@@ -169,7 +176,7 @@ def fixed_settings(cfg) -> dict[str, Any]:
         elif key.rsplit(".", 1)[-1] not in IGNORED_ON_RESUME:
             flat[key] = value
 
-    for key in FIXED_ON_RESUME:
+    for key in fixed_keys(group_keys):
         value = OmegaConf.select(cfg, key, default=None)
         add(key, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
     return flat
@@ -186,9 +193,10 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def check_resume_settings(path: Path, settings: dict[str, Any]) -> None:
-    """Refuse a resume that changes a key of `FIXED_ON_RESUME`, listing every difference on one line.
+def check_resume_settings(path: Path, settings: dict[str, Any], group_keys: Sequence[str]) -> None:
+    """Refuse a resume that changes a key of `fixed_keys(group_keys)`, listing every difference on one line.
 
+    A key the checkpoint saved that is no longer fixed (a group key of another variant's) is not compared.
     Checkpoints written before these settings were saved carry none; they are resumed with a warning.
     """
     saved = read_checkpoint(path).get("grpo_lightning", {}).get("fixed_settings")
@@ -196,9 +204,11 @@ def check_resume_settings(path: Path, settings: dict[str, Any]) -> None:
         log.warning("ckpt_path: %s does not record its run's settings; they cannot be compared", path)
         return
     missing = object()
+    fixed = fixed_keys(group_keys)
+    still_fixed = {key for key in saved if any(key == f or key.startswith(f"{f}.") for f in fixed)}
     changes = [
         f"{key} {saved.get(key, '<unset>')!r} -> {settings.get(key, '<unset>')!r}"
-        for key in sorted(set(saved) | set(settings))
+        for key in sorted(still_fixed | set(settings))
         if saved.get(key, missing) != settings.get(key, missing)
     ]
     if changes:

@@ -22,16 +22,21 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import lightning as L
 import torch
 
 from grpo_lightning.data.datamodule import encode_prompt
+from grpo_lightning.data.games import GameSeeds
 from grpo_lightning.distributed import gather_objects, rank_and_world
 from grpo_lightning.rewards.base import AnswerChecker, Verdict
 from grpo_lightning.rewards.checkers import GSM8KChecker
-from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
+from grpo_lightning.schema import Configured, boolean, check_settings, integer, setting, target_class
 from grpo_lightning.training import tracking
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +147,21 @@ def default_checker(dataset, reward=None) -> AnswerChecker:
     return GSM8KChecker(reward) if reward is not None else GSM8KChecker()
 
 
-class Evaluator(L.Callback):
+class Evaluator(Configured, L.Callback):
+    settings_types = (EvalSettings,)
+    plays_games: ClassVar[bool] = False
+    """Whether it evaluates by playing games (data=games) rather than by answering questions."""
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Games are evaluated by playing them: data=games takes the evaluator that plays."""
+        source = target_class(cfg.data.dataset.get("_target_"))
+        if cfg.eval.enabled and source is not None and issubclass(source, GameSeeds) and not cls.plays_games:
+            raise ValueError(
+                "eval._target_ must be grpo_lightning.training.game_evaluation.GameEvaluator with data=games (games "
+                "are evaluated by playing; experiment=selfplay_tictactoe sets it), or set eval.enabled=false"
+            )
+
     def __init__(
         self,
         dataset,
@@ -287,5 +306,3 @@ class Evaluator(L.Callback):
 
 GSM8KEvaluator = Evaluator
 """The evaluator's name before it judged any data source (`eval._target_` of older configs)."""
-
-configures(Evaluator, EvalSettings)

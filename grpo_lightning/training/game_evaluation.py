@@ -24,7 +24,7 @@ from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
 from grpo_lightning.games.base import TwoPlayerGame, make_game
 from grpo_lightning.models.lora import adapter_off
-from grpo_lightning.schema import check_settings, configures, integer, setting
+from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
 from grpo_lightning.variants.game_play import SCRIPTED, Match, ModelPlayer, play
 from grpo_lightning.variants.selfplay import opponent_names
@@ -63,6 +63,9 @@ def rate_metrics(name: str, scores: list[float]) -> dict[str, float]:
 class GameEvaluator(Evaluator):
     """The evaluator of data=games: `at_fit_start`, `after_round` and the history as `Evaluator`'s; `evaluate`
     plays. `reward` and `checker` are the shared `eval` node's and unused here (set `eval.reward: null`)."""
+
+    settings_types = (EvalSettings, GameEvalSettings)
+    plays_games = True
 
     def __init__(self, dataset, opponents=("random", "base"), max_turns: int = 30, reward=None, checker=None,
                  **settings) -> None:  # fmt: skip
@@ -130,6 +133,3 @@ class _NoChecker:
 
     def check(self, completion, reference, record=None):
         raise RuntimeError("games are judged by playing them")
-
-
-configures(GameEvaluator, EvalSettings, GameEvalSettings)

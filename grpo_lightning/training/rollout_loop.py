@@ -356,8 +356,10 @@ class RolloutLoop(L.Callback):
         "detached current" is wrong after the first), and hand the data module the finished `Round`."""
         dm = self.datamodule
         accumulate = trainer.accumulate_grad_batches
-        micro_batches = micro_batches_of(rollouts, dm.groups_per_micro_batch, self.tokenizer.pad_token_id)
-        self.scored = dm.micro_batches_per_round * dm.num_iterations > accumulate  # more than one optimizer step
+        micro_batches = micro_batches_of(rollouts, dm.settings.groups_per_micro_batch, self.tokenizer.pad_token_id)
+        self.scored = (
+            dm.micro_batches_per_round * dm.settings.num_iterations > accumulate
+        )  # more than one optimizer step
         self.agreement = LogpAgreement()
         if self.scored:
             for mb in micro_batches:
@@ -368,13 +370,17 @@ class RolloutLoop(L.Callback):
 
     def round_of(self, round_index: int, rollouts: list[Rollout], micro_batches: list[RolloutBatch], accumulate: int):
         """The `Round` the data module serves: the micro-batches in pass order, each with its step's tokens."""
-        order = pass_order(len(micro_batches), self.datamodule.num_iterations, self.datamodule.seed, round_index)
+        order = pass_order(
+            len(micro_batches), self.datamodule.settings.num_iterations, self.datamodule.settings.seed, round_index
+        )
         schedule = step_schedule(micro_batches, order, accumulate)
         return Round(round_index, tuple(rollouts), tuple(micro_batches), tuple(schedule))
 
     def layout(self, rollouts: list[Rollout], round_index: int, accumulate: int) -> Round:
         """A round laid out without a trainer and without old log-probs (benchmarks drive rounds by hand)."""
-        micro_batches = micro_batches_of(rollouts, self.datamodule.groups_per_micro_batch, self.tokenizer.pad_token_id)
+        micro_batches = micro_batches_of(
+            rollouts, self.datamodule.settings.groups_per_micro_batch, self.tokenizer.pad_token_id
+        )
         return self.round_of(round_index, rollouts, micro_batches, accumulate)
 
     def log_samples(self, trainer: L.Trainer, prompts: list[Prompt], rollouts: list[Rollout]) -> None:

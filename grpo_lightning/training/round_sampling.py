@@ -77,7 +77,7 @@ class RoundSampler:
         with advantages), every rollout sampled on the way (for the round's reward metrics), the sampling metrics
         and the stream position after the round.
         """
-        per_round = self.datamodule.prompts_per_round
+        per_round = self.datamodule.settings.prompts_per_round
         needed = per_round // world_size
         kept: list[tuple[Prompt, list[Rollout]]] = []
         dropped: list[tuple[Prompt, list[Rollout]]] = []

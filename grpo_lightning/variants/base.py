@@ -1,7 +1,10 @@
 """The variant interface and its registry.
 
-A variant decides how rollouts are sampled and grouped; the loss and the training step are shared. To add
-one: subclass `GRPOVariant`, implement `sample_rollouts` (one advantage group per prompt), decorate it with
+A variant decides how rollouts are sampled and grouped; the loss and the training step are shared. A variant owns
+its configuration (the `variant` node: its settings dataclass in `settings_types`, its rules across nodes in
+`check_config`) and says what one prompt's advantage group is (`group`), which the plan, the memory estimate,
+the checkpoint's fixed settings and the model card read. To add one (docs/extending.md): subclass
+`GRPOVariant`, declare its settings, implement `group` and `sample_rollouts`, decorate it with
 `@register_variant("name")`, and point `variant._target_` at it.
 """
 
@@ -9,18 +12,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_lightning.data.games import GameSeeds
+from grpo_lightning.schema import Configured, target_class
 from grpo_lightning.types import Rollout
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from grpo_lightning.generation.base import Generator
     from grpo_lightning.rewards.pipeline import RewardPipeline
     from grpo_lightning.types import Completion, Prompt
 
 VARIANTS: dict[str, type[GRPOVariant]] = {}
+
+
+def variant_name(variant: type) -> str:
+    """`variant=<name>` of a variant class, or its class path when it is not a registered variant."""
+    names = [name for name, cls in VARIANTS.items() if cls is variant]
+    return f"variant={names[0]}" if names else f"{variant.__module__}.{variant.__qualname__}"
 
 
 def register_variant(name: str):
@@ -36,18 +50,68 @@ def register_variant(name: str):
     return decorator
 
 
-class GRPOVariant(ABC):
-    """Turns a round's prompts into rollouts with rewards and advantages."""
+@dataclass(frozen=True)
+class GroupShape:
+    """One prompt's advantage group in a round, as its variant samples it."""
+
+    rollouts: int
+    """The most rollouts (trained sequences) the group can hold: the plan's rollouts per round are this times the
+    prompts, and the memory estimate's micro-batch rows this times data.groups_per_micro_batch."""
+    samples: str
+    """How the group is sampled, in words (the model card): "8 completions", "4 games of a seed from one seat"."""
+    keys: tuple[str, ...]
+    """The config keys that set the group's size: named where the plan asks to lower them, and fixed on resume."""
+    samples_per_prefix: int
+    """The most sequences one generate call samples from one prefix (a call never splits them): the engine's
+    fewest rows a call."""
+    shared_prompt: bool
+    """Whether every rollout of the group continues one prompt (GRPO, STORPO), so that a forward that runs a
+    shared prompt once (perf.forward.share_prefix) saves its tokens; a game's turns each have their own."""
+
+
+class GRPOVariant(Configured, ABC):
+    """Turns a round's prompts into rollouts with rewards and advantages.
+
+    Hydra builds it with the `variant` node's keys, which become `self.settings` (an object of its one settings
+    type); a caller may pass that object instead: `STORPO(STORPOSettings(min_gap=2))` or `STORPO(min_gap=2)`.
+    """
 
     name: str = "unregistered"
+    plays_games: bool = False
+    """Whether the variant's prompts are game seeds it plays (data=games) rather than questions it samples."""
     knows_steps: bool = False
     """Whether the variant tells the reward its completions' reasoning steps (`step_info`, reward.step_transforms)."""
 
     metrics: dict[str, float]
     """Variant-specific metrics of the last round (logged under `rollout/`); empty by default."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Any = None, /, **keys: Any) -> None:
+        if settings is not None and keys:
+            raise TypeError(f"{type(self).__name__} takes a settings object or its keys, not both")
+        if settings is None:
+            settings = self.settings_from(keys)[0] if self.settings_types else None
+        elif self.settings_types and not isinstance(settings, self.settings_types[0]):
+            raise TypeError(f"{type(self).__name__} takes a {self.settings_types[0].__name__} (got {settings!r})")
+        self.settings = settings
         self.metrics = {}
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """A variant that samples answers to questions refuses data=games, whose problems are game seeds."""
+        source = target_class(cfg.data.dataset.get("_target_"))
+        if not cls.plays_games and source is not None and issubclass(source, GameSeeds):
+            raise ValueError(
+                f"data=games is played by variant=selfplay (this run's variant is {variant_name(cls)}): add "
+                "variant=selfplay reward=selfplay"
+            )
+
+    @abstractmethod
+    def group(self) -> GroupShape:
+        """What one prompt yields in a round (its advantage group), from the settings alone."""
+
+    def rollouts_per_round(self, num_prompts: int) -> int:
+        """How many rollouts a round of `num_prompts` prompts yields at most (the plan, the memory estimate)."""
+        return num_prompts * self.group().rollouts
 
     def bind_data(self, source, tokenizer, max_prompt_tokens: int) -> None:  # noqa: B027 - a no-op default
         """Take the run's data source (`data.dataset`), tokenizer and `data.max_prompt_tokens` before the first
@@ -77,10 +141,6 @@ class GRPOVariant(ABC):
         Kept apart from `assign_advantages` so that dynamic sampling can drop groups and draw more before the
         advantages of the round's final groups are computed.
         """
-
-    def rollouts_per_round(self, num_prompts: int) -> int:
-        """How many rollouts a round of `num_prompts` prompts yields (for the dry-run plan)."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict:
         """What a resumed run needs to sample on as this run would have (self-play: the opponent pool); saved with

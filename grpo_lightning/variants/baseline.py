@@ -3,29 +3,46 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.types import Rollout
-from grpo_lightning.variants.base import GRPOVariant, register_variant
+from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
 
 if TYPE_CHECKING:
     from grpo_lightning.rewards.pipeline import RewardPipeline
 
 
+@dataclass(frozen=True)
+class GRPOSettings:
+    """`variant=grpo`: the group size, wired from `generator.num_generations` (TRL's name for it) in conf/."""
+
+    num_generations: int = setting(8, integer(2))
+
+    def __post_init__(self) -> None:
+        check_settings(self, "variant")
+
+
 @register_variant("grpo")
 class BaselineGRPO(GRPOVariant):
-    def __init__(self, num_generations: int = 4) -> None:
-        """`num_generations` is `generator.num_generations` (the group size; the generator's config checks it)."""
-        super().__init__()
-        self.num_generations = num_generations
+    settings_types = (GRPOSettings,)
 
-    def rollouts_per_round(self, num_prompts: int) -> int:
-        return num_prompts * self.num_generations
+    def group(self) -> GroupShape:
+        """G independent completions of the prompt."""
+        g = self.settings.num_generations
+        return GroupShape(
+            rollouts=g,
+            samples=f"{g} completions",
+            keys=("generator.num_generations",),
+            samples_per_prefix=g,
+            shared_prompt=True,
+        )
 
     def sample_rollouts(
         self, generator, prompts: Sequence, reward_fn: RewardPipeline, decode: Callable
     ) -> list[Rollout]:
-        samples = generator.generate([p.prompt_ids for p in prompts], self.num_generations)
+        samples = generator.generate([p.prompt_ids for p in prompts], self.settings.num_generations)
         rollouts = [
             self.make_rollout(prompt, c, group_id, reward_fn, decode)
             for group_id, (prompt, completions) in enumerate(zip(prompts, samples, strict=True))

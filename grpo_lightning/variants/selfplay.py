@@ -30,13 +30,16 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from grpo_lightning.data.games import TurnPrompts
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_lightning.data.games import GameSeeds, TurnPrompts
 from grpo_lightning.distributed import derive_seed, sum_counts_across_ranks
 from grpo_lightning.games.base import TwoPlayerGame, make_game
 from grpo_lightning.models.lora import adapter_off
-from grpo_lightning.schema import check_settings, choice, configures, integer, setting, strings
+from grpo_lightning.rewards import games as game_rewards
+from grpo_lightning.schema import check_settings, choice, integer, setting, strings, target_class
 from grpo_lightning.types import Rollout, TurnRecord
-from grpo_lightning.variants.base import GRPOVariant, register_variant
+from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
 from grpo_lightning.variants.game_play import LEARNER_PLAYER, SCRIPTED, Match, ModelPlayer, Player, play
 from grpo_lightning.variants.opponent_pool import FIXED_OPPONENTS, LEARNER, SAMPLING_MODES, OpponentPool
 from grpo_lightning.variants.selfplay_progress import SelfPlayProgress
@@ -76,25 +79,13 @@ class SelfPlaySettings:
 
 @register_variant("selfplay")
 class SelfPlay(GRPOVariant):
-    def __init__(
-        self,
-        games_per_group: int = SelfPlaySettings.games_per_group,
-        opponent_sampling: str = SelfPlaySettings.opponent_sampling,
-        fixed_opponents: Sequence[str] = ("random", "base"),
-        snapshot_every: int = SelfPlaySettings.snapshot_every,
-        max_snapshots: int = SelfPlaySettings.max_snapshots,
-        lagged_window: int = SelfPlaySettings.lagged_window,
-        max_turns: int = SelfPlaySettings.max_turns,
-        seed: int = SelfPlaySettings.seed,
-    ) -> None:
-        super().__init__()
-        fixed_opponents = list(fixed_opponents)
-        SelfPlaySettings(games_per_group, opponent_sampling, fixed_opponents, snapshot_every, max_snapshots,
-                         lagged_window, max_turns, seed)  # fmt: skip
-        self.games_per_group, self.snapshot_every, self.max_turns, self.seed = (
-            games_per_group, snapshot_every, max_turns, seed
-        )  # fmt: skip
-        self.pool = OpponentPool(opponent_sampling, tuple(fixed_opponents), max_snapshots, lagged_window)
+    settings_types = (SelfPlaySettings,)
+    plays_games = True
+
+    def __init__(self, settings: SelfPlaySettings | None = None, /, **keys) -> None:
+        super().__init__(settings, **keys)
+        s = self.settings
+        self.pool = OpponentPool(s.opponent_sampling, tuple(s.fixed_opponents), s.max_snapshots, s.lagged_window)
         self.source = None
         """The game data source (data/games.py GameSeeds): how an observation becomes a prompt (`bind_data`)."""
         self.tokenizer = None
@@ -106,14 +97,66 @@ class SelfPlay(GRPOVariant):
         self._snapshot_taken = False
         self._counts: dict[str, float] = {}
 
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """variant=selfplay plays data=games with the HF engine, a LoRA adapter (the snapshots are adapters), rounds
+        that do not overlap, opponents the game can play and game reward terms (docs/selfplay.md)."""
+        source = target_class(cfg.data.dataset.get("_target_"))
+        if source is None or not issubclass(source, GameSeeds):
+            raise ValueError(
+                "variant=selfplay plays games: choose data=games (data.dataset.game=tictactoe or textarena:<id>)"
+            )
+        if str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator"):
+            raise ValueError(
+                "variant=selfplay plays its opponents by swapping adapter weights in the HF engine, which "
+                "generator=vllm cannot do yet: use generator=hf"
+            )
+        if OmegaConf.select(cfg, "rollout.max_staleness", default=0) != 0:
+            raise ValueError(
+                "variant=selfplay samples from the current policy and its snapshots: set rollout.max_staleness=0"
+            )
+        if not cfg.model.lora.enabled:
+            raise ValueError("variant=selfplay keeps its opponents as LoRA snapshots: set model.lora.enabled=true")
+        game = make_game(cfg.data.dataset.game)
+        game.reset(0)
+        eval_opponents = list(cfg.eval.get("opponents") or []) if cfg.eval.enabled else []
+        for key, names in (
+            ("variant.fixed_opponents", cfg.variant.fixed_opponents),
+            ("eval.opponents", eval_opponents),
+        ):
+            if "perfect" in names and not game.solved:
+                raise ValueError(f"{key}: 'perfect' plays solved games only (tictactoe), and {game.game_id} is not one")
+            if "random" in names and not game.legal_moves():
+                raise ValueError(
+                    f"{key}: 'random' plays a random legal move, and {cfg.data.dataset.game} does not list its legal "
+                    "moves here (docs/selfplay.md); leave it out"
+                )
+        for place in ("terms", "transforms"):
+            for name, spec in (cfg.reward.get(place) or {}).items():
+                stage = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
+                if getattr(stage, "needs_record", False) and stage.__module__ != game_rewards.__name__:
+                    raise ValueError(
+                        f"reward.{place}.{name} ({stage.__name__}) scores another data source's records, not game "
+                        "turns: use reward=selfplay"
+                    )
+
+    def group(self) -> GroupShape:
+        """At most: `games_per_group` games of one seed from one seat against one opponent, every one lasting
+        `max_turns` moves, half of them the learner's (each learner move is a rollout)."""
+        s = self.settings
+        return GroupShape(
+            rollouts=s.games_per_group * math.ceil(s.max_turns / 2),
+            samples=f"{s.games_per_group} games of a seed from one seat (one rollout a learner move, at most "
+            f"{math.ceil(s.max_turns / 2)} a game)",
+            keys=("variant.games_per_group", "variant.max_turns"),
+            samples_per_prefix=1,  # one move of each game a call
+            shared_prompt=False,
+        )
+
     def bind_data(self, source, tokenizer, max_prompt_tokens: int) -> None:
         """The run's game source (data=games), tokenizer and prompt limit, given once by train.py."""
         self.source, self.tokenizer, self.max_prompt_tokens = source, tokenizer, max_prompt_tokens
         self.prompts = TurnPrompts(source, tokenizer, max_prompt_tokens)
-
-    def rollouts_per_round(self, num_prompts: int) -> int:
-        """At most: every game lasts `max_turns` moves, half of them the learner's."""
-        return num_prompts * self.games_per_group * math.ceil(self.max_turns / 2)
 
     # ---- a round -----------------------------------------------------------------------------------------------
     def begin_round(self, round_index: int) -> None:
@@ -127,7 +170,7 @@ class SelfPlay(GRPOVariant):
             raise RuntimeError("variant=selfplay needs its game source: call bind_data first (train.py does)")
         if not self._snapshot_taken:  # once a round, before its first game
             self._snapshot_taken = True
-            if self.round_index % self.snapshot_every == 0:
+            if self.round_index % self.settings.snapshot_every == 0:
                 self.pool.add_snapshot(f"round{self.round_index:03d}", generator.adapter_weights())
         matches = self.deal(generator, prompts)
         self.play(matches, generator, decode)
@@ -138,7 +181,9 @@ class SelfPlay(GRPOVariant):
                 tries += 1
                 if tries > 8:
                     raise RuntimeError(f"{prompt.question}: the learner never got to move in 8 games")
-                extra = self.match(prompt, group_id, first.learner_seat, first.opponent, self.games_per_group + tries)
+                extra = self.match(
+                    prompt, group_id, first.learner_seat, first.opponent, self.settings.games_per_group + tries
+                )
                 self.play([extra], generator, decode)
                 matches.append(extra)
                 self._counts["extra_games"] += 1
@@ -152,10 +197,12 @@ class SelfPlay(GRPOVariant):
         """The matches of each prompt's group: one opponent and one seat a group, `games_per_group` games."""
         matches = []
         for group_id, prompt in enumerate(prompts):
-            rng = random.Random(derive_seed(self.seed, "selfplay", self.round_index, prompt.record.seed, group_id, 0))
+            rng = random.Random(
+                derive_seed(self.settings.seed, "selfplay", self.round_index, prompt.record.seed, group_id, 0)
+            )
             opponent = self.player(self.pool.sample(rng), generator)
             seat = rng.randrange(2)
-            matches += [self.match(prompt, group_id, seat, opponent, g) for g in range(self.games_per_group)]
+            matches += [self.match(prompt, group_id, seat, opponent, g) for g in range(self.settings.games_per_group)]
         return matches
 
     def match(self, prompt, group_id: int, seat: int, opponent: Player, game_index: int) -> Match:
@@ -163,7 +210,7 @@ class SelfPlay(GRPOVariant):
         seed = prompt.record.seed
         game = make_game(prompt.record.game_id)
         game.reset(seed)
-        rng = random.Random(derive_seed(self.seed, "game", self.round_index, seed, group_id, game_index, 0))
+        rng = random.Random(derive_seed(self.settings.seed, "game", self.round_index, seed, group_id, game_index, 0))
         return Match(game, seat, opponent, rng, group_id)
 
     def player(self, name: str, generator) -> Player:
@@ -185,7 +232,7 @@ class SelfPlay(GRPOVariant):
             return ids
 
         on_step = self._report if self.progress_listeners else None
-        play(matches, generator, encode, decode, self.source.reply_prefix, self.max_turns, on_step=on_step)
+        play(matches, generator, encode, decode, self.source.reply_prefix, self.settings.max_turns, on_step=on_step)
 
     def rollouts_of(self, matches: list[Match], reward_fn) -> list[Rollout]:
         rollouts = []
@@ -260,6 +307,3 @@ class SelfPlay(GRPOVariant):
         if "pool" not in state:
             raise ValueError("ckpt_path: the checkpoint holds no self-play pool (written by another variant?)")
         self.pool.load_state_dict(state["pool"])
-
-
-configures(SelfPlay, SelfPlaySettings)

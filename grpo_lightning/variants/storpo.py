@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpo_lightning.algorithm.tree_advantages import chain_tree_advantages
-from grpo_lightning.schema import check_settings, choice, configures, integer, setting
+from grpo_lightning.schema import check_settings, choice, integer, setting
 from grpo_lightning.types import Completion, Rollout
-from grpo_lightning.variants.base import GRPOVariant, register_variant
+from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
 from grpo_lightning.variants.branch_points import (
     STEP_RULES,
     TEXT_RULES,
@@ -80,73 +80,69 @@ class STORPOSettings:
     def __post_init__(self) -> None:
         check_settings(self, "variant")
 
+    @staticmethod
+    def joint_problems(values: dict, prefix: str) -> list[str]:
+        """A text rule's range of boundaries: at least `min_steps`, at most `max_steps` of them."""
+        low, high = values.get("min_steps"), values.get("max_steps")
+        if low is not None and high is not None and low > high:
+            return [f"{prefix}.min_steps ({low}) must be <= {prefix}.max_steps ({high})"]
+        return []
+
 
 @register_variant("storpo")
 class STORPO(GRPOVariant):
     knows_steps = True
+    settings_types = (STORPOSettings,)
 
-    def __init__(
-        self,
-        completions_per_step: int = STORPOSettings.completions_per_step,
-        min_steps: int = STORPOSettings.min_steps,
-        max_steps: int = STORPOSettings.max_steps,
-        fallback_generations: int = STORPOSettings.fallback_generations,
-        step_rule: str = STORPOSettings.step_rule,
-        fallback_rule: str = STORPOSettings.fallback_rule,
-        min_gap: int = STORPOSettings.min_gap,
-        advantage: str = STORPOSettings.advantage,
-    ) -> None:
-        super().__init__()
-        STORPOSettings(
-            completions_per_step, min_steps, max_steps, fallback_generations, step_rule, fallback_rule, min_gap,
-            advantage,
-        )  # fmt: skip
-        if min_steps > max_steps:
-            raise ValueError(f"variant.min_steps ({min_steps}) must be <= variant.max_steps ({max_steps})")
-        self.completions_per_step = completions_per_step
-        self.min_steps = min_steps
-        self.max_steps = max_steps
-        self.fallback_generations = fallback_generations
-        self.step_rule = step_rule
-        self.fallback_rule = fallback_rule
-        self.min_gap = min_gap
-        self.advantage = advantage
+    def __init__(self, settings: STORPOSettings | None = None, /, **keys) -> None:
+        super().__init__(settings, **keys)
         self._warned_plain = False
         self.begin_round(0)
+
+    def group(self) -> GroupShape:
+        """At most: the initial completion and `completions_per_step` continuations at each of `max_steps` branch
+        points, or a prompt sampled plainly (`fallback_generations`), whichever is larger."""
+        s = self.settings
+        branched = 1 + s.completions_per_step * s.max_steps
+        return GroupShape(
+            rollouts=max(branched, s.fallback_generations),
+            samples=f"1 completion + {s.completions_per_step} continuations at each of up to {s.max_steps} branch "
+            f"points ({s.fallback_generations} completions when sampled plainly)",
+            keys=("variant.completions_per_step", "variant.max_steps", "variant.fallback_generations"),
+            samples_per_prefix=max(s.completions_per_step, s.fallback_generations - 1),
+            shared_prompt=True,
+        )
 
     # ---- where to branch ---------------------------------------------------------------------------------------
     def branch_points(self, completion: Completion, decode: Callable) -> tuple[list[int], str]:
         """The branch points of one initial completion (token counts, ascending) and the rule that gave them:
         `step_rule`, then for a text rule that found fewer than `min_steps` boundaries `fallback_rule`; ([], "none")
         when neither gives a point (the prompt is then sampled plainly)."""
-        if self.step_rule in TEXT_RULES:
+        if self.settings.step_rule in TEXT_RULES:
             text = decode(completion.token_ids)
             ks = evenly_spaced(
-                token_boundaries(completion.token_ids, step_boundaries(text, self.step_rule), decode), self.max_steps
+                token_boundaries(completion.token_ids, step_boundaries(text, self.settings.step_rule), decode),
+                self.settings.max_steps,
             )
-            if len(ks) >= self.min_steps:
-                return ks, self.step_rule
-            rule = self.fallback_rule
+            if len(ks) >= self.settings.min_steps:
+                return ks, self.settings.step_rule
+            rule = self.settings.fallback_rule
         else:
-            rule = self.step_rule
+            rule = self.settings.step_rule
         if rule == "none":
             return [], "none"
-        ks = token_rule_points(rule, completion.logprobs, self.max_steps, self.min_gap)
+        ks = token_rule_points(rule, completion.logprobs, self.settings.max_steps, self.settings.min_gap)
         return ks, (rule if ks else "none")
 
     def step_info(self, text: str, completion: Completion, branch_point: int, decode: Callable) -> dict:
         """The completion's reasoning steps and the step a continuation starts in (for `reward.step_transforms`):
         split by the text rule, or by `both` (sentences or lines) under a token rule."""
-        rule = self.step_rule if self.step_rule in TEXT_RULES else STEPS_TEXT_RULE
+        rule = self.settings.step_rule if self.settings.step_rule in TEXT_RULES else STEPS_TEXT_RULE
         branch_chars = len(decode(completion.token_ids[:branch_point])) if branch_point else 0
         return {
             "steps": split_steps(text, rule),
             "branch_step": sum(start <= branch_chars for start in step_boundaries(text, rule)),
         }
-
-    def rollouts_per_round(self, num_prompts: int) -> int:
-        """Upper bound: every prompt branches at max_steps points."""
-        return num_prompts * max(1 + self.completions_per_step * self.max_steps, self.fallback_generations)
 
     # ---- sampling ----------------------------------------------------------------------------------------------
     def sample_rollouts(
@@ -166,7 +162,9 @@ class STORPO(GRPOVariant):
         samples: dict[int, list[tuple[Completion, int]]] = {i: [(c, 0)] for i, c in enumerate(initial)}
         self._branch(generator, prompts, initial, branches, samples)
         if fallback:
-            extra = generator.generate([prompts[i].prompt_ids for i in fallback], self.fallback_generations - 1)
+            extra = generator.generate(
+                [prompts[i].prompt_ids for i in fallback], self.settings.fallback_generations - 1
+            )
             for i, completions in zip(fallback, extra, strict=True):
                 samples[i].extend((c, 0) for c in completions)
         rollouts = [
@@ -188,7 +186,7 @@ class STORPO(GRPOVariant):
             "token, so these groups are GRPO's. A token rule branches every completion of two or more tokens: "
             "variant.step_rule=uncertainty or fixed, or variant.fallback_rule=uncertainty (docs/algorithm.md); "
             "rollout/storpo_fallback_frac logs the share every round. Said once a run.",
-            plain, total, self.min_steps, self.step_rule, self.fallback_rule,
+            plain, total, self.settings.min_steps, self.settings.step_rule, self.settings.fallback_rule,
         )  # fmt: skip
 
     def _branch(self, generator, prompts, initial: list[Completion], branches: dict[int, list[int]], samples) -> None:
@@ -199,7 +197,7 @@ class STORPO(GRPOVariant):
         budget = generator.sampling.max_new_tokens
         continuations = generator.generate(
             [prompts[i].prompt_ids + initial[i].token_ids[:k] for i, k in jobs],
-            self.completions_per_step,
+            self.settings.completions_per_step,
             max_new_tokens=[budget - k for _, k in jobs],
         )
         for (i, k), completions in zip(jobs, continuations, strict=True):
@@ -211,7 +209,7 @@ class STORPO(GRPOVariant):
         each branched group's tokens also get their segment's advantage (algorithm/tree_advantages.py). A plain
         group (no continuation) keeps its scalars: it has no inner node to credit."""
         super().assign_advantages(rollouts, reward_fn)
-        if self.advantage != "tree":
+        if self.settings.advantage != "tree":
             return
         groups: dict[int, list[Rollout]] = {}
         for r in rollouts:
@@ -266,6 +264,3 @@ def _join(initial: Completion, k: int, continuation: Completion) -> Completion:
         logprobs=initial.logprobs[:k] + continuation.logprobs,
         finished=continuation.finished,
     )
-
-
-configures(STORPO, STORPOSettings)

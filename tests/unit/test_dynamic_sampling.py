@@ -61,7 +61,7 @@ def test_rounds_train_only_informative_groups_and_draw_the_next_prompts_of_the_s
     run = even_answer_run(tiny_cfg, max_extra_batches=6, rounds=2)
     callback = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
     dm = run.datamodule
-    per_round = dm.prompts_per_round
+    per_round = dm.settings.prompts_per_round
     trained: list[list[int]] = []
     original_serve = dm.serve
 
@@ -104,15 +104,15 @@ def test_a_round_that_stays_short_is_filled_with_dropped_groups(tiny_cfg):
     run = even_answer_run(tiny_cfg, max_extra_batches=0, rounds=1)
     metrics = run.fit()
     dm = run.datamodule
-    odd = sum(not is_even_integer(dm.problems[i].answer) for i in dm.problem_indices(0, dm.prompts_per_round))
+    odd = sum(not is_even_integer(dm.problems[i].answer) for i in dm.problem_indices(0, dm.settings.prompts_per_round))
     assert metrics["rollout/ds_groups_short"] == odd
     assert metrics["rollout/ds_groups_filtered"] == odd
-    assert sum(len(mb.group_ids.unique()) for mb in dm.micro_batches) == dm.prompts_per_round
+    assert sum(len(mb.group_ids.unique()) for mb in dm.micro_batches) == dm.settings.prompts_per_round
 
 
 def test_without_dynamic_sampling_rounds_take_consecutive_blocks_of_the_stream(tiny_cfg):
     run = build_run(tiny_cfg("eval.enabled=false"))
     dm = run.datamodule
     assert [dm.problem_indices_for_round(r) for r in range(3)] == [
-        dm.problem_indices(r * dm.prompts_per_round, dm.prompts_per_round) for r in range(3)
+        dm.problem_indices(r * dm.settings.prompts_per_round, dm.settings.prompts_per_round) for r in range(3)
     ]

@@ -23,6 +23,10 @@ from grpo_lightning.app.memory import (
     model_shape,
 )
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
+from grpo_lightning.variants.baseline import BaselineGRPO
+
+GRPO_8 = BaselineGRPO(num_generations=8).group()
+"""The group of variant=grpo with G = 8."""
 
 
 def _config(tie: bool = True):
@@ -134,13 +138,14 @@ def test_the_streams_counted_follow_the_config(tmp_path, overrides, streams):
     from tests.conftest import make_cfg
 
     cfg = make_cfg(tmp_path, ["trainer=gpu", *overrides])
-    assert run_shape(cfg, group_size=8, rollouts_per_round=16).cuda_streams == streams
+    assert run_shape(cfg, GRPO_8, rollouts_per_round=16).cuda_streams == streams
 
 
 def test_the_decode_rows_are_the_group_at_least():
     """A call never splits one prompt's G samples: G rows whatever generator.batch_size says, so a huge group is
     counted (and refused) by its decode step's [G, vocab] logits, naming generator.num_generations."""
-    run = _run(group_size=1000, hf_batch_rows=1000, overlap=True)  # overlap: both phases listed
+    # overlap: both phases listed
+    run = _run(group_size=1000, samples_per_prefix=1000, hf_batch_rows=1000, overlap=True)
     kv = 1000 * 15 * 2 * 2 * 4 * 4
     assert _terms(estimate(SHAPE, run).cpu)["generation"] == kv + 1000 * 50 * 4 * 7
     (term,) = [t for t in estimate(SHAPE, run).cpu if t.name == "generation"]
@@ -226,7 +231,8 @@ def test_the_phase_with_the_merged_copy_can_be_the_peak():
 
 
 def _gpu_run(**changes) -> RunShape:
-    base = dict(trainer_on_gpu=True, decode_rows_auto=True, group_size=4, decode_rows=64, hf_batch_rows=64)
+    base = dict(trainer_on_gpu=True, decode_rows_auto=True, group_size=4, samples_per_prefix=4, decode_rows=64,
+                hf_batch_rows=64)  # fmt: skip
     return _run(**(base | changes))
 
 
@@ -267,7 +273,7 @@ def test_auto_decode_rows_from_the_composed_config(tmp_path, overrides, rows):
     from tests.conftest import make_cfg
 
     cfg = make_cfg(tmp_path, overrides)
-    run = run_shape(cfg, group_size=8, rollouts_per_round=8 * cfg.data.prompts_per_round)
+    run = run_shape(cfg, GRPO_8, rollouts_per_round=8 * cfg.data.prompts_per_round)
     assert run.decode_rows == rows
 
 
@@ -282,9 +288,9 @@ def test_the_7b_plan_with_long_completions_fits_a_gpu_with_trainer_gpu(tmp_path)
                  "generator.max_new_tokens=2048"]  # fmt: skip
     config = known_config("Qwen/Qwen2.5-7B-Instruct")
     shape = model_shape(config, lora_r=16, target_modules="all-linear")
-    gpu = estimate(shape, run_shape(make_cfg(tmp_path, overrides), 8, 64)).trainer_gpu
+    gpu = estimate(shape, run_shape(make_cfg(tmp_path, overrides), GRPO_8, 64)).trainer_gpu
     assert sum(t.bytes for t in gpu) <= 60 * GIB
-    plain = run_shape(make_cfg(tmp_path, [*overrides, "perf=plain"]), 8, 64)
+    plain = run_shape(make_cfg(tmp_path, [*overrides, "perf=plain"]), GRPO_8, 64)
     assert sum(t.bytes for t in estimate(shape, plain).trainer_gpu) > 100 * GIB
 
 
