@@ -19,6 +19,7 @@ from torch import nn
 
 from grpo_lightning.generation.vllm_weights import is_peft_model
 from grpo_lightning.models.sources import ModelSource
+from grpo_lightning.variants.base import GRPOVariant, variant_name
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,18 @@ CARD_METRICS = (
 
 
 def export_policy(
-    directory: Path, cfg: DictConfig, policy: nn.Module, tokenizer, metrics: dict[str, float], source: ModelSource
+    directory: Path,
+    cfg: DictConfig,
+    policy: nn.Module,
+    tokenizer,
+    metrics: dict[str, float],
+    source: ModelSource,
+    variant: GRPOVariant,
 ) -> None:
     """Write the model card (and the merged weights when `export.merged` is set) beside the saved policy.
 
-    `source` is the run's `model.source` object: the card names it and tells how to load the base model.
+    `source` is the run's `model.source` object: the card names it and tells how to load the base model. `variant`
+    is the run's: the card says how it sampled a prompt's group.
     """
     directory = Path(directory)
     if not directory.is_dir():  # nothing was saved (e.g. the run stopped before training ended)
@@ -52,7 +60,8 @@ def export_policy(
         save_merged(policy, tokenizer, merged_dir)
         log.info("merged weights saved to %s", merged_dir)
     is_adapter = is_peft_model(policy)
-    card = model_card(cfg, metrics, source.describe(), source.base_model_ref(), is_adapter, directory, merged_dir)
+    model, base = source.describe(), source.base_model_ref()
+    card = model_card(cfg, metrics, model, base, is_adapter, directory, merged_dir, variant)
     (directory / "README.md").write_text(card)
 
 
@@ -110,9 +119,10 @@ def model_card(
     is_adapter: bool,
     directory: Path,
     merged_dir: Path | None,
+    variant: GRPOVariant,
 ) -> str:
     loss = cfg.loss
-    variant = str(cfg.variant.get("_target_", "")).rsplit(".", 1)[-1]
+    group = variant.group()
     lora = cfg.model.lora
     kind = f"LoRA adapter (r={lora.r}, alpha={lora.alpha}, {lora.target_modules})" if is_adapter else "full model"
     base_for_code = base or "<base model folder>"
@@ -130,11 +140,11 @@ def model_card(
         f"| base model | `{model}`" + (f" (`{base}`)" if base and base != model else "") + " |",
         f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
         f"| data | {data_description(cfg)} |",
-        f"| variant | `{variant}` |",
+        f"| variant | `{variant_name(type(variant))}` |",
         f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high} |",
         f"| reward | {reward_terms(cfg)} (docs/rewards.md) |",
         f"| rounds | {cfg.trainer.max_epochs} x {cfg.data.prompts_per_round} prompts, "
-        f"{cfg.generator.num_generations} completions each, {cfg.generator.max_new_tokens} new tokens |",
+        f"{group.samples} each, at most {cfg.generator.max_new_tokens} new tokens a completion |",
         f"| optimizer | lr {cfg.optim.optimizer.lr}, schedule `{cfg.optim.schedule.kind}` |",
         f"| seed | {cfg.seed} |",
         "",

@@ -194,7 +194,8 @@ class Run:
             write_final_metrics(output_dir, metrics)
             saver = self.callbacks.get("save_policy")
             if isinstance(saver, SavePolicy):
-                export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.source)
+                export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.source,
+                              self.rollout_loop.variant)  # fmt: skip
         last = output_dir / "checkpoints" / "last.ckpt"
         if self.module.diverged:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
