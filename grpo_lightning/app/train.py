@@ -17,26 +17,15 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import get_object, instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning import openmp
 from grpo_lightning.accel.activation_checkpointing import enable_activation_checkpointing
 from grpo_lightning.accel.fused_lora import install_fused_lora_forward
+from grpo_lightning.app.build import build, first_line
 from grpo_lightning.app.export import export_policy
-from grpo_lightning.app.memory import (
-    MemoryEstimate,
-    RunShape,
-    check_fits,
-    estimate,
-    fit_decode_rows,
-    gpu_memory,
-    machine_memory,
-    model_shape,
-    run_shape,
-)
+from grpo_lightning.app.plan import Plan, accumulate_grad_batches, check_model_fits, make_plan, score_references
 from grpo_lightning.app.quiet import quiet_third_party
 from grpo_lightning.app.summary import render as render_summary
 from grpo_lightning.app.summary import summary_metrics
@@ -48,11 +37,11 @@ from grpo_lightning.app.validation import (
     world_size,
 )
 from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.data.games import GameSeeds, TurnPrompts
 from grpo_lightning.errors import RunInterrupted, TrainingStopped
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from grpo_lightning.models.sources import resolve_dtype
 from grpo_lightning.rewards.pipeline import build_reward
+from grpo_lightning.schema import import_target
 from grpo_lightning.training import tracking
 from grpo_lightning.training.callbacks import SavePolicy
 from grpo_lightning.training.checkpointing import (
@@ -68,81 +57,15 @@ from grpo_lightning.training.evaluation import Evaluator
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.variants import VARIANTS
-from grpo_lightning.variants.base import GroupShape, GRPOVariant
+from grpo_lightning.variants.base import GRPOVariant
 
 log = logging.getLogger(__name__)
-
-
-def build(node: DictConfig, **kwargs):
-    """`instantiate`, with every config mistake turned into a ValueError that names the config key.
-
-    Objects the run built (a model, a settings dataclass) go to the partial this returns with `_partial_=True`,
-    never through `kwargs`: Hydra merges kwargs into the config and would turn a dataclass into a config node.
-
-    A constructor's own ValueError already names its key and passes through; an unknown `_target_`, an unknown
-    or wrongly typed argument gets the node's key prefixed.
-    """
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as err:
-        cause = err.__cause__
-        if isinstance(cause, ValueError):
-            raise cause from None
-        key = node._get_full_key(None) or "<config>"
-        if isinstance(cause, TypeError):
-            raise ValueError(f"{key}: {cause} (check the keys and values under {key})") from None
-        if "Error locating target" in str(err):
-            raise ValueError(f"{key}._target_: cannot import {node.get('_target_')!r}") from None
-        if isinstance(cause, Exception):  # e.g. Lightning's MisconfigurationException for a trainer setting
-            raise ValueError(f"{key}: {first_line(cause)} (check the keys and values under {key})") from None
-        raise
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def rank_zero_print(message: str) -> None:
     """Print once per run: a DDP child process (LOCAL_RANK / RANK > 0) stays quiet."""
     if rank_zero_only.rank == 0:
         print(message)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a run will do; printed by `dry_run=true` and at the start of every run."""
-
-    model: str
-    data: str
-    num_problems: int
-    rounds: int
-    prompts_per_round: int
-    rollouts_per_round: int
-    micro_batches_per_round: int
-    accumulate_grad_batches: int
-    optimizer_steps_per_round: int
-    max_new_tokens: int
-    loss: str
-    reward: str
-    output_dir: str
-    memory: MemoryEstimate | None = None
-    """The peak-memory estimate (grpo_lightning/app/memory.py); None when the model's config.json cannot be read."""
-    decode_rows_per_call: int | None = None
-    """Sequences per HF generate call (generator.batch_size, `auto` resolved and fitted to the GPU); None: vLLM."""
-
-    def render(self) -> str:
-        rows = {k: v for k, v in self.__dict__.items() if k != "memory" and v is not None}
-        rows |= self.memory.render() if self.memory is not None else {"memory": "unknown (no model config.json)"}
-        if self.memory is not None and self.memory.engine_share is not None:
-            rows["memory_gpu_engine_share"] = f"{self.memory.engine_share:.0%} of the engine GPU's memory (vLLM)"
-        return "\n".join(f"  {k:<26} {v}" for k, v in rows.items())
-
-    def check_fits(self) -> None:
-        """Refuse a run that cannot fit this machine's RAM (and its GPU, when one is visible) before loading."""
-        if self.memory is None:
-            return
-        check_fits(self.memory, machine_memory(), gpu_memory())
 
 
 @dataclass
@@ -382,40 +305,6 @@ def load_model(source, cfg: DictConfig):
         ) from None
 
 
-def check_model_fits(cfg: DictConfig, model, tokenizer, datamodule: RolloutDataModule) -> None:
-    """Token budgets the model can serve: prompt + completion within its context, room for the question, and for
-    data=games the opening prompts of the game (rules and first state, which no cut may drop: data/games.py
-    `TurnPrompts`).
-
-    Why here: they need the model's config or tokenizer, so they run right after loading, before any round.
-    """
-    context = getattr(model.config, "max_position_embeddings", None)
-    prompt_tokens = cfg.data.max_prompt_tokens
-    budgets = [("generator.max_new_tokens", cfg.generator.max_new_tokens)]
-    if cfg.eval.enabled:
-        budgets.append(("eval.max_new_tokens", cfg.eval.max_new_tokens))
-    for key, new_tokens in budgets:
-        if context and prompt_tokens + new_tokens > context:
-            raise ValueError(
-                f"{key} ({new_tokens}) + data.max_prompt_tokens ({prompt_tokens}) exceed the model's context of "
-                f"{context} tokens (max_position_embeddings); lower them"
-            )
-    messages = datamodule.dataset.messages("")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    template_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if prompt_tokens <= template_tokens:
-        raise ValueError(
-            f"data.max_prompt_tokens ({prompt_tokens}) leaves no room for the question: the chat template, system "
-            f"prompt and data.dataset.prompt_template alone take {template_tokens} tokens; raise it (default 512)"
-        )
-    if isinstance(datamodule.dataset, GameSeeds):  # a game's opening prompts, both seats, within each budget
-        limits = {"data.max_prompt_tokens": prompt_tokens}
-        if cfg.eval.enabled:
-            limits["eval.max_prompt_tokens"] = cfg.eval.get("max_prompt_tokens", prompt_tokens)
-        for key, limit in limits.items():
-            TurnPrompts(datamodule.dataset, tokenizer, limit, key).check_opening()
-
-
 def build_pipeline(cfg: DictConfig):
     """The `reward` config group's pipeline (docs/rewards.md), told the loss type and the completion budget."""
     return build_reward(cfg.reward, loss_type=cfg.loss.get("loss_type"), max_new_tokens=cfg.generator.max_new_tokens)
@@ -463,10 +352,10 @@ def callback_parameters(node: DictConfig) -> dict[str, list[str]]:
         target = spec.get("_target_") if OmegaConf.is_dict(spec) else None
         if target is None:
             raise ValueError(f"callbacks.{name}._target_ is missing: give the callback's class")
-        try:
-            parameters[name] = list(inspect.signature(get_object(target)).parameters)
-        except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
-            raise ValueError(f"callbacks.{name}._target_: cannot import {target!r}") from None
+        found = import_target(target)
+        if found is None:
+            raise ValueError(f"callbacks.{name}._target_: cannot import {target!r}")
+        parameters[name] = list(inspect.signature(found).parameters)
     return parameters
 
 
@@ -511,71 +400,3 @@ def write_final_metrics(output_dir: Path, metrics: dict[str, float]) -> None:
     tmp = output_dir / "final_metrics.json.tmp"
     tmp.write_text(json.dumps(dict(sorted(metrics.items())), indent=1))
     os.replace(tmp, output_dir / "final_metrics.json")
-
-
-def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:
-    """Micro-batches per optimizer step: by default the whole round in one step (old_logp = logp.detach())."""
-    per_round = dm.micro_batches_per_round * dm.settings.num_iterations
-    value = cfg.trainer.get("accumulate_grad_batches") or dm.micro_batches_per_round
-    if value < 1 or per_round % value:
-        raise ValueError(
-            f"trainer.accumulate_grad_batches must divide the {per_round} micro-batches of a round "
-            f"(data.prompts_per_round / data.groups_per_micro_batch x data.num_iterations) (got {value})"
-        )
-    return int(value)
-
-
-def make_plan(cfg: DictConfig, source, dm: RolloutDataModule, variant, accumulate: int, reward_fn=None) -> Plan:
-    rounds = cfg.trainer.max_epochs
-    if rounds is None or rounds < 1:
-        raise ValueError(f"trainer.max_epochs (number of rollout rounds) must be >= 1 (got {rounds})")
-    if dm.settings.prompts_per_round > len(dm.problems):
-        raise ValueError(
-            f"data.prompts_per_round ({dm.settings.prompts_per_round}) exceeds the {len(dm.problems)} problems loaded"
-        )
-    per_round = dm.micro_batches_per_round * dm.settings.num_iterations
-    rollouts_per_round = variant.rollouts_per_round(dm.settings.prompts_per_round)
-    memory, run = memory_estimate(cfg, source, rollouts_per_round, variant.group())
-    return Plan(
-        model=source.describe(),
-        data=dm.dataset.describe(),
-        num_problems=len(dm.problems),
-        rounds=rounds,
-        prompts_per_round=dm.settings.prompts_per_round,
-        rollouts_per_round=rollouts_per_round,
-        micro_batches_per_round=per_round,
-        accumulate_grad_batches=accumulate,
-        optimizer_steps_per_round=per_round // accumulate,
-        max_new_tokens=cfg.generator.max_new_tokens,
-        loss=build(cfg.loss).describe(),
-        reward=reward_fn.describe(),
-        output_dir=str(Path(cfg.paths.output_dir).resolve()),
-        memory=memory,
-        decode_rows_per_call=run.decode_rows if run.engine == "hf" else None,
-    )
-
-
-def memory_estimate(
-    cfg: DictConfig, source, rollouts_per_round: int, group: GroupShape
-) -> tuple[MemoryEstimate | None, RunShape]:
-    """The run's peak-memory estimate from the model's config.json (no weights are read; None without one), and
-    the run's shape as estimated (its decode rows fitted to the GPU for generator.batch_size=auto)."""
-    run = run_shape(cfg, group, rollouts_per_round)
-    config = source.config(cfg.model.trust_remote_code)
-    if config is None:
-        return None, run
-    lora = cfg.model.lora
-    target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    shape = model_shape(config, lora.r, target)
-    run = fit_decode_rows(shape, run, gpu_memory())
-    return estimate(shape, run), run
-
-
-def score_references(dm: RolloutDataModule, reward_fn) -> float:
-    """Mean reward of the reference solutions against their own answers: 1.0 when data and reward agree."""
-    scores = [reward_fn(p.solution, p.answer, record=p.record) for p in dm.problems]
-    mean = sum(scores) / len(scores)
-    print(f"reference solutions score {mean:.4f} on {len(scores)} problems")
-    if mean < 1.0:
-        log.warning("%d reference solutions do not score 1.0", sum(s < 1.0 for s in scores))
-    return mean

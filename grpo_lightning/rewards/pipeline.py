@@ -38,12 +38,13 @@ from dataclasses import dataclass
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from grpo_lightning.rewards.base import RewardResult, RewardTerm, Transform
 from grpo_lightning.rewards.transforms import GroupNormalize
+from grpo_lightning.schema import import_target
 
 logger = logging.getLogger(__name__)
 
@@ -354,10 +355,9 @@ def _build_stage(key: str, name: str, spec, place: str, positional: int) -> _Sta
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
         raise ValueError(f"{key}.weight must be a finite number (got {weight!r})")
     target = spec["_target_"]
-    try:
-        obj = get_object(target)
-    except Exception:  # noqa: BLE001 - hydra raises ImportError or ValueError depending on the path
-        raise ValueError(f"{key}._target_: cannot import {target!r}") from None
+    obj = import_target(target)
+    if obj is None:
+        raise ValueError(f"{key}._target_: cannot import {target!r}")
     if inspect.isclass(obj):
         try:
             fn = instantiate(spec)

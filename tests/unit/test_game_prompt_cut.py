@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from grpo_lightning.app.train import check_model_fits
+from grpo_lightning.app.plan import check_model_fits
 from grpo_lightning.data.games import GameSeed, GameSeeds, TurnPrompts
 from grpo_lightning.games import base as games_base
 from grpo_lightning.games import make_game

@@ -535,7 +535,7 @@ def test_adapter_sync_hot_swaps_a_saved_adapter(lora_policy, tokenizer, backend)
 
 
 def test_config_group_instantiates_with_a_fake_engine(tmp_path, lora_policy, tokenizer, backend):
-    from grpo_lightning.app.train import build
+    from grpo_lightning.app.build import build
     from tests.conftest import make_cfg
 
     cfg = make_cfg(tmp_path, ["generator=vllm", "model=tiny", "generator.model_path=/models/tiny"])
