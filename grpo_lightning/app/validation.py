@@ -240,7 +240,7 @@ def check_selfplay(cfg: DictConfig) -> None:
     """variant=selfplay and data=games go together, with the HF engine, a LoRA adapter (the snapshots are
     adapters), rounds that do not overlap, game reward terms and the evaluator that plays (docs/selfplay.md)."""
     from grpo_lightning.data.games import GameSeeds
-    from grpo_lightning.games.base import make_game
+    from grpo_lightning.games.registry import make_game
     from grpo_lightning.rewards import games as game_rewards
     from grpo_lightning.training.game_evaluation import GameEvaluator
     from grpo_lightning.variants.selfplay import SelfPlay

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, sum_counts_across_ranks
-from grpo_lightning.games.base import TwoPlayerGame, make_game
+from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.registry import make_game
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, choice, configures, integer, setting, strings
 from grpo_lightning.types import Rollout, TurnRecord

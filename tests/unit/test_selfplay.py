@@ -450,7 +450,7 @@ def test_sampling_from_swaps_and_restores_bit_for_bit(tiny_model, tokenizer):
 def test_the_docs_example_game_plays_by_its_rules():
     from pathlib import Path
 
-    from grpo_lightning.games.base import BUILTIN_GAMES, check_game_id
+    from grpo_lightning.games.registry import BUILTIN_GAMES, check_game_id
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "selfplay.md").read_text(encoding="utf-8")
     block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
