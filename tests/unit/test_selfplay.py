@@ -16,6 +16,15 @@ import torch
 
 from grpo_lightning.data.games import GameSeed, GameSeeds
 from grpo_lightning.games import make_game
+from grpo_lightning.games.opponent_pool import LEARNER, OpponentPool, rating_model
+from grpo_lightning.games.play import (
+    LEARNER_PLAYER,
+    Match,
+    ModelPlayer,
+    PerfectPlayer,
+    RandomMovePlayer,
+    play,
+)
 from grpo_lightning.games.tictactoe import minimax_value
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.models.lora import adapter_off
@@ -24,15 +33,6 @@ from grpo_lightning.rewards.pipeline import build_reward
 from grpo_lightning.rewards.transforms import BatchNormalize, RoleBaseline
 from grpo_lightning.training.game_evaluation import GameEvaluator
 from grpo_lightning.types import Completion, Prompt, TurnRecord
-from grpo_lightning.variants.game_play import (
-    LEARNER_PLAYER,
-    Match,
-    ModelPlayer,
-    PerfectPlayer,
-    RandomMovePlayer,
-    play,
-)
-from grpo_lightning.variants.opponent_pool import LEARNER, OpponentPool, rating_model
 from grpo_lightning.variants.selfplay import SelfPlay
 from tests.helpers import StubGenerator, lora_policy_with_random_adapters
 
