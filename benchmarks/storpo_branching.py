@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from grpo_lightning.algorithm.branch_points import TEXT_RULES, step_boundaries
     from grpo_lightning.app.train import build_run
-    from grpo_lightning.variants.branch_points import TEXT_RULES, step_boundaries
     from tests.conftest import make_cfg
 
     overrides = args.overrides or ["experiment=learn_arith"]

@@ -23,7 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from grpo_lightning.app import config_reference
+from grpo_lightning.app import config_reference, yaml_comments
 from grpo_lightning.rewards.pipeline import MOVED_KEYS, check_moved_overrides
 from tests.conftest import CONF_DIR, ROOT, make_cfg
 
@@ -386,7 +386,7 @@ def test_the_yaml_comment_rules(tmp_path):
         "\n"
         "d: 3\n"
     )
-    comments = config_reference.read_comments(path)
+    comments = yaml_comments.read_comments(path)
     assert comments.header == "The file: what this option is."
     assert comments.keys == {
         "a": "inline",

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 
 from grpo_lightning.app.train import build_run, train
 from grpo_lightning.distributed import shard
+from grpo_lightning.games.opponent_pool import LEARNER, OpponentPool, rating_model
 from grpo_lightning.rewards.pipeline import build_reward
-from grpo_lightning.variants.opponent_pool import LEARNER, OpponentPool, rating_model
 from grpo_lightning.variants.selfplay import SelfPlay
 from tests.conftest import make_cfg
 from tests.forked_cli import cli_run

@@ -319,9 +319,9 @@ def test_storpo_branches_at_the_engines_most_uncertain_tokens(engine, tokenizer)
     """STORPO's token rule on the engine's own log-probs: every initial completion of two or more tokens branches,
     at the points the selection picks from the log-probs vLLM returned, those log-probs are the trainer's on the
     same tokens, and the tree's per-token advantages reach each rollout."""
+    from grpo_lightning.algorithm.branch_points import uncertainty_points
     from grpo_lightning.rewards.pipeline import pipeline_from_function
     from grpo_lightning.types import Prompt
-    from grpo_lightning.variants.branch_points import uncertainty_points
     from grpo_lightning.variants.storpo import STORPO
 
     policy, gen = engine

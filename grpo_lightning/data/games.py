@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from grpo_lightning.data.source import Problem
-from grpo_lightning.games.base import TwoPlayerGame, check_game_id, make_game
+from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.registry import check_game_id, make_game
 from grpo_lightning.schema import check_settings, choice, integer, optional, setting, text
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import re
 
-from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move, register_game
+from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move
+from grpo_lightning.games.registry import register_game
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 MARKS = ("X", "O")

@@ -22,12 +22,13 @@ import torch
 
 from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
-from grpo_lightning.games.base import TwoPlayerGame, make_game
+from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.opponent_pool import opponent_names
+from grpo_lightning.games.play import SCRIPTED, Match, ModelPlayer, play
+from grpo_lightning.games.registry import make_game
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
-from grpo_lightning.variants.game_play import SCRIPTED, Match, ModelPlayer, play
-from grpo_lightning.variants.selfplay import opponent_names
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """A live terminal view of a self-play round: games in flight, the learner's results, the rated pool, the latest
 evaluation.
 
-The view works with any variant that reports its rounds (`ReportsProgress`, variants/selfplay_progress.py): a
-list attribute `progress_listeners` of callables that the variant calls with a `SelfPlayProgress` while a round
-plays. `live_view` (the `callbacks.live_view` entry) builds nothing for any other variant, so the entry costs
-nothing there.
+The view works with any variant that reports its rounds (`ReportsProgress`, games/progress.py): a list attribute
+`progress_listeners` of callables that the variant calls with a `SelfPlayProgress` while a round plays.
+`live_view` (the `callbacks.live_view` entry) builds nothing for any other variant, so the entry costs nothing
+there.
 
 Where it draws: rich's global console, the one Lightning's Rich progress bar draws on, and only when that console
 is a terminal; in a log file or CI the view keeps the latest progress and prints nothing. Rich (>= 14.1) draws
@@ -34,8 +34,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from grpo_lightning.games.progress import ReportsProgress, SelfPlayProgress
 from grpo_lightning.schema import boolean, check_settings, configures, number, setting
-from grpo_lightning.variants.selfplay_progress import ReportsProgress, SelfPlayProgress
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ the policy's own snapshots, the base model and scripted players.
 
 A round deals `data.prompts_per_round` game seeds (data=games). For each seed it draws one opponent from the pool
 and a seat for the learner, and plays `games_per_group` games of that seed from that seat against that opponent:
-the round's games all advance together, one batched generate per move (variants/game_play.py). Every move the
+the round's games all advance together, one batched generate per move (games/play.py). Every move the
 learner made becomes a Rollout of exactly the prompt it was sampled from and its reply, scored by the reward
 pipeline with the turn's record (`types.TurnRecord`: the game's outcome, whether the move was legal, the move).
 
@@ -34,28 +34,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.data.games import GameSeeds, TurnPrompts
 from grpo_lightning.distributed import derive_seed, sum_counts_across_ranks
-from grpo_lightning.games.base import TwoPlayerGame, make_game
+from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.opponent_pool import LEARNER, SAMPLING_MODES, OpponentPool, opponent_names
+from grpo_lightning.games.play import LEARNER_PLAYER, SCRIPTED, Match, ModelPlayer, Player, play
+from grpo_lightning.games.progress import SelfPlayProgress
+from grpo_lightning.games.registry import make_game
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards import games as game_rewards
-from grpo_lightning.schema import check_settings, choice, integer, setting, strings, target_class
+from grpo_lightning.schema import check_settings, choice, integer, setting, target_class
 from grpo_lightning.types import Rollout, TurnRecord
 from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
-from grpo_lightning.variants.game_play import LEARNER_PLAYER, SCRIPTED, Match, ModelPlayer, Player, play
-from grpo_lightning.variants.opponent_pool import FIXED_OPPONENTS, LEARNER, SAMPLING_MODES, OpponentPool
-from grpo_lightning.variants.selfplay_progress import SelfPlayProgress
-
-
-def opponent_names(value) -> str | None:
-    """A rule: a list of fixed opponents."""
-    problem = strings(value)
-    if problem is not None or isinstance(value, str):
-        return f"must be a list of {', '.join(FIXED_OPPONENTS)}"
-    unknown = [v for v in value if v not in FIXED_OPPONENTS]
-    if unknown:
-        return f"must name only {', '.join(FIXED_OPPONENTS)} ({unknown[0]!r} is none of them)"
-    if len(set(value)) != len(value):
-        return "must not name an opponent twice"
-    return None
 
 
 @dataclass(frozen=True)

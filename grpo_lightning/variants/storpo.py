@@ -1,7 +1,7 @@
 """STORPO: branch continuations from points inside one initial completion, and credit each segment (docs/algorithm.md).
 
 Per prompt: sample ONE completion; choose its branch points, token counts k (0 < k < its length), by
-`step_rule` (variants/branch_points.py): a text rule (`sentence`, `line`, `both`: reasoning-step boundaries in
+`step_rule` (algorithm/branch_points.py): a text rule (`sentence`, `line`, `both`: reasoning-step boundaries in
 the decoded text, mapped to token boundaries) or a token rule (`uncertainty`: the sampled tokens with the highest
 -log p, at least `min_gap` apart; `fixed`: evenly spaced), which branches every completion of two or more tokens
 at min(`max_steps`, length - 1) points. A text rule that finds fewer than `min_steps` boundaries hands the
@@ -28,11 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from grpo_lightning.algorithm.tree_advantages import chain_tree_advantages
-from grpo_lightning.schema import check_settings, choice, integer, setting
-from grpo_lightning.types import Completion, Rollout
-from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
-from grpo_lightning.variants.branch_points import (
+from grpo_lightning.algorithm.branch_points import (
     STEP_RULES,
     TEXT_RULES,
     TOKEN_RULES,
@@ -42,6 +38,10 @@ from grpo_lightning.variants.branch_points import (
     token_boundaries,
     token_rule_points,
 )
+from grpo_lightning.algorithm.tree_advantages import chain_tree_advantages
+from grpo_lightning.schema import check_settings, choice, integer, setting
+from grpo_lightning.types import Completion, Rollout
+from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
 
 if TYPE_CHECKING:
     from grpo_lightning.rewards.pipeline import RewardPipeline

@@ -3,7 +3,7 @@
 The wheel is built from a copy of the sources (no build files land in the checkout) and installed with
 `--no-deps` into a new venv whose only other packages are this test environment's (a `.pth` line adds its
 site-packages, so torch and friends are not downloaded again). What is under test is the wheel's own content:
-the code and the Hydra configs shipped inside it.
+the code and the data shipped inside it (the Hydra configs, the table of TextArena's games).
 """
 
 import os
@@ -54,3 +54,5 @@ def test_built_wheel_dry_runs_from_any_directory(tmp_path):
     assert list(work.iterdir()) == []  # a dry run writes nothing
     configs = run(python, "-m", "grpo_lightning", "--cfg", "job", "loss=dapo", "variant=storpo", cwd=work, env=env)
     assert "loss_type: dapo" in configs.stdout and "completions_per_step" in configs.stdout
+    table = "from grpo_lightning.games.textarena_games import OFFLINE_TWO_PLAYER as T; print('Nim-v0' in T)"
+    assert run(python, "-c", table, cwd=work, env=env).stdout.strip() == "True"

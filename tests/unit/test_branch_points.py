@@ -5,11 +5,11 @@ import random
 
 import pytest
 
+from grpo_lightning.algorithm.branch_points import fixed_points, token_rule_points, uncertainty_points
 from grpo_lightning.algorithm.round_metrics import RolloutStats, rollout_metrics
 from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.rewards.pipeline import pipeline_from_function
 from grpo_lightning.types import Completion, Prompt
-from grpo_lightning.variants.branch_points import fixed_points, token_rule_points, uncertainty_points
 from grpo_lightning.variants.storpo import STORPO
 from tests.helpers import StubGenerator
 

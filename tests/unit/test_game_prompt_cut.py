@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from grpo_lightning.app.plan import check_model_fits
 from grpo_lightning.data.games import GameSeed, GameSeeds, TurnPrompts
-from grpo_lightning.games import base as games_base
 from grpo_lightning.games import make_game
+from grpo_lightning.games import registry as games_registry
 from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move
 from grpo_lightning.rewards.pipeline import build_reward
 from grpo_lightning.types import Prompt
@@ -80,7 +80,7 @@ class Tally(TwoPlayerGame):
 @pytest.fixture(autouse=True)
 def _tally_registered(monkeypatch):
     """Tally as a built-in game for each test (data.dataset.game=tally), gone after it."""
-    monkeypatch.setitem(games_base.BUILTIN_GAMES, "tally", Tally)
+    monkeypatch.setitem(games_registry.BUILTIN_GAMES, "tally", Tally)
 
 
 def tally_after(moves: int) -> Tally:

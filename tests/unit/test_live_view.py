@@ -10,8 +10,8 @@ from lightning.pytorch.callbacks import RichProgressBar
 from rich.console import Console
 from rich.live import Live
 
+from grpo_lightning.games.progress import PoolEntry, ReportsProgress, SelfPlayProgress
 from grpo_lightning.training.live_view import SelfPlayLiveView, live_view, render_text
-from grpo_lightning.variants.selfplay_progress import PoolEntry, ReportsProgress, SelfPlayProgress
 
 POOL = (
     PoolEntry("base", mu=26.0, sigma=2.0, games=4),

@@ -16,6 +16,15 @@ import torch
 
 from grpo_lightning.data.games import GameSeed, GameSeeds
 from grpo_lightning.games import make_game
+from grpo_lightning.games.opponent_pool import LEARNER, OpponentPool, rating_model
+from grpo_lightning.games.play import (
+    LEARNER_PLAYER,
+    Match,
+    ModelPlayer,
+    PerfectPlayer,
+    RandomMovePlayer,
+    play,
+)
 from grpo_lightning.games.tictactoe import minimax_value
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.models.lora import adapter_off
@@ -24,15 +33,6 @@ from grpo_lightning.rewards.pipeline import build_reward
 from grpo_lightning.rewards.transforms import BatchNormalize, RoleBaseline
 from grpo_lightning.training.game_evaluation import GameEvaluator
 from grpo_lightning.types import Completion, Prompt, TurnRecord
-from grpo_lightning.variants.game_play import (
-    LEARNER_PLAYER,
-    Match,
-    ModelPlayer,
-    PerfectPlayer,
-    RandomMovePlayer,
-    play,
-)
-from grpo_lightning.variants.opponent_pool import LEARNER, OpponentPool, rating_model
 from grpo_lightning.variants.selfplay import SelfPlay
 from tests.helpers import StubGenerator, lora_policy_with_random_adapters
 
@@ -450,7 +450,7 @@ def test_sampling_from_swaps_and_restores_bit_for_bit(tiny_model, tokenizer):
 def test_the_docs_example_game_plays_by_its_rules():
     from pathlib import Path
 
-    from grpo_lightning.games.base import BUILTIN_GAMES, check_game_id
+    from grpo_lightning.games.registry import BUILTIN_GAMES, check_game_id
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "selfplay.md").read_text(encoding="utf-8")
     block = re.search(r"```python\n(.*?)```", text, re.S).group(1)

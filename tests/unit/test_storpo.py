@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from grpo_lightning.algorithm.branch_points import evenly_spaced, step_boundaries, token_boundaries
 from grpo_lightning.algorithm.rollouts import collate_rollouts
 from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.rewards.pipeline import pipeline_from_function
 from grpo_lightning.types import Completion, Prompt
-from grpo_lightning.variants.branch_points import evenly_spaced, step_boundaries, token_boundaries
 from grpo_lightning.variants.storpo import STORPO
 from tests.helpers import StubGenerator
 

@@ -12,7 +12,7 @@ import torch
 
 textarena = pytest.importorskip("textarena")
 
-from grpo_lightning.games.base import check_game_id, make_game  # noqa: E402
+from grpo_lightning.games.registry import check_game_id, make_game  # noqa: E402
 from grpo_lightning.games.textarena_games import (  # noqa: E402
     NOT_HERE,
     OFFLINE_TWO_PLAYER,

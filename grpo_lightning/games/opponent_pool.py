@@ -25,12 +25,26 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from grpo_lightning.distributed import in_rank_order
-from grpo_lightning.variants.selfplay_progress import PoolEntry
+from grpo_lightning.games.progress import PoolEntry
+from grpo_lightning.schema import strings
 
 LEARNER = "learner"
 FIXED_OPPONENTS = ("random", "perfect", "base")
 """Opponents that are not snapshots: a random legal move, minimax play (solved games only), the base model."""
 SAMPLING_MODES = ("mirror", "lagged", "random", "match_quality")
+
+
+def opponent_names(value) -> str | None:
+    """A rule: a list of fixed opponents."""
+    problem = strings(value)
+    if problem is not None or isinstance(value, str):
+        return f"must be a list of {', '.join(FIXED_OPPONENTS)}"
+    unknown = [v for v in value if v not in FIXED_OPPONENTS]
+    if unknown:
+        return f"must name only {', '.join(FIXED_OPPONENTS)} ({unknown[0]!r} is none of them)"
+    if len(set(value)) != len(value):
+        return "must not name an opponent twice"
+    return None
 
 
 def rating_model():
