@@ -493,7 +493,8 @@ def check_pairs(variants_module, tmp_path):
     # sampled through dynamic sampling's path: no advantages until assign_advantages
     again = variant.sample_rollouts(generator, prompts, reward, decode)
     assert [r.advantage for r in again] == [0.0] * 4
-    assert pairs_cls(num_generations=3).num_generations == 3
+    assert pairs_cls(num_generations=3).settings == pairs_cls(variants_module.PairsSettings(3)).settings
+    assert pairs_cls(num_generations=3).group().rollouts == 3
 
 
 def check_callbacks(callbacks_module, capsys):
@@ -513,10 +514,10 @@ def check_declared_keys(settings_module, tmp_path: Path) -> None:
     from grpo_lightning.app.validation import check_rules
 
     cfg = make_cfg(
-        tmp_path / "declared", ["variant._target_=my_pkg.settings.PairsVariant", "variant.num_generations=1"]
+        tmp_path / "declared", ["variant._target_=my_pkg.variants.Pairs", "variant.num_generations=1"]
     )
     with pytest.raises(ValueError) as err:
-        settings_module.PairsVariant(num_generations=1)
+        settings_module.Pairs(num_generations=1)
     assert check_rules(cfg) == [str(err.value)] == ["variant.num_generations must be >= 2 (got 1)"]
 
 
@@ -565,8 +566,8 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
     import grpo_lightning.models.sources as sources
 
     page, written = my_pkg
-    assert {p.name for p in written} == {"variants.py", "callbacks.py", "pairs.yaml", "settings.py"}
-    check_declared_keys(importlib.import_module("my_pkg.settings"), tmp_path)
+    assert {p.name for p in written} == {"variants.py", "callbacks.py", "pairs.yaml"}
+    check_declared_keys(importlib.import_module("my_pkg.variants"), tmp_path)
     check_pairs(importlib.import_module("my_pkg.variants"), tmp_path)
     check_callbacks(importlib.import_module("my_pkg.callbacks"), capsys)
 
@@ -592,7 +593,7 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
             variants.append(instantiate(cfg.variant))
     capsys.readouterr()
     # variant._target_=...: variant=grpo's num_generations (G) comes along; variant=pairs: its own file's 2
-    assert sorted(v.num_generations for v in variants) == [2, 8], variants
+    assert sorted(v.settings.num_generations for v in variants) == [2, 8], variants
 
 
 def test_the_command_check_rejects_what_the_cli_rejects(tmp_path):
