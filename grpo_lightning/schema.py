@@ -7,7 +7,7 @@ A settings dataclass declares its keys with `setting(default, rule)`. The same d
   direct construction fails like a config run and no constructor re-lists a setting;
 - the config check (app/validation.py), which checks a composed config node against the declaration of its
   `_target_` before anything is built or loaded, so a mistake fails in a second with one line naming the key,
-  then asks each component for the rules that span its keys and other nodes (`Configured.check_config`);
+  then asks each component for the rules that span its keys and other nodes (`ConfigRules.check_config`);
 - docs/configuration.md, whose tables list the declared keys with their values in conf/.
 
 A key's meaning is written once, where users set it: the comment on its line in grpo_lightning/conf/ (the reference
@@ -45,14 +45,30 @@ def setting(default: Any = dataclasses.MISSING, rule: Rule | None = None, *, fac
     return dataclasses.field(default=default, metadata=metadata)
 
 
-class Configured:
+class ConfigRules:
+    """A component's rules across the run's config: what its keys require of other nodes (`check_config`) and of the
+    machine (`check_platform`). The config check calls both on every class a `_target_` of the composed config
+    names that derives from this, before anything is built or loaded."""
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """Rules between this component's keys and the rest of the run's composed config (`cfg`, an omegaconf
+        DictConfig), raised as one ValueError naming the keys. None by default: each key's own rule is checked
+        from its declaration."""
+
+    @classmethod
+    def check_platform(cls, cfg: Any) -> None:
+        """What this machine must have for the component as `cfg` configures it (a package's build, a GPU), as one
+        ValueError naming the keys; left out by a dry run that prints a GPU recipe's plan on a machine without
+        one. None by default."""
+
+
+class Configured(ConfigRules):
     """A component configured by settings dataclasses (`settings_types`): its config node's keys are their fields.
 
     Hydra calls the constructor with the node's keys; the constructor passes them to `settings_from`, which builds
-    one settings object per type (each checks its own keys), so a setting is never re-listed as an argument. A
-    component's rules that span other nodes of the run's config (a variant that needs a data source, an engine
-    that needs a package or a GPU) are its `check_config` and `check_platform`, which the config check calls before
-    anything loads.
+    one settings object per type (each checks its own keys), so a setting is never re-listed as an argument. (A
+    settings dataclass that is itself the component, a data source, derives from `ConfigRules` only.)
     """
 
     settings_types: ClassVar[tuple[type, ...]] = ()
@@ -69,18 +85,6 @@ class Configured:
             schema(**{k: plain(v) for k, v in keys.items() if k in declared_names})
             for schema, declared_names in zip(cls.settings_types, names, strict=True)
         )
-
-    @classmethod
-    def check_config(cls, cfg: Any) -> None:
-        """Rules between this component's keys and the rest of the run's composed config (`cfg`, an omegaconf
-        DictConfig), raised as one ValueError naming the keys; called by the config check before anything is
-        built or loaded. None by default: each key's own rule is checked from its declaration."""
-
-    @classmethod
-    def check_platform(cls, cfg: Any) -> None:
-        """What this machine must have for the component as `cfg` configures it (a package's build, a GPU), as one
-        ValueError naming the keys; the config check calls it after `check_config` unless a dry run leaves the
-        platform out (to print a GPU recipe's plan on a machine without one). None by default."""
 
 
 def plain(value: Any) -> Any:

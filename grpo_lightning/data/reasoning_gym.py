@@ -99,16 +99,18 @@ class ReasoningGym:
 
     task: str = setting("basic_arithmetic", task_name)
     task_config: dict = setting(
-        rule=mapping_of("{min_terms: 2, max_digits: 1}"), factory=dict,
-    )  # fmt: skip
+        rule=mapping_of("{min_terms: 2, max_digits: 1}"),
+        factory=dict,
+    )
     size: int = setting(1000, integer(1))
     seed: int = setting(0, integer(0))
     eval_seed: int = setting(1_000_000_000, integer(0))
     split: str = setting("train", choice("train", "test"))
     answer_format: str = setting("tag", choice(*FORMATS))
     system_prompt: str | None = setting(
-        "You are a careful assistant. Think briefly, then give the final answer.", optional(text),
-    )  # fmt: skip
+        "You are a careful assistant. Think briefly, then give the final answer.",
+        optional(text),
+    )
     prompt_template: str = setting("{question}\n{instruction}", template)
     num_test: int = field(default=100, repr=False)
     """Problems of the test split (`test_split` sets eval.num_problems); not a config key."""

@@ -17,6 +17,7 @@ A source is a settings dataclass with:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from grpo_lightning.schema import configures, integer, optional, setting, text
 
@@ -37,9 +38,7 @@ class Problem:
 class TestSplitSettings:
     """`eval.dataset`: the training data's test split; its file or folder when the training data is local."""
 
-    path: str | None = setting(
-        None, optional(text)
-    )  # fmt: skip
+    path: str | None = setting(None, optional(text))
     num_problems: int | None = setting(None, optional(integer(1)))
 
 
@@ -54,3 +53,29 @@ def test_split_of(train, path: str | None = None, num_problems: int | None = Non
 
 
 configures(test_split_of, TestSplitSettings)
+
+
+def check_text_file(key: str, path: Path) -> None:
+    if not path.exists():
+        raise ValueError(f"{key}: file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{key}: {path} is not a file (give a JSONL file)")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{key}: cannot read {path} ({err.strerror})") from None
+    if data[:2] == b"\x1f\x8b":
+        raise ValueError(f"{key}: {path} is gzip-compressed; decompress it first (gunzip -k {path.name})")
+    bom = data[:2] in (b"\xff\xfe", b"\xfe\xff")
+    ascii_utf16 = len(data) >= 4 and (data[1] == data[3] == 0 or data[0] == data[2] == 0) and b"\0\0" not in data[:4]
+    if bom or ascii_utf16:
+        raise ValueError(f"{key}: {path} is UTF-16 text; JSONL must be UTF-8 (iconv -f UTF-16 -t UTF-8)")
+    if b"\0" in data[:65536]:
+        raise ValueError(f"{key}: {path} is a binary file, not JSONL text")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{key}: {path} is not UTF-8 text (byte {err.start}: {data[err.start : err.start + 1]!r}); save it as "
+            "UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"
+        ) from None

@@ -53,12 +53,8 @@ class HFSettings:
     """The Hugging Face engine's own keys (generator=hf); the sampling keys are `SamplingConfig`'s, the speed
     levers `perf.generate`'s."""
 
-    batch_size: int | str = setting(
-        "auto", rows_or_auto
-    )  # fmt: skip
-    seed_per_prefix: bool = setting(
-        False, boolean
-    )  # fmt: skip
+    batch_size: int | str = setting("auto", rows_or_auto)
+    seed_per_prefix: bool = setting(False, boolean)
     logp_diff_threshold: float | None = setting(0.1, THRESHOLD_RULE)
     on_stale: str = setting("warn", ACTION_RULE)
 

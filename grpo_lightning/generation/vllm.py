@@ -90,9 +90,7 @@ class VLLMSourceSettings:
     trust_remote_code: bool = setting(False, boolean)
     logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
     on_stale: str = setting("warn", ACTION_RULE)
-    engine_process: bool = setting(
-        False, boolean
-    )  # fmt: skip
+    engine_process: bool = setting(False, boolean)
 
     def __post_init__(self) -> None:
         check_settings(self, "generator")

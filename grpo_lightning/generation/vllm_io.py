@@ -52,14 +52,10 @@ CPU_KV_CACHE_GIB = 1.0
 class VLLMSettings:
     """Engine and sync options (config group `generator`, generator=vllm); validated here."""
 
-    device: str | None = setting(
-        None, optional(text)
-    )  # fmt: skip
+    device: str | None = setting(None, optional(text))
     dtype: str = setting("auto", choice(*DTYPES))
     gpu_memory_utilization: float = setting(0.3, number(above=0, high=1))
-    kv_cache_gib: float | None = setting(
-        None, optional(number(above=0))
-    )  # fmt: skip
+    kv_cache_gib: float | None = setting(None, optional(number(above=0)))
     max_model_len: int | None = setting(None, optional(integer(2)))
     enable_prefix_caching: bool = setting(True, boolean)
     enable_sleep_mode: bool | None = setting(None, optional(boolean))

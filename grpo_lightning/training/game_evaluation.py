@@ -39,8 +39,9 @@ class GameEvalSettings:
     seats against every opponent)."""
 
     opponents: list[str] = setting(
-        rule=opponent_names, factory=lambda: ["random", "base"],
-    )  # fmt: skip
+        rule=opponent_names,
+        factory=lambda: ["random", "base"],
+    )
     max_turns: int = setting(30, integer(1))
 
     def __post_init__(self) -> None:

@@ -48,12 +48,8 @@ ABANDON_WAIT_S = 60.0
 class RolloutSettings:
     """`rollout`: whether the next round is sampled while this one trains."""
 
-    max_staleness: int = setting(
-        0, integer(0)
-    )  # fmt: skip
-    sampler_threads: int | None = setting(
-        None, optional(integer(1))
-    )  # fmt: skip
+    max_staleness: int = setting(0, integer(0))
+    sampler_threads: int | None = setting(None, optional(integer(1)))
 
     def __post_init__(self) -> None:
         check_settings(self, "rollout")

@@ -53,8 +53,9 @@ class SelfPlaySettings:
     games_per_group: int = setting(4, integer(2))
     opponent_sampling: str = setting("random", choice(*SAMPLING_MODES))
     fixed_opponents: list[str] = setting(
-        rule=opponent_names, factory=lambda: ["random", "base"],
-    )  # fmt: skip
+        rule=opponent_names,
+        factory=lambda: ["random", "base"],
+    )
     snapshot_every: int = setting(2, integer(1))
     max_snapshots: int = setting(4, integer(1))
     lagged_window: int = setting(2, integer(1))
