@@ -74,14 +74,30 @@ def evenly_spaced(items: Sequence[int], limit: int) -> list[int]:
     return [items[int((j + 0.5) * n / limit)] for j in range(limit)]
 
 
-def uncertainty_points(logprobs: Sequence[float], count: int, min_gap: int) -> list[int]:
-    """The min(count, L - 1) branch points k whose sampled token k had the highest -log p, pairwise at least a gap
-    apart, ascending (L = len(logprobs); k = 0 would be a fresh sample, not a branch, so 1 <= k <= L - 1).
+def widest_gap(length: int, count: int, min_gap: int) -> int:
+    """The gap the branch points of a completion of `length` tokens keep: `min_gap` when min(count, length - 1)
+    points fit in 1..length-1 that far apart ((n - 1) x gap <= length - 2), else the widest gap at which they do."""
+    n = min(count, length - 1)
+    return max(1, min_gap if n <= 1 else min(min_gap, (length - 2) // (n - 1)))
 
-    Greedy in order of -log p (ties: the earlier token), skipping a candidate closer than the gap to one already
-    taken (TreeRL's minimum distance). The gap starts at `min_gap`, or at the widest gap at which all the points fit
-    in the completion (`(L - 2) // (n - 1)`) when that is smaller; when the greedy pass still takes fewer than n
-    points it retries with the gap one smaller. At gap 1 every candidate qualifies, so the count is always met.
+
+def room_left(picked: Sequence[int], gap: int, length: int) -> int:
+    """How many more points fit in 1..length-1 at least `gap` from each other and from the sorted `picked`
+    (packed from the left of each free stretch, which places the most)."""
+    edges = [1 - gap, *picked, length - 1 + gap]  # virtual neighbours: a point may sit at 1 and at length - 1
+    return sum(max(0, (right - left) // gap - 1) for left, right in zip(edges, edges[1:], strict=False))
+
+
+def uncertainty_points(logprobs: Sequence[float], count: int, min_gap: int) -> list[int]:
+    """The min(count, L - 1) branch points k whose sampled token k had the highest -log p, pairwise at least the
+    gap apart, ascending (L = len(logprobs); k = 0 would be a fresh sample, not a branch, so 1 <= k <= L - 1).
+
+    The gap is `min_gap` whenever the points fit that far apart, else the widest at which they fit
+    (`widest_gap`). Greedy in order of -log p (ties: the earlier token), taking a candidate unless it lies closer
+    than the gap to a point already taken (TreeRL's minimum distance) or would leave too little room for the points
+    still to come (`room_left`): of all the placements that keep the gap, the one whose points rank highest, the
+    first point first. A pure greedy pass, without the room check, can strand the last points (16 tokens, 4 points
+    at gap 4: 9 and 15 first leave no room for two more), which is why the check is there.
     """
     if min_gap < 1:
         raise ValueError(f"min_gap must be >= 1 (got {min_gap!r})")
@@ -89,16 +105,17 @@ def uncertainty_points(logprobs: Sequence[float], count: int, min_gap: int) -> l
     n = min(count, length - 1)
     if n <= 0:
         return []
-    order = sorted(range(1, length), key=lambda k: (logprobs[k], k))  # lowest log p (highest -log p) first
-    gap = max(1, min_gap if n == 1 else min(min_gap, (length - 2) // (n - 1)))
-    while True:
-        picked: list[int] = []
-        for k in order:
-            if all(abs(k - j) >= gap for j in picked):
-                picked.append(k)
-                if len(picked) == n:
-                    return sorted(picked)
-        gap -= 1
+    gap = widest_gap(length, count, min_gap)
+    picked: list[int] = []
+    for k in sorted(range(1, length), key=lambda k: (logprobs[k], k)):  # lowest log p (highest -log p) first
+        if any(abs(k - j) < gap for j in picked):
+            continue
+        if room_left(sorted([*picked, k]), gap, length) < n - len(picked) - 1:
+            continue
+        picked.append(k)
+        if len(picked) == n:
+            return sorted(picked)
+    raise AssertionError(f"no placement of {n} points at gap {gap} in {length} tokens")  # widest_gap rules it out
 
 
 def fixed_points(length: int, count: int) -> list[int]:

@@ -1,11 +1,12 @@
 """STORPO's token rules (uncertainty, fixed) and the order of rules: positions written by hand, and properties
 checked against an independent statement of the greedy choice."""
 
+import itertools
 import random
 
 import pytest
 
-from grpo_lightning.algorithm.branch_points import fixed_points, token_rule_points, uncertainty_points
+from grpo_lightning.algorithm.branch_points import fixed_points, token_rule_points, uncertainty_points, widest_gap
 from grpo_lightning.algorithm.round_metrics import RolloutStats, rollout_metrics
 from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.rewards.pipeline import pipeline_from_function
@@ -30,54 +31,55 @@ def test_uncertainty_ties_go_to_the_earlier_token():
     assert uncertainty_points([0.0, -1.0, -1.0, -1.0, -1.0], 2, 2) == [1, 3]
 
 
-def test_uncertainty_gap_shrinks_until_the_points_fit():
+def test_uncertainty_keeps_the_gap_whenever_the_points_fit():
     # 6 tokens, 4 points: candidates 1..5, and 4 points 4 apart cannot fit; the widest that can is (6-2)//3 = 1
     assert uncertainty_points([0.0, -5.0, -4.0, -3.0, -2.0, -1.0], 4, 4) == [1, 2, 3, 4]
-    # 9 tokens, 2 points, gap 4: the greedy pick of the top token (5) leaves 1 as the only point 4 away
+    # 9 tokens, 2 points, gap 4: the top token (5) leaves 1 as the only point 4 away
     assert uncertainty_points([0.0, -1.0, -2.0, -3.0, -6.0, -9.0, -5.0, -4.0, -0.5], 2, 4) == [1, 5]
-    # 7 tokens, 3 points, gap 3: the search starts at (7-2)//2 = 2; 3 first, 2 and 4 are 1 away: skipped,
+    # 7 tokens, 3 points, gap 3: (7-2)//2 = 2 is the widest that fits; 3 first, 2 and 4 are 1 away: skipped,
     # then 6 (-0.3), 5 is 1 from 6: skipped, 1 is 2 from 3: taken
     assert uncertainty_points([0.0, -0.1, -8.0, -9.0, -7.0, -0.2, -0.3], 3, 3) == [1, 3, 6]
-    # the greedy pass falls short at the starting gap and retries one smaller: 5 tokens, 2 points, gap 3 -> the
-    # top token 2 leaves no candidate 3 away (1..4), so gap 2 takes 4
-    assert uncertainty_points([0.0, -1.0, -5.0, -2.0, -0.5], 2, 3) == [2, 4]
+    # 5 tokens, 2 points, gap 3: only 1 and 4 are 3 apart, so the top token (2) would leave no room for a second
+    # point: the gap is kept and the placement is {1, 4}
+    assert uncertainty_points([0.0, -1.0, -5.0, -2.0, -0.5], 2, 3) == [1, 4]
+    # 16 tokens, 4 points, gap 4: 9 and 15 first; 2 (third by -log p) would leave no room for a fourth point 4
+    # away from all three, so it is passed over and the gap kept (a plain greedy pass shrank it: [2, 9, 12, 15])
+    logprobs = [0.0, -1, -7, -1, -1, -1, -1, -1, -1, -9, -1, -1, -1, -1, -1, -8]
+    assert uncertainty_points(logprobs, 4, 4) == [1, 5, 9, 15]
+    # 8 tokens, 4 points, gap 2: 1, 3, 5, 7 is the only placement
+    assert uncertainty_points([0.0, -3.0, -2.5, -2.0, -0.1, -1.0, -0.2, -0.3], 4, 2) == [1, 3, 5, 7]
+
+
+def _brute_force_points(logprobs, count, min_gap):
+    """The placement by enumeration: of every set of min(count, L - 1) points in 1..L-1, those whose closest pair is
+    the widest gap up to `min_gap` that any set reaches, and of those the one whose points rank highest (ranks by
+    -log p, ties to the earlier token), compared as sorted rank lists."""
+    length = len(logprobs)
+    n = min(count, length - 1)
+    rank = {k: r for r, k in enumerate(sorted(range(1, length), key=lambda k: (logprobs[k], k)))}
+    placements = list(itertools.combinations(range(1, length), n))
+    closest = {p: min((b - a for a, b in zip(p, p[1:])), default=min_gap) for p in placements}
+    gap = min(min_gap, max(closest.values()))
+    kept = [p for p in placements if closest[p] >= gap]
+    return list(min(kept, key=lambda p: sorted(rank[k] for k in p))), gap
+
+
+@pytest.mark.parametrize("length", range(2, 41))
+def test_uncertainty_points_are_the_brute_force_placement(length):
+    rng = random.Random(length)
+    for count in (1, 2, 3, 4) if length <= 30 else (rng.randint(1, 4),):
+        min_gap = rng.randint(1, 10)
+        logprobs = [-round(rng.expovariate(1.0), 1) for _ in range(length)]  # rounded: ties happen
+        expected, gap = _brute_force_points(logprobs, count, min_gap)
+        picked = uncertainty_points(logprobs, count, min_gap)
+        assert picked == expected, (logprobs, count, min_gap, gap)
+        assert widest_gap(length, count, min_gap) == gap
 
 
 def test_short_completions():
     assert uncertainty_points([], 4, 2) == [] and fixed_points(0, 4) == []
     assert uncertainty_points([-1.0], 4, 2) == [] and fixed_points(1, 4) == []  # one token: nothing inside it
     assert uncertainty_points([-1.0, -0.5], 4, 8) == [1] and fixed_points(2, 4) == [1]
-
-
-def _greedy_holds(logprobs, picked, gap):
-    """Independent statement of the greedy choice: every candidate more uncertain than some picked point (or as
-    uncertain and earlier) that was not picked lies closer than `gap` to a picked point that outranks it."""
-    rank = {k: (logprobs[k], k) for k in range(1, len(logprobs))}
-    for k in rank:
-        if k in picked or rank[k] > max(rank[p] for p in picked):
-            continue
-        if not any(abs(k - p) < gap and rank[p] < rank[k] for p in picked):
-            return False
-    return True
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_uncertainty_properties_on_random_log_probs(seed):
-    rng = random.Random(seed)
-    length, count, min_gap = rng.randint(1, 40), rng.randint(1, 6), rng.randint(1, 8)
-    logprobs = [-rng.expovariate(1.0) for _ in range(length)]
-    picked = uncertainty_points(logprobs, count, min_gap)
-    n = min(count, length - 1) if length > 1 else 0
-    assert len(picked) == n and picked == sorted(set(picked))
-    assert all(1 <= k <= length - 1 for k in picked)
-    if n:
-        start = min_gap if n == 1 else min(min_gap, (length - 2) // (n - 1))
-        assert any(
-            all(abs(a - b) >= gap for a in picked for b in picked if a != b) and _greedy_holds(logprobs, picked, gap)
-            for gap in range(1, max(start, 1) + 1)
-        )
-        top = min(range(1, length), key=lambda k: (logprobs[k], k))
-        assert top in picked  # the most uncertain token is always a branch point
 
 
 # ---- fixed ------------------------------------------------------------------------------------------------------
