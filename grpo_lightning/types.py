@@ -83,6 +83,8 @@ class Rollout:
     """The completion's scalar advantage (the reward pipeline's group transforms)."""
     branch_point: int = 0
     """Number of leading completion tokens NOT trained on (STORPO continuations); 0 trains on all."""
+    tree: int = 0
+    """Which initial completion of its group it is or continues (STORPO's forest: `variant.trees` per prompt)."""
     answer_extracted: bool = False
     """Whether the reward function found an answer in the completion (format rate)."""
     reward_terms: dict[str, float] = field(default_factory=dict)

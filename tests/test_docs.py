@@ -513,9 +513,7 @@ def check_declared_keys(settings_module, tmp_path: Path) -> None:
     with the same message as the class's own constructor."""
     from grpo_lightning.app.validation import check_rules
 
-    cfg = make_cfg(
-        tmp_path / "declared", ["variant._target_=my_pkg.variants.Pairs", "variant.num_generations=1"]
-    )
+    cfg = make_cfg(tmp_path / "declared", ["variant._target_=my_pkg.variants.Pairs", "variant.num_generations=1"])
     with pytest.raises(ValueError) as err:
         settings_module.Pairs(num_generations=1)
     assert check_rules(cfg) == [str(err.value)] == ["variant.num_generations must be >= 2 (got 1)"]

@@ -298,7 +298,7 @@ def test_storpo_variant_keeps_prefix_ids(engine, tokenizer, monkeypatch):
     policy, gen = engine
     gen.sync_weights(policy)
     prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]
-    variant = STORPO(
+    variant = STORPO(trees=1,
         completions_per_step=2, min_steps=1, max_steps=3, fallback_generations=4, step_rule="sentence",
         fallback_rule="none", advantage="group",
     )  # fmt: skip
@@ -327,7 +327,7 @@ def test_storpo_branches_at_the_engines_most_uncertain_tokens(engine, tokenizer)
     policy, gen = engine
     gen.sync_weights(policy)
     prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]
-    variant = STORPO(completions_per_step=2, max_steps=3, min_gap=2, step_rule="uncertainty", advantage="tree")
+    variant = STORPO(trees=1, completions_per_step=2, max_steps=3, min_gap=2, step_rule="uncertainty", advantage="tree")
     reward = pipeline_from_function(lambda text, answer: float(len(text) % 2))
     rollouts = variant.generate_rollouts(gen, prompts, reward, tokenizer.decode)
     initial = {r.group_id: r for r in rollouts if r.branch_point == 0}

@@ -206,7 +206,7 @@ def test_storpo_variant_on_the_engine(setup, tokenizer):
     policy, gen = setup
     gen.sync_weights(policy)
     prompts = [Prompt(ids, answer="1", question="q", problem_index=i) for i, ids in enumerate(_prompts(tokenizer))]
-    variant = STORPO(completions_per_step=2, min_steps=1, max_steps=3, fallback_generations=4)
+    variant = STORPO(trees=1, completions_per_step=2, min_steps=1, max_steps=3, fallback_generations=4)
     reward = pipeline_from_function(lambda text, answer: float(len(text) % 2))
     rollouts = variant.generate_rollouts(gen, prompts, reward, tokenizer.decode)
     assert {r.group_id for r in rollouts} == {0, 1}

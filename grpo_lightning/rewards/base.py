@@ -92,6 +92,11 @@ class Transform(Stage, ABC):
     Per-completion and per-step transforms are given every `info` key, as terms are.
     """
 
+    baseline: ClassVar[str] = "none"
+    """What a group transform subtracts: `group` (each group's own mean), `own` (a baseline from outside the group:
+    a running mean, the round's mean) or `none` (it does not centre). STORPO's tree credit values a forest's root by
+    it (algorithm/tree_advantages.py)."""
+
     @abstractmethod
     def __call__(self, *args: Any, **info: Any) -> Any:
         """The transform, with the arguments of its place (above)."""

@@ -266,6 +266,16 @@ class RewardPipeline:
             values = out
         return values
 
+    def centres_on_group(self) -> bool:
+        """Whether the advantage's baseline is each group's own mean: the last group transform that centres says
+        (`Transform.baseline`; a plain function is taken not to centre). STORPO's tree credit values a forest's root
+        by its other trees then, and at 0 (the transform's own baseline) otherwise."""
+        for stage in reversed(self.group_transforms):
+            baseline = stage.fn.baseline if isinstance(stage.fn, Transform) else "none"
+            if baseline != "none":
+                return baseline == "group"
+        return False
+
     # ---- errors and state ----------------------------------------------------------------------------------
     def pop_errors(self) -> int:
         """Failing term calls since the previous call (the rollout loop logs them once per round)."""

@@ -144,6 +144,8 @@ class GroupNormalize(Transform):
     `auto` takes the scaling the loss is defined with: `none` for loss=dr_grpo, `group` for the others.
     """
 
+    baseline = "group"
+
     def __init__(self, scale: str = "auto", eps: float = 1e-4) -> None:
         if scale != "auto" and scale not in SCALE_REWARDS:
             raise ValueError(f"scale must be one of {', '.join(SCALE_REWARDS)}, auto (got {scale!r})")
@@ -174,6 +176,8 @@ class EMABaseline(Transform):
     saved in every checkpoint, so a resumed run continues with the same baseline; under several processes each
     process keeps its own baseline over its own rollouts.
     """
+
+    baseline = "own"
 
     def __init__(self, decay: float = 0.9, scale: str = "none", eps: float = 1e-4) -> None:
         _finite("decay", decay)
@@ -247,6 +251,8 @@ class BatchNormalize(Transform):
     """The round's rewards centred on the round's mean and divided by its std + eps (a batch z-score, eps inside
     the division: a round of equal rewards gives zeros, not a division by zero). Groups play no part: the
     baseline is the round's (with RoleBaseline before it, reward=selfplay_role)."""
+
+    baseline = "own"
 
     def __init__(self, eps: float = 1e-4) -> None:
         _finite("eps", eps)

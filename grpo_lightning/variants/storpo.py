@@ -38,7 +38,7 @@ from grpo_lightning.algorithm.branch_points import (
     token_boundaries,
     token_rule_points,
 )
-from grpo_lightning.algorithm.tree_advantages import chain_tree_advantages
+from grpo_lightning.algorithm.tree_advantages import forest_advantages
 from grpo_lightning.schema import check_settings, choice, integer, setting
 from grpo_lightning.types import Completion, Rollout
 from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
@@ -62,6 +62,7 @@ class STORPOSettings:
     """`variant=storpo`: where an initial completion branches, how many continuations each branch gets, and how
     the branches are credited."""
 
+    trees: int = setting(2, integer(1))
     completions_per_step: int = setting(2, integer(1))
     min_steps: int = setting(2, integer(1))
     max_steps: int = setting(4, integer(1))
@@ -100,16 +101,16 @@ class STORPO(GRPOVariant):
         self.begin_round(0)
 
     def group(self) -> GroupShape:
-        """At most: the initial completion and `completions_per_step` continuations at each of `max_steps` branch
-        points, or a prompt sampled plainly (`fallback_generations`), whichever is larger."""
+        """At most: `trees` initial completions, each with `completions_per_step` continuations at each of
+        `max_steps` branch points, or a prompt sampled plainly (`fallback_generations`), whichever is larger."""
         s = self.settings
-        branched = 1 + s.completions_per_step * s.max_steps
+        branched = s.trees * (1 + s.completions_per_step * s.max_steps)
         return GroupShape(
             rollouts=max(branched, s.fallback_generations),
-            samples=f"1 completion + {s.completions_per_step} continuations at each of up to {s.max_steps} branch "
-            f"points ({s.fallback_generations} completions when sampled plainly)",
-            keys=("variant.completions_per_step", "variant.max_steps", "variant.fallback_generations"),
-            samples_per_prefix=max(s.completions_per_step, s.fallback_generations - 1),
+            samples=f"{s.trees} x (1 completion + {s.completions_per_step} continuations at each of up to "
+            f"{s.max_steps} branch points) ({max(s.trees, s.fallback_generations)} completions when sampled plainly)",
+            keys=("variant.trees", "variant.completions_per_step", "variant.max_steps", "variant.fallback_generations"),
+            samples_per_prefix=max(s.trees, s.completions_per_step, s.fallback_generations - s.trees),
             shared_prompt=True,
         )
 
@@ -148,30 +149,31 @@ class STORPO(GRPOVariant):
     def sample_rollouts(
         self, generator, prompts: Sequence, reward_fn: RewardPipeline, decode: Callable
     ) -> list[Rollout]:
-        initial = [group[0] for group in generator.generate([p.prompt_ids for p in prompts], 1)]
-        branches: dict[int, list[int]] = {}  # prompt index -> branch points (token counts)
-        fallback: list[int] = []  # prompt indices sampled plainly
-        by_token_rule = 0  # prompts whose points came from a token rule
-        for i, c in enumerate(initial):
-            ks, rule = self.branch_points(c, decode)
-            if ks:
-                branches[i] = ks
-                by_token_rule += rule in TOKEN_RULES
-            else:
-                fallback.append(i)
-        samples: dict[int, list[tuple[Completion, int]]] = {i: [(c, 0)] for i, c in enumerate(initial)}
+        trees = self.settings.trees
+        initial = generator.generate([p.prompt_ids for p in prompts], trees)  # initial[i][t]: tree t of prompt i
+        branches: dict[tuple[int, int], list[int]] = {}  # (prompt, tree) -> branch points (token counts)
+        by_token_rule = 0  # initial completions whose points came from a token rule
+        for i, roots in enumerate(initial):
+            for t, c in enumerate(roots):
+                ks, rule = self.branch_points(c, decode)
+                if ks:
+                    branches[i, t] = ks
+                    by_token_rule += rule in TOKEN_RULES
+        fallback = [i for i in range(len(prompts)) if not any((i, t) in branches for t in range(trees))]
+        samples: dict[int, list[tuple[Completion, int, int]]] = {  # prompt -> (completion, branch point, tree)
+            i: [(c, 0, t) for t, c in enumerate(roots)] for i, roots in enumerate(initial)
+        }
         self._branch(generator, prompts, initial, branches, samples)
-        if fallback:
-            extra = generator.generate(
-                [prompts[i].prompt_ids for i in fallback], self.settings.fallback_generations - 1
-            )
+        extra_plain = self.settings.fallback_generations - trees
+        if fallback and extra_plain > 0:
+            extra = generator.generate([prompts[i].prompt_ids for i in fallback], extra_plain)
             for i, completions in zip(fallback, extra, strict=True):
-                samples[i].extend((c, 0) for c in completions)
-        rollouts = [
-            self.make_rollout(prompts[i], c, i, reward_fn, decode, k)
-            for i in range(len(prompts))
-            for c, k in samples[i]
-        ]
+                samples[i].extend((c, 0, t) for t, c in enumerate(completions, start=trees))
+        rollouts = []
+        for i, prompt in enumerate(prompts):
+            for c, k, t in samples[i]:
+                rollouts.append(self.make_rollout(prompt, c, i, reward_fn, decode, k))
+                rollouts[-1].tree = t
         self._count(len(prompts), initial, branches, len(fallback), by_token_rule, rollouts)
         self._warn_if_mostly_plain(len(fallback), len(prompts))
         return rollouts
@@ -189,38 +191,43 @@ class STORPO(GRPOVariant):
             plain, total, self.settings.min_steps, self.settings.step_rule, self.settings.fallback_rule,
         )  # fmt: skip
 
-    def _branch(self, generator, prompts, initial: list[Completion], branches: dict[int, list[int]], samples) -> None:
-        """Sample `completions_per_step` continuations from every branch point, within the token budget."""
-        jobs = [(i, k) for i, ks in branches.items() for k in ks]
+    def _branch(self, generator, prompts, initial, branches: dict[tuple[int, int], list[int]], samples) -> None:
+        """Sample `completions_per_step` continuations from every branch point of every tree, within the token
+        budget."""
+        jobs = [(i, t, k) for (i, t), ks in branches.items() for k in ks]
         if not jobs:
             return
         budget = generator.sampling.max_new_tokens
         continuations = generator.generate(
-            [prompts[i].prompt_ids + initial[i].token_ids[:k] for i, k in jobs],
+            [prompts[i].prompt_ids + initial[i][t].token_ids[:k] for i, t, k in jobs],
             self.settings.completions_per_step,
-            max_new_tokens=[budget - k for _, k in jobs],
+            max_new_tokens=[budget - k for _, _, k in jobs],
         )
-        for (i, k), completions in zip(jobs, continuations, strict=True):
-            samples[i].extend((_join(initial[i], k, c), k) for c in completions)
+        for (i, t, k), completions in zip(jobs, continuations, strict=True):
+            samples[i].extend((_join(initial[i][t], k, c), k, t) for c in completions)
 
     # ---- credit ------------------------------------------------------------------------------------------------
     def assign_advantages(self, rollouts: list[Rollout], reward_fn: RewardPipeline) -> None:
         """The flat group's scalar advantages (the reward pipeline's group transforms); with `advantage=tree`,
-        each branched group's tokens also get their segment's advantage (algorithm/tree_advantages.py). A plain
-        group (no continuation) keeps its scalars: it has no inner node to credit."""
+        each branched group's tokens also get their segment's advantage (algorithm/tree_advantages.py), its root
+        valued as the transforms value it (`RewardPipeline.centres_on_group`). A plain group (no continuation)
+        keeps its scalars: it has no inner node to credit."""
         super().assign_advantages(rollouts, reward_fn)
         if self.settings.advantage != "tree":
             return
         groups: dict[int, list[Rollout]] = {}
         for r in rollouts:
             groups.setdefault(r.group_id, []).append(r)
+        root_from_other_trees = reward_fn.centres_on_group()
         for members in groups.values():
             if not any(r.branch_point > 0 for r in members):
                 continue
-            per_token = chain_tree_advantages(
+            per_token = forest_advantages(
                 [r.advantage for r in members],
                 [r.branch_point for r in members],
+                [r.tree for r in members],
                 [len(r.completion_ids) for r in members],
+                root_from_other_trees,
             )
             for r, values in zip(members, per_token, strict=True):
                 r.token_advantages = values
@@ -230,27 +237,30 @@ class STORPO(GRPOVariant):
         """Start counting a new round: the metrics sum over every sampling call of the round (dynamic sampling
         draws several batches)."""
         super().begin_round(round_index)
-        self._counts = {"prompts": 0, "branched": 0, "points": 0, "plain": 0, "token_rule": 0}
+        self._counts = {"prompts": 0, "trees": 0, "branched": 0, "points": 0, "plain": 0, "token_rule": 0}
         self._thirds: dict[str, list[float]] = {"early": [], "middle": [], "late": []}
 
     def _count(self, num_prompts: int, initial, branches, plain: int, by_token_rule: int, rollouts) -> None:
+        """Per initial completion (tree): its branch points, whether it branched and by a token rule; per prompt:
+        whether it was sampled plainly; the continuations' rewards by where in their tree they branched."""
         counts = self._counts
         counts["prompts"] += num_prompts
+        counts["trees"] += num_prompts * self.settings.trees
         counts["branched"] += len(branches)
         counts["points"] += sum(len(ks) for ks in branches.values())
         counts["plain"] += plain
         counts["token_rule"] += by_token_rule
         for r in rollouts:
             if r.branch_point > 0:
-                position = r.branch_point / max(len(initial[r.group_id].token_ids), 1)
+                position = r.branch_point / max(len(initial[r.group_id][r.tree].token_ids), 1)
                 name = "early" if position < 1 / 3 else "middle" if position < 2 / 3 else "late"
                 self._thirds[name].append(r.reward)
-        n = max(counts["prompts"], 1)
+        trees = max(counts["trees"], 1)
         self.metrics = {
-            "rollout/storpo_branches_mean": counts["points"] / n,
-            "rollout/storpo_branched_frac": counts["branched"] / n,
-            "rollout/storpo_fallback_frac": counts["plain"] / n,
-            "rollout/storpo_token_rule_frac": counts["token_rule"] / n,
+            "rollout/storpo_branches_mean": counts["points"] / trees,
+            "rollout/storpo_branched_frac": counts["branched"] / trees,
+            "rollout/storpo_fallback_frac": counts["plain"] / max(counts["prompts"], 1),
+            "rollout/storpo_token_rule_frac": counts["token_rule"] / trees,
         }
         for name, rewards in self._thirds.items():
             if rewards:

@@ -58,7 +58,7 @@ def _brute_force_points(logprobs, count, min_gap):
     n = min(count, length - 1)
     rank = {k: r for r, k in enumerate(sorted(range(1, length), key=lambda k: (logprobs[k], k)))}
     placements = list(itertools.combinations(range(1, length), n))
-    closest = {p: min((b - a for a, b in zip(p, p[1:])), default=min_gap) for p in placements}
+    closest = {p: min((b - a for a, b in zip(p, p[1:], strict=False)), default=min_gap) for p in placements}
     gap = min(min_gap, max(closest.values()))
     kept = [p for p in placements if closest[p] >= gap]
     return list(min(kept, key=lambda p: sorted(rank[k] for k in p))), gap
@@ -148,7 +148,9 @@ def test_uncertainty_branches_every_completion_at_its_uncertain_tokens():
     engine = LogprobEngine(
         {1000: (list(range(10)), LOGPROBS), 1001: ([3, 4], [-0.1, -0.2]), 1002: ([7], [-0.3])}, continuation=[25]
     )
-    variant = STORPO(completions_per_step=2, max_steps=3, min_gap=2, fallback_generations=3, step_rule="uncertainty")
+    variant = STORPO(
+        trees=1, completions_per_step=2, max_steps=3, min_gap=2, fallback_generations=3, step_rule="uncertainty"
+    )
     rollouts = variant.generate_rollouts(engine, _prompts(3), _reward(), _decode)
     points = {g: sorted({r.branch_point for r in rollouts if r.group_id == g and r.branch_point}) for g in range(3)}
     assert points == {0: [2, 5, 9], 1: [1], 2: []}  # 10 tokens: 3 points; 2 tokens: 1; 1 token: none (plain)
@@ -163,7 +165,7 @@ def test_uncertainty_branches_every_completion_at_its_uncertain_tokens():
 
 def test_tokens_generated_counts_a_shared_prefix_once():
     engine = LogprobEngine({1000: (list(range(10)), LOGPROBS), 1001: ([3, 4, 5, 6], [-1.0] * 4)}, [25, 24])
-    variant = STORPO(completions_per_step=2, max_steps=3, min_gap=1, step_rule="fixed")
+    variant = STORPO(trees=1, completions_per_step=2, max_steps=3, min_gap=1, step_rule="fixed")
     rollouts = variant.generate_rollouts(engine, _prompts(2), _reward(), _decode)
     metrics = rollout_metrics([RolloutStats.of(r) for r in rollouts], rollout_s=1.0)
     assert metrics["rollout/tokens_generated"] == engine.tokens_returned  # what the engine sampled, no more
@@ -179,7 +181,7 @@ def test_text_rule_first_then_the_fallback_rule_then_plain():
     engine = LogprobEngine({1000: (ids, [-1.0] * len(ids)), 1001: (plain_ids, LOGPROBS[:8])}, continuation=[122])
 
     def points(**kwargs):
-        variant = STORPO(completions_per_step=1, max_steps=4, min_steps=2, fallback_generations=2, **kwargs)
+        variant = STORPO(trees=1, completions_per_step=1, max_steps=4, min_steps=2, fallback_generations=2, **kwargs)
         rollouts = variant.generate_rollouts(engine, _prompts(2), _reward(), decode)
         return [sorted({r.branch_point for r in rollouts if r.group_id == g and r.branch_point}) for g in (0, 1)]
 

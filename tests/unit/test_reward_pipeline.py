@@ -429,7 +429,9 @@ def test_storpo_tells_step_transforms_its_steps_and_branch_step():
     )
     assert pipeline.uses_steps and STORPO.knows_steps and not BaselineGRPO.knows_steps
     initial = "We have 3 + 4 = 7 apples. Then 7 + 2 = 9 apples. So #### 9"  # 3 steps, 2 show a result
-    variant = STORPO(completions_per_step=1, min_steps=1, max_steps=2, fallback_generations=2, step_rule="sentence")
+    variant = STORPO(
+        trees=1, completions_per_step=1, min_steps=1, max_steps=2, fallback_generations=2, step_rule="sentence"
+    )
     rollouts = variant.generate_rollouts(CharGenerator(initial, "So #### 9"), _prompts(1), pipeline, _decode)
     assert rollouts[0].reward == 1.5 and rollouts[0].reward_terms == {"gsm8k": 1.0}  # 1 + 2 x 0.25
     # Continuations from the 2nd and 3rd step: their own steps ("So #### 9") show no result, so no bonus.

@@ -11,7 +11,7 @@ from grpo_lightning.types import Completion, Prompt
 from grpo_lightning.variants.storpo import STORPO
 from tests.helpers import StubGenerator
 
-TEXT_ONLY = {"step_rule": "sentence", "fallback_rule": "none", "advantage": "group"}
+TEXT_ONLY = {"trees": 1, "step_rule": "sentence", "fallback_rule": "none", "advantage": "group"}
 """STORPO before token rules and tree credit: sentence boundaries or a plain group, one flat advantage group."""
 
 
@@ -183,7 +183,7 @@ def test_masks_cover_exactly_the_tokens_after_each_branch_point(tokenizer):
 def test_a_listed_completion_branches_by_lines_and_falls_back_by_sentences(tokenizer, caplog):
     def run(rule: str) -> tuple[STORPO, list]:
         gen = ScriptedGenerator(tokenizer, {1000: LISTED, 1001: LISTED}, continuation=" So 30")
-        variant = STORPO(
+        variant = STORPO(trees=1,
             completions_per_step=1, min_steps=2, max_steps=4, fallback_generations=3, step_rule=rule,
             fallback_rule="none", advantage="group",
         )  # fmt: skip

@@ -29,11 +29,11 @@ def test_each_variant_says_its_group():
         rollouts=6, samples="6 completions", keys=("generator.num_generations",), samples_per_prefix=6,
         shared_prompt=True,
     )  # fmt: skip
-    storpo = STORPO(completions_per_step=3, max_steps=2, fallback_generations=5).group()
-    assert (storpo.rollouts, storpo.samples_per_prefix, storpo.shared_prompt) == (1 + 3 * 2, 4, True)
-    assert "variant.completions_per_step" in storpo.keys and "generator.num_generations" not in storpo.keys
-    plain_heavy = STORPO(completions_per_step=1, max_steps=2, fallback_generations=8).group()
-    assert plain_heavy.rollouts == 8  # a prompt sampled plainly is the larger group
+    storpo = STORPO(trees=2, completions_per_step=3, max_steps=2, fallback_generations=5).group()
+    assert (storpo.rollouts, storpo.samples_per_prefix, storpo.shared_prompt) == (2 * (1 + 3 * 2), 3, True)
+    assert "variant.trees" in storpo.keys and "generator.num_generations" not in storpo.keys
+    plain_heavy = STORPO(trees=1, completions_per_step=1, max_steps=2, fallback_generations=8).group()
+    assert (plain_heavy.rollouts, plain_heavy.samples_per_prefix) == (8, 7)  # plainly: the larger group
     selfplay = SelfPlay(games_per_group=3, max_turns=9).group()
     assert (selfplay.rollouts, selfplay.samples_per_prefix, selfplay.shared_prompt) == (3 * 5, 1, False)
     assert selfplay.keys == ("variant.games_per_group", "variant.max_turns")
@@ -54,8 +54,9 @@ def test_a_variant_takes_its_settings_object_or_its_keys():
     ("overrides", "variant", "rollouts", "key", "prefix_rows", "shared"),
     [
         (GRPO, BaselineGRPO(num_generations=6), 6, "generator.num_generations", 6, True),
-        (STORPO_RUN, STORPO(completions_per_step=3, max_steps=2, fallback_generations=5), 7,
-         "variant.completions_per_step or variant.max_steps or variant.fallback_generations", 4, True),
+        (STORPO_RUN, STORPO(trees=2, completions_per_step=3, max_steps=2, fallback_generations=5), 14,
+         "variant.trees or variant.completions_per_step or variant.max_steps or variant.fallback_generations", 3,
+         True),
         (SELFPLAY, SelfPlay(games_per_group=3, max_turns=9), 15, "variant.games_per_group or variant.max_turns", 1,
          False),
     ],
@@ -110,8 +111,9 @@ def test_a_resume_fixes_the_keys_of_the_variants_group(tmp_path):
     ("overrides", "variant", "says"),
     [
         (GRPO, BaselineGRPO(num_generations=6), "6 completions each"),
-        (STORPO_RUN, STORPO(completions_per_step=3, max_steps=2, fallback_generations=5),
-         "1 completion + 3 continuations at each of up to 2 branch points (5 completions when sampled plainly) each"),
+        (STORPO_RUN, STORPO(trees=2, completions_per_step=3, max_steps=2, fallback_generations=5),
+         "2 x (1 completion + 3 continuations at each of up to 2 branch points) (5 completions when sampled "
+         "plainly) each"),
         (SELFPLAY, SelfPlay(games_per_group=3, max_turns=9),
          f"3 games of a seed from one seat (one rollout a learner move, at most {math.ceil(9 / 2)} a game) each"),
     ],
