@@ -41,14 +41,10 @@ class ForwardSettings:
     """Training forward (`perf.forward`): how completion log-probs are computed (completion_forward.py)."""
 
     share_prefix: bool = setting(True, boolean)
-    logits_chunk_tokens: int | None = setting(
-        128, optional(integer(1))
-    )  # fmt: skip
+    logits_chunk_tokens: int | None = setting(128, optional(integer(1)))
     runs_by_length: bool = setting(True, boolean)
     fused_lora: bool = setting(True, boolean)
-    activation_checkpointing: bool = setting(
-        False, boolean
-    )  # fmt: skip
+    activation_checkpointing: bool = setting(False, boolean)
 
     def __post_init__(self) -> None:
         check_settings(self, "perf.forward")
@@ -78,15 +74,9 @@ class GenerationSettings:
     merge_lora: bool = setting(True, boolean)
     share_prefill: bool = setting(True, boolean)
     stream_logprobs: bool = setting(True, boolean)
-    packed_weights: bool | str = setting(
-        "auto", choice("auto", True, False)
-    )  # fmt: skip
-    weights: str = setting(
-        "float32", choice(*DECODE_WEIGHTS)
-    )  # fmt: skip
-    cuda_graphs: bool = setting(
-        True, boolean
-    )  # fmt: skip
+    packed_weights: bool | str = setting("auto", choice("auto", True, False))
+    weights: str = setting("float32", choice(*DECODE_WEIGHTS))
+    cuda_graphs: bool = setting(True, boolean)
 
     def __post_init__(self) -> None:
         check_settings(self, "perf.generate")

@@ -37,9 +37,7 @@ class Problem:
 class TestSplitSettings:
     """`eval.dataset`: the training data's test split; its file or folder when the training data is local."""
 
-    path: str | None = setting(
-        None, optional(text)
-    )  # fmt: skip
+    path: str | None = setting(None, optional(text))
     num_problems: int | None = setting(None, optional(integer(1)))
 
 
