@@ -2,7 +2,7 @@
 
 Every game of the batch advances one move per step. The model players' moves of a step are sampled together:
 one batched `generate` for every game where the learner (or its mirror) is to move, and one per other model
-opponent (a snapshot or the base model, sampled through `Generator.sampling_from`); scripted players move
+opponent (a snapshot or the base model, sampled through `SwapsAdapters.sampling_from`); scripted players move
 from their own seeded `random.Random`. Only the learner's turns are recorded, each as the exact prompt it was
 sampled from (the chat template, the observation and the reply prefix) and its reply.
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from grpo_lightning.games.base import TwoPlayerGame, bracketed_move
+from grpo_lightning.generation.adapters import SwapsAdapters
 from grpo_lightning.types import Completion
 
 
@@ -113,7 +114,7 @@ LEARNER_PLAYER = ModelPlayer("learner")
 
 def play(
     matches: Sequence[Match],
-    engine,
+    engine: SwapsAdapters,
     encode: Callable[[TwoPlayerGame, int], list[int]],
     decode: Callable[[list[int]], str],
     reply_prefix: str,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, sum_counts_across_ranks
 from grpo_lightning.games.base import TwoPlayerGame, make_game
+from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, choice, configures, integer, setting, strings
 from grpo_lightning.types import Rollout, TurnRecord
@@ -125,6 +126,7 @@ class SelfPlay(GRPOVariant):
     def sample_rollouts(self, generator, prompts: Sequence, reward_fn, decode: Callable) -> list[Rollout]:
         if self.source is None:
             raise RuntimeError("variant=selfplay needs its game source: call bind_data first (train.py does)")
+        generator = swapping_adapters(generator, "variant=selfplay")
         if not self._snapshot_taken:  # once a round, before its first game
             self._snapshot_taken = True
             if self.round_index % self.snapshot_every == 0:
