@@ -61,7 +61,7 @@ def main() -> None:
     from benchmarks.vllm_vs_hf import cpu_name
     from grpo_lightning.accel.generation_levers import merged_lora
     from grpo_lightning.app.train import build_run
-    from grpo_lightning.generation.hf import left_pad
+    from grpo_lightning.generation.hf_engine import left_pad
     from tests.conftest import make_cfg
 
     run = build_run(make_cfg(Path(tempfile.mkdtemp()), list(args.overrides)))

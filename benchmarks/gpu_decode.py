@@ -34,7 +34,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_decode.py needs a CUDA device")
 
-    import grpo_lightning.generation.hf as hf
+    import grpo_lightning.generation.hf_engine as hf
     from benchmarks.decode_precision import engine_and_prompts
 
     run, engine, prompts = engine_and_prompts(["trainer=gpu", f"model.dtype={args.dtype}", *args.overrides])

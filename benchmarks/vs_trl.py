@@ -648,7 +648,8 @@ def check(losses: list[str], tiny: bool = False) -> dict:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append(Prompt(prompt_ids=ids, answer=row["answer"], question="", problem_index=gid))
         g = cfg.generator
-        generator = HFGenerator(policy, tokenizer, g.num_generations, g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+        sampling = {key: g[key] for key in ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k")}
+        generator = HFGenerator(policy, tokenizer, **sampling)
         torch.manual_seed(0)
         rollouts = BaselineGRPO(num_generations=g.num_generations).generate_rollouts(
             generator,

@@ -26,6 +26,10 @@ class StubGenerator(Generator):
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: scripted completions do not depend on weights."""
 
+    def sample(self, prefixes, num_samples, budgets, greedy):
+        """Unused: a scripted engine answers `generate` itself."""
+        raise NotImplementedError
+
 
 class VowelFractionReward:
     """Fraction of characters that are vowels: a dense reward that varies across a random model's samples.

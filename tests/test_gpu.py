@@ -119,7 +119,7 @@ def sample_graph_prompts(model, tokenizer, samples: int, graphs: bool, share: bo
     from grpo_lightning.accel import graph_decode
     from grpo_lightning.accel.decode_loop import new_cache, sample_loop
     from grpo_lightning.accel.generation_levers import shared_prefill
-    from grpo_lightning.generation.hf import left_pad
+    from grpo_lightning.generation.hf_engine import left_pad
 
     prompts = [tokenizer(t)["input_ids"] for t in GRAPH_PROMPTS]
     eos = list(range(0, len(tokenizer), 12))
@@ -232,7 +232,8 @@ def test_cuda_graph_engine_follows_the_weights_between_calls(tiny_model, tokeniz
 
     def rollouts(graphs: bool):
         levers = GenerationSettings(cuda_graphs=graphs, merge_lora=merge_lora)
-        engine = HFGenerator(policy, tokenizer, 4, 24, temperature=0.9, generation_settings=levers)
+        engine = HFGenerator(policy, tokenizer, num_generations=4, max_new_tokens=24, temperature=0.9,
+                             generation_settings=levers)  # fmt: skip
         torch.manual_seed(7)
         groups = engine.generate(prompts, 4, max_new_tokens=[24, 9, 17])  # STORPO-like budgets per prefix
         return [[(c.token_ids, c.logprobs) for c in group] for group in groups]

@@ -243,12 +243,14 @@ def _completion_forward(
     batch: RolloutBatch,
     temperature: float,
     with_logits: bool,
-    share_prefix: bool = True,
-    chunk_tokens: int | None = 128,
-    by_length: bool = True,
+    share_prefix: bool,
+    chunk_tokens: int | None,
+    by_length: bool,
     entropy_weights: Tensor | None = None,
     entropy_grad: bool = True,
 ) -> tuple[Tensor | None, Tensor, EntropyTerms | None]:
+    """Both public forwards (`completion_logits_and_logprobs`, `completion_logprobs_with_entropy`), which give every
+    lever; `entropy_weights` asks for the entropy terms too."""
     real = batch.sequence_mask.bool()  # [B, C]
     parts = backbone_and_head(model) if share_prefix or chunk_tokens or by_length else None
     if parts is None:  # plain path: the model's own logits at completion positions

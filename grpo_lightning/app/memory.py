@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from grpo_lightning.generation.hf import CPU_AUTO_ROWS
+from grpo_lightning.generation.hf_engine import CPU_AUTO_ROWS
 from grpo_lightning.variants.base import GroupShape
 
 GIB = 2**30
@@ -39,7 +39,7 @@ PROCESS_BASELINE = int(0.75 * GIB)
 """Python, torch, transformers and Lightning in one process (0.4 GiB after the imports, more once running)."""
 ROLLOUT_BYTES_PER_TOKEN = 48
 """A rollout's per-token state: ids, masks, log-probs (engine, old, reference) and advantages, in tensors."""
-CPU_ENGINE_KV_GIB = 1.0  # generator.kv_cache_gib=null on vLLM's CPU build (generation/vllm_io.py)
+CPU_ENGINE_KV_GIB = 1.0  # generator.kv_cache_gib=null on vLLM's CPU build (generation/vllm_settings.py)
 DECODE_STEP_LOGIT_COPIES = 7
 """[rows, vocab] float32 arrays alive at once at the peak of one HF decode step, measured: 7.0x one such array
 above the process's level before the call, on the tiny model at 1,024, 2,048 and 4,096 rows (prompts of 6 and 201
@@ -386,8 +386,10 @@ def _fix(key: str) -> str:
 def run_shape(cfg, group: GroupShape, rollouts_per_round: int) -> RunShape:
     """The estimate's view of a composed config (validated: every key has its type) and of the variant's group.
     With `generator.batch_size=auto` the decode rows are `decode_rows`' (train.py fits them to the GPU)."""
-    from grpo_lightning.app.validation import is_vllm, trainer_devices, vllm_settings, world_size
-    from grpo_lightning.generation.vllm_io import engine_dtype, installed_platform
+    from grpo_lightning.app.validation import is_vllm
+    from grpo_lightning.generation.placement import trainer_devices, world_size
+    from grpo_lightning.generation.vllm_io import installed_platform
+    from grpo_lightning.generation.vllm_settings import engine_dtype, settings_in
 
     forward = cfg.perf.forward
     trainer_on_gpu = bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda")
@@ -424,7 +426,7 @@ def run_shape(cfg, group: GroupShape, rollouts_per_round: int) -> RunShape:
         shape["cuda_streams"] = 1 + 2 * graphs + shape["overlap"]
         shape["merged_lora"] = bool(cfg.perf.generate.get("merge_lora", False))
     if shape["engine"] == "vllm":
-        settings = vllm_settings(cfg)
+        settings = settings_in(cfg)
         on_cpu = installed_platform() == "cpu"
         gpu_bytes = None if on_cpu else gpu_memory()
         shape |= dict(

@@ -29,15 +29,10 @@ from grpo_lightning.app.plan import Plan, accumulate_grad_batches, check_model_f
 from grpo_lightning.app.quiet import quiet_third_party
 from grpo_lightning.app.summary import render as render_summary
 from grpo_lightning.app.summary import summary_metrics
-from grpo_lightning.app.validation import (
-    check_fresh_or_resume,
-    check_platform,
-    trainer_devices,
-    validate,
-    world_size,
-)
+from grpo_lightning.app.validation import check_fresh_or_resume, check_platform, validate
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.errors import RunInterrupted, TrainingStopped
+from grpo_lightning.generation.placement import trainer_devices, world_size
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from grpo_lightning.models.sources import resolve_dtype
 from grpo_lightning.rewards.pipeline import build_reward

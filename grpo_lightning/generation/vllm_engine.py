@@ -40,8 +40,6 @@ import torch
 from torch import nn
 
 from grpo_lightning.generation.vllm_io import (
-    CPU_KV_CACHE_GIB,
-    VLLMSettings,
     environment,
     import_vllm,
     is_memory_error,
@@ -49,6 +47,7 @@ from grpo_lightning.generation.vllm_io import (
     parse_outputs,
     process_state_kept,
 )
+from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, VLLMSettings
 from grpo_lightning.generation.vllm_weights import chunked
 from grpo_lightning.types import Completion
 

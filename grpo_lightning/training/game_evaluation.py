@@ -26,6 +26,7 @@ from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.opponent_pool import opponent_names
 from grpo_lightning.games.play import SCRIPTED, Match, ModelPlayer, play
 from grpo_lightning.games.registry import make_game
+from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
@@ -89,7 +90,7 @@ class GameEvaluator(Evaluator):
     def evaluate(self, trainer: L.Trainer) -> dict[str, float]:
         start = time.perf_counter()
         rank, world_size = rank_and_world()
-        own = self.generator.adapter_weights()
+        own = swapping_adapters(self.generator, "eval (data=games)").adapter_weights()
         matches = []
         for name in self.opponents:
             opponent = SCRIPTED[name]() if name in SCRIPTED else ModelPlayer("base", adapter_off(own))

@@ -39,6 +39,7 @@ from grpo_lightning.games.opponent_pool import LEARNER, SAMPLING_MODES, Opponent
 from grpo_lightning.games.play import LEARNER_PLAYER, SCRIPTED, Match, ModelPlayer, Player, play
 from grpo_lightning.games.progress import SelfPlayProgress
 from grpo_lightning.games.registry import make_game
+from grpo_lightning.generation.adapters import SwapsAdapters, swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards import games as game_rewards
 from grpo_lightning.schema import check_settings, choice, integer, setting, target_class
@@ -95,10 +96,12 @@ class SelfPlay(GRPOVariant):
             raise ValueError(
                 "variant=selfplay plays games: choose data=games (data.dataset.game=tictactoe or textarena:<id>)"
             )
-        if str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator"):
+        engine = target_class(cfg.generator.get("_target_"))
+        if engine is not None and not issubclass(engine, SwapsAdapters):
+            name = "generator=vllm" if engine.__name__ == "VLLMGenerator" else engine.__name__
             raise ValueError(
                 "variant=selfplay plays its opponents by swapping adapter weights in the HF engine, which "
-                "generator=vllm cannot do yet: use generator=hf"
+                f"{name} cannot do yet: use generator=hf"
             )
         if OmegaConf.select(cfg, "rollout.max_staleness", default=0) != 0:
             raise ValueError(
@@ -157,6 +160,7 @@ class SelfPlay(GRPOVariant):
     def sample_rollouts(self, generator, prompts: Sequence, reward_fn, decode: Callable) -> list[Rollout]:
         if self.source is None:
             raise RuntimeError("variant=selfplay needs its game source: call bind_data first (train.py does)")
+        generator = swapping_adapters(generator, "variant=selfplay")
         if not self._snapshot_taken:  # once a round, before its first game
             self._snapshot_taken = True
             if self.round_index % self.settings.snapshot_every == 0:

@@ -87,7 +87,14 @@ def test_loop_with_warpers_samples_what_generate_samples(policy, tokenizer, top_
     for custom_decode in (False, True):
         levers = GenerationSettings(custom_decode=custom_decode, sampler="multinomial")
         gen = HFGenerator(
-            policy, tokenizer, 3, 10, temperature=0.8, top_k=top_k, top_p=top_p, generation_settings=levers
+            policy,
+            tokenizer,
+            num_generations=3,
+            max_new_tokens=10,
+            temperature=0.8,
+            top_k=top_k,
+            top_p=top_p,
+            generation_settings=levers,
         )
         torch.manual_seed(3)
         results.append(gen.generate(prompts, 3))
@@ -123,7 +130,7 @@ def test_sampling_on_cuda_excludes_cudnn_attention_and_restores_the_flags():
 def test_the_hf_engine_samples_inside_the_attention_choice(tiny_model, tokenizer, monkeypatch):
     import contextlib
 
-    import grpo_lightning.generation.hf as hf
+    import grpo_lightning.generation.hf_engine as hf
     from grpo_lightning.generation.hf import HFGenerator
 
     devices = []
@@ -143,7 +150,7 @@ def test_finished_rows_leave_the_batch_without_changing_any_row(tiny_model, toke
     finish at many different steps, so the batch is cut several times; each row's tokens are the same and its
     log-probs agree to float32 rounding (a row's logits come from a batch of another size)."""
     from grpo_lightning.accel.decode_loop import sample_loop
-    from grpo_lightning.generation.hf import left_pad
+    from grpo_lightning.generation.hf_engine import left_pad
 
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 2 + 2?", "A longer prompt with more words", "Hi")]
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)

@@ -179,20 +179,13 @@ def test_evaluation_reports_the_interval_and_unbiased_pass_at_k():
     """Scripted engine: greedy answers 2 of 4 right; 4 samples per problem for pass@2 with 1, 0, 2, 4 correct."""
     from types import SimpleNamespace
 
-    from grpo_lightning.generation.base import Generator
     from grpo_lightning.training.evaluation import wilson_interval
     from grpo_lightning.types import Completion, Prompt
 
     greedy_reply = {1: "#### 1", 2: "#### 0", 3: "#### 3", 4: "#### 0"}
     sampled_right = {1: 1, 2: 0, 3: 2, 4: 4}
 
-    class ScriptedEngine(Generator):
-        sampling = guard = None
-        callbacks = []
-
-        def sync_weights(self, policy):
-            pass
-
+    class ScriptedEngine(StubGenerator):
         def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
             if greedy:
                 return [[Completion([p[0]], [0.0], True)] for p in prefixes]

@@ -13,7 +13,8 @@ from grpo_lightning.accel.decode_loop import new_cache, sample_loop
 from grpo_lightning.accel.generation_levers import shared_prefill
 from grpo_lightning.accel.graph_decode import StaticSteps, bucket
 from grpo_lightning.accel.hf_internals import DynamicCache
-from grpo_lightning.generation.hf import HFGenerator, left_pad
+from grpo_lightning.generation.hf import HFGenerator
+from grpo_lightning.generation.hf_engine import left_pad
 from tests.helpers import lora_policy_with_random_adapters
 
 PROMPTS = ("What is 2 + 2?", "A longer prompt with more words", "Hi")  # three lengths: left padding differs
@@ -123,7 +124,8 @@ def test_the_cuda_graphs_key_does_nothing_on_a_cpu(tiny_model, tokenizer):
     prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
     out = []
     for graphs in (True, False):
-        engine = HFGenerator(tiny_model, tokenizer, 4, 12, generation_settings=GenerationSettings(cuda_graphs=graphs))
+        levers = GenerationSettings(cuda_graphs=graphs)
+        engine = HFGenerator(tiny_model, tokenizer, num_generations=4, max_new_tokens=12, generation_settings=levers)
         torch.manual_seed(5)
         out.append([[(c.token_ids, c.logprobs) for c in group] for group in engine.generate(prompts, 4)])
     assert out[0] == out[1]

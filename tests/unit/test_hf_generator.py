@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from grpo_lightning.generation.base import SamplingConfig
-from grpo_lightning.generation.hf import HFGenerator, left_pad, sampled_logprobs
+from grpo_lightning.generation.hf import HFGenerator
+from grpo_lightning.generation.hf_engine import left_pad, sampled_logprobs
 
 
 def test_sampled_logprobs_match_hand_values():

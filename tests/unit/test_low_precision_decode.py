@@ -23,7 +23,7 @@ from grpo_lightning.accel.low_precision import (
     low_precision_linears,
     quantize_int8,
 )
-from grpo_lightning.generation import hf as hf_module
+from grpo_lightning.generation import hf_engine as hf_module
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.generation.hf_snapshot import SnapshotHFGenerator
 from tests.conftest import make_cfg
@@ -39,8 +39,8 @@ def prompts(tokenizer) -> list[list[int]]:
 def engine(model, tokenizer, seed_per_prefix: bool = False, **levers) -> HFGenerator:
     settings = GenerationSettings(**levers)
     return HFGenerator(
-        model, tokenizer, 3, 12, temperature=TEMPERATURE, batch_size=6, seed_per_prefix=seed_per_prefix,
-        generation_settings=settings,
+        model, tokenizer, num_generations=3, max_new_tokens=12, temperature=TEMPERATURE, batch_size=6,
+        seed_per_prefix=seed_per_prefix, generation_settings=settings,
     )  # fmt: skip
 
 

