@@ -189,14 +189,6 @@ def check_combinations(cfg: DictConfig) -> None:
             "advantages are 0 and rounds train little",
             temperature,
         )
-    weights = lookup(cfg, "perf.generate.weights")
-    accelerator = cfg.trainer.get("accelerator")
-    if weights == "int8" and not is_vllm(cfg) and accelerator in ("gpu", "cuda", "mps"):
-        raise ValueError(
-            f"perf.generate.weights=int8 runs on the CPU only (torch's _weight_int8pack_mm CPU kernel) and "
-            f"trainer.accelerator={accelerator} puts the policy the HF engine samples from there: use "
-            "perf.generate.weights=bfloat16 or float32"
-        )
 
 
 def check_logger_packages(cfg: DictConfig) -> None:
@@ -235,18 +227,13 @@ def is_vllm(cfg: DictConfig) -> bool:
 
 
 def check_overlap(cfg: DictConfig) -> None:
-    """rollout.max_staleness >= 1 (training/overlap.py): an engine and a strategy that can sample beside the
-    trainer, and rounds that take no more optimizer steps than the bound, known from data.* and
+    """rollout.max_staleness >= 1 (training/overlap.py): a strategy that lets the engine sample beside the trainer,
+    and rounds that take no more optimizer steps than the bound, known from data.* and
     trainer.accumulate_grad_batches before anything loads."""
     bound = lookup(cfg, "rollout.max_staleness")
     if bound is ABSENT or not bound:
         return
-    key = f"rollout.max_staleness={bound}"
-    if not is_vllm(cfg) and not cfg.perf.generate.custom_decode:  # the vLLM engine's rules: VLLMGenerator.check_config
-        raise ValueError(
-            f"{key} needs perf.generate.custom_decode=true: HF generate draws from the global RNG, which the trainer's "
-            "thread owns, and so cannot sample beside it"
-        )
+    key = f"rollout.max_staleness={bound}"  # what each engine needs for it: its own check_config
     if "fsdp" in str(cfg.trainer.get("strategy", "")).lower():
         raise ValueError(f"{key}: trainer=fsdp shards the weights the sampler would copy; use trainer=ddp or gpu")
     data, accumulate = cfg.data, cfg.trainer.get("accumulate_grad_batches")

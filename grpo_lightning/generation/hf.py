@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from grpo_lightning.generation.adapters import SwapsAdapters
@@ -21,6 +22,24 @@ from grpo_lightning.generation.hf_snapshot import SnapshotHFGenerator
 
 class HFGenerator(HFEngine, SwapsAdapters):
     """Batched sampling with left padding through `model.generate` or our decode loop, from the policy itself."""
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Sampling from the policy itself, on the trainer's device: int8 weights are a CPU kernel, and sampling
+        beside the trainer (rollout.max_staleness >= 1) needs the decode loop's own random streams."""
+        accelerator = cfg.trainer.get("accelerator")
+        if cfg.perf.generate.get("weights") == "int8" and accelerator in ("gpu", "cuda", "mps"):
+            raise ValueError(
+                f"perf.generate.weights=int8 runs on the CPU only (torch's _weight_int8pack_mm CPU kernel) and "
+                f"trainer.accelerator={accelerator} puts the policy the HF engine samples from there: use "
+                "perf.generate.weights=bfloat16 or float32"
+            )
+        bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
+        if bound and not cfg.perf.generate.custom_decode:
+            raise ValueError(
+                f"rollout.max_staleness={bound} needs perf.generate.custom_decode=true: HF generate draws from the "
+                "global RNG, which the trainer's thread owns, and so cannot sample beside it"
+            )
 
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
