@@ -19,7 +19,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SENTENCE_GROUP = ["variant.step_rule=sentence", "variant.fallback_rule=none", "variant.advantage=group"]
+ONE_TREE = "variant.trees=1"
+"""One initial completion a prompt: the STORPO cases from before the forest, kept so those stay comparable."""
+SENTENCE_GROUP = ["variant.step_rule=sentence", "variant.fallback_rule=none", "variant.advantage=group", ONE_TREE]
 """STORPO with sentence boundaries, a plain group where there are fewer than min_steps, and one flat group: the
 settings of the two storpo cases' first fingerprints, kept so those stay comparable."""
 CASES = {
@@ -29,8 +31,10 @@ CASES = {
         "variant=storpo",
         "variant.advantage=group",
         "trainer.max_epochs=3",
+        ONE_TREE,
     ],  # fmt: skip
-    "storpo uncertainty, tree, 3 rounds": ["variant=storpo", "trainer.max_epochs=3"],
+    "storpo uncertainty, tree, 3 rounds": ["variant=storpo", "trainer.max_epochs=3", ONE_TREE],
+    "storpo forest (defaults), 3 rounds": ["variant=storpo", "trainer.max_epochs=3"],
     "grpo, dapo, 2 passes, 4 steps a round": [
         "loss=dapo",
         "data.num_iterations=2",

@@ -1,19 +1,21 @@
-"""STORPO: branch continuations from points inside one initial completion, and credit each segment (docs/algorithm.md).
+"""STORPO: branch continuations from points inside initial completions, and credit each segment (docs/algorithm.md).
 
-Per prompt: sample ONE completion; choose its branch points, token counts k (0 < k < its length), by
+Per prompt: sample `trees` initial completions (a forest: the prompt's advantage group); choose each one's branch
+points, token counts k (0 < k < its length), by
 `step_rule` (algorithm/branch_points.py): a text rule (`sentence`, `line`, `both`: reasoning-step boundaries in
 the decoded text, mapped to token boundaries) or a token rule (`uncertainty`: the sampled tokens with the highest
 -log p, at least `min_gap` apart; `fixed`: evenly spaced), which branches every completion of two or more tokens
 at min(`max_steps`, length - 1) points. A text rule that finds fewer than `min_steps` boundaries hands the
-completion to `fallback_rule` (a token rule, or `none`: the prompt is then sampled plainly, as is a one-token
-completion, which has no point inside it). From each branch point, `completions_per_step` continuations are
+completion to `fallback_rule` (a token rule, or `none`: a prompt none of whose trees branches is then sampled
+plainly, as is one whose completions have one token, with no point inside). From each branch point, `completions_per_step` continuations are
 sampled from `prompt_ids + completion_ids[:k]`. A continuation trains only on its own tokens after the branch
 point (the shared prefix is the initial completion's, trained once there, and generated once: the token budget
 counts it once).
 
-Credit, `advantage`: `group` puts the initial completion and all its continuations in ONE flat advantage group;
-`tree` gives each token the advantage of its segment, V(end) - V(start), with V(prefix) the mean over the
-completions through it (algorithm/tree_advantages.py: VinePPO, arXiv 2410.01679; SPO-chain, arXiv 2505.23564).
+Credit, `advantage`: `group` puts the forest's completions in ONE flat advantage group; `tree` gives each token
+the advantage of its segment, V(end) - V(start), each value estimated from samples that do not contain the segment:
+the continuations at a branch point, the other trees at the root (algorithm/tree_advantages.py: VinePPO, arXiv
+2410.01679; SPO-chain, arXiv 2505.23564).
 
 Why token boundaries and never re-tokenised text: BPE merges across the cut ("dollars. Then" vs "dollars." +
 " Then") give other ids than the model sampled, so the continuation would condition on a prefix the policy never
