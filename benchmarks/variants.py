@@ -1,10 +1,11 @@
 """GRPO against STORPO's arms at an equal budget of generated tokens: held-out pass@1 per generated token, over seeds.
 
 Trains each arm (`--arms`, default all four) on the recipe's task (`--experiment`, default learn_arith) for each
-seed: `grpo`; `storpo_text`, STORPO as it was first built (sentence boundaries, a plain group where a first
-completion has fewer than 2, one flat advantage group); `storpo_token`, branch points at the most uncertain
-sampled tokens (`variant.step_rule=uncertainty`) with the flat group; `storpo_tree`, the same branch points with
-each segment credited V(end) - V(start) (`variant.advantage=tree`). Every run stops at the first round end at which
+seed: `grpo`; `storpo_text`, STORPO with sentence boundaries (a plain group where no initial completion has 2,
+one flat advantage group); `storpo_token`, branch points at the most uncertain sampled tokens
+(`variant.step_rule=uncertainty`) with the flat group; `storpo_tree`, the same branch points with each segment
+credited V(end) - V(start) from samples that do not contain it (`variant.advantage=tree`). Every STORPO arm
+samples a forest of 2 initial completions a prompt. Every run stops at the first round end at which
 `rollout/tokens_generated_total` (every completion token sampled so far, dynamic sampling's dropped groups
 included, a branch's shared prefix counted once) reaches the budget (`max_tokens_generated`), so every arm spends
 the same generation compute, whatever each round costs it. Every setting the arms compare is pinned here
@@ -12,8 +13,10 @@ the same generation compute, whatever each round costs it. Every setting the arm
 
 Writes into the output folder `variants.md` (printed too): the settings; per arm the tokens to reach the target
 pass@1 (mean over seeds), the final pass@1 with the envelope of the seeds' 95% Wilson intervals, the share of
-prompts branched (the lowest round of any seed, and the mean), and the mean completion length; each arm against
-grpo paired by seed (the final pass@1 difference per seed, its mean, and how many seeds it won); a table per run;
+prompts branched (the lowest round of any seed, and the mean), the share of trained tokens whose advantage is not
+0 (`rollout/credited_token_frac`) and the mean completion length; each arm against grpo paired by seed (the final
+pass@1 difference per seed, its mean with a 95% t interval over the seeds, and how many seeds it won); a table per
+run;
 a warning when a STORPO arm hardly branched (its prompts then fall back to plain groups, and it trains as GRPO);
 and `variants.png`: held-out pass@1 against generated tokens, mean over seeds with a min..max band.
 
@@ -62,12 +65,14 @@ PINNED = {
 }
 """Settings every arm gets, set explicitly (the budget and eval.every_n_rounds come from the options)."""
 STORPO_PINNED = {
+    "variant.trees": 2,
     "variant.completions_per_step": 2,
     "variant.min_steps": 2,
     "variant.max_steps": 4,
     "variant.min_gap": 4,
 }
-"""Every STORPO arm's branching size: K = 2 continuations from each of up to 4 branch points (docs/algorithm.md)."""
+"""Every STORPO arm's branching size: 2 trees a prompt, K = 2 continuations from each of up to 4 branch points
+(docs/algorithm.md)."""
 ARMS = {
     "grpo": {"variant": "grpo"},
     "storpo_text": {
@@ -169,13 +174,35 @@ class RunSummary:
     """Share of prompts branched, each round (None: not a STORPO run)."""
     completion_len: float | None
     """Mean completion tokens over the rounds (a continuation counted with its shared prefix)."""
+    credited: float | None
+    """Mean over the rounds of the share of trained tokens whose advantage is not 0."""
 
     @staticmethod
     def of(run: RunData) -> RunSummary:
-        return RunSummary(wall_seconds(run.path), branched_per_round(run), mean_scalar(run, COMPLETION_LEN))
+        return RunSummary(
+            wall_seconds(run.path),
+            branched_per_round(run),
+            mean_scalar(run, COMPLETION_LEN),
+            mean_scalar(run, CREDITED),
+        )
 
 
 COMPLETION_LEN = "rollout/completion_len_mean"
+CREDITED = "rollout/credited_token_frac"
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+"""Student's t, 0.975 quantile, by degrees of freedom: the paired difference's 95% interval over the seeds."""
+
+
+def t_interval(values: list[float]) -> tuple[float, float] | None:
+    """The 95% interval of the mean of `values` (Student's t with n - 1 degrees of freedom); None below 2 values
+    or beyond the table."""
+    n = len(values)
+    if n < 2 or n - 1 not in T_975:
+        return None
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = T_975[n - 1] * sd / math.sqrt(n)
+    return mean - half, mean + half
 
 
 def branched_cell(rounds: list[float] | None) -> str:
@@ -186,8 +213,9 @@ def branched_cell(rounds: list[float] | None) -> str:
 def runs_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], runs: dict, target: float) -> str:
     lines = [
         "| arm | seed | evaluations | tokens generated | pass@1 end [95% CI] | strict | format "
-        f"| tokens to pass@1 {target:.3f} | prompts branched, lowest / mean round | completion tokens | wall min |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| tokens to pass@1 {target:.3f} | prompts branched, lowest / mean round | trained tokens credited "
+        "| completion tokens | wall min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, per_seed in points.items():
         for seed, evals in zip(seeds, per_seed, strict=True):
@@ -197,7 +225,7 @@ def runs_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], runs:
                 f"| {arm} | {seed} | {len(evals)} | {e.tokens:.0f} | {num(e.accuracy)} [{num(e.low)}, "
                 f"{num(e.high)}] | {num(e.strict)} | {num(e.format_rate)} "
                 f"| {'not reached' if reached is None else f'{reached:.0f}'} | {branched_cell(run.branched)} "
-                f"| {num(run.completion_len, 1)} | {num(wall, 1)} |"
+                f"| {num(run.credited)} | {num(run.completion_len, 1)} | {num(wall, 1)} |"
             )
     return "\n".join(lines)
 
@@ -208,8 +236,9 @@ def summary_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], ru
     (its lowest round over all seeds, and its mean), the mean completion tokens."""
     lines = [
         f"| arm | seeds | tokens to pass@1 {target:.3f}, mean | final pass@1, mean | 95% interval (envelope "
-        "of the seeds' Wilson intervals) | prompts branched, lowest / mean round | completion tokens, mean |",
-        "|---|---|---|---|---|---|---|",
+        "of the seeds' Wilson intervals) | prompts branched, lowest / mean round | trained tokens credited, mean "
+        "| completion tokens, mean |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for arm, per_seed in points.items():
         reached = [tokens_to_target(evals, target) for evals in per_seed]
@@ -221,9 +250,10 @@ def summary_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], ru
         rounds = [runs[arm, s].branched for s in seeds]
         branched = None if any(r is None for r in rounds) else [v for r in rounds for v in r]
         lengths = mean_or_none([runs[arm, s].completion_len for s in seeds])
+        credited = mean_or_none([runs[arm, s].credited for s in seeds])
         lines.append(
             f"| {arm} | {len(per_seed)} | {tokens} | {num(final)} | [{num(low)}, {num(high)}] "
-            f"| {branched_cell(branched)} | {num(lengths, 1)} |"
+            f"| {branched_cell(branched)} | {num(credited)} | {num(lengths, 1)} |"
         )
     return "\n".join(lines)
 
@@ -235,8 +265,8 @@ def paired_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], bas
         return None
     lines = [
         f"| arm - {baseline} | final pass@1 difference per seed ({', '.join(map(str, seeds))}) | mean difference "
-        "| seeds higher / level / lower |",
-        "|---|---|---|---|",
+        "| its 95% t interval over the seeds | seeds higher / level / lower |",
+        "|---|---|---|---|---|",
     ]
     base = [evals[-1].accuracy for evals in points[baseline]]
     for arm, per_seed in points.items():
@@ -244,8 +274,10 @@ def paired_table(points: dict[str, list[list[EvalPoint]]], seeds: list[int], bas
             continue
         diffs = [evals[-1].accuracy - b for evals, b in zip(per_seed, base, strict=True)]
         counts = (sum(d > 0 for d in diffs), sum(d == 0 for d in diffs), sum(d < 0 for d in diffs))
+        interval = t_interval(diffs)
+        band = "n/a" if interval is None else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]"
         lines.append(
-            f"| {arm} | {', '.join(f'{d:+.3f}' for d in diffs)} | {sum(diffs) / len(diffs):+.3f} "
+            f"| {arm} | {', '.join(f'{d:+.3f}' for d in diffs)} | {sum(diffs) / len(diffs):+.3f} | {band} "
             f"| {' / '.join(map(str, counts))} |"
         )
     return "\n".join(lines)

@@ -43,6 +43,24 @@ class RolloutStats:
         )
 
 
+CREDIT_EPS = 1e-9
+"""An advantage within this of 0 gives its token no credit: a zero-variance group's, or a segment whose end and start
+values are equal (advantages are O(1); float rounding of equal means stays far below this)."""
+
+
+def credited_tokens(rollouts: list[Rollout]) -> tuple[int, int]:
+    """(trained tokens whose advantage is not 0, trained tokens) of a round's final rollouts: how much of what the
+    round trains on carries a learning signal (STORPO's tree credit moves it between tokens; a flat group gives all
+    of a completion's tokens its one advantage)."""
+    credited = trained = 0
+    for r in rollouts:
+        per_token = r.token_advantages if r.token_advantages is not None else [r.advantage] * len(r.completion_ids)
+        own = per_token[r.branch_point :]  # a continuation trains after its branch point only
+        trained += len(own)
+        credited += sum(abs(a) > CREDIT_EPS for a in own)
+    return credited, trained
+
+
 def round_metrics(per_rank: list[dict]) -> dict[str, float]:
     """Metrics of a whole round from every rank's part (stats over all rollouts; variant metrics: rank mean, except
     a value every rank reports alike, kept as it is: a variant's metric already over all ranks, as self-play's
@@ -56,6 +74,8 @@ def round_metrics(per_rank: list[dict]) -> dict[str, float]:
         values = [part["sampling"][key] for part in per_rank]
         metrics[key] = values[0] if key == "rollout/ds_extra_batches" else sum(values)
     metrics["rollout/reward_errors"] = float(sum(part["reward_errors"] for part in per_rank))
+    credited, trained = (sum(part["credit"][i] for part in per_rank) for i in (0, 1))
+    metrics["rollout/credited_token_frac"] = credited / max(trained, 1)
     return metrics
 
 

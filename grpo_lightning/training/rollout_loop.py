@@ -43,7 +43,7 @@ import lightning as L
 import torch
 
 from grpo_lightning.accel.heap_trim import release_freed_memory
-from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, round_metrics
+from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, credited_tokens, round_metrics
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.distributed import derive_seed, full_parameters, gather_objects, rank_and_world
 from grpo_lightning.rng import capture_rng, restore_rng
@@ -331,6 +331,7 @@ class RolloutLoop(L.Callback):
             "variant": sampled.variant_metrics,
             "reward_errors": sampled.reward_errors,
             "sampling": sampled.sampling_metrics,
+            "credit": credited_tokens(sampled.rollouts),
         }
         self.round_metrics = round_metrics(gather_objects(local))
         self.round_metrics["rollout/staleness"] = float(staleness)

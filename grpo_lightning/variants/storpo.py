@@ -1,16 +1,15 @@
 """STORPO: branch continuations from points inside initial completions, and credit each segment (docs/algorithm.md).
 
 Per prompt: sample `trees` initial completions (a forest: the prompt's advantage group); choose each one's branch
-points, token counts k (0 < k < its length), by
-`step_rule` (algorithm/branch_points.py): a text rule (`sentence`, `line`, `both`: reasoning-step boundaries in
-the decoded text, mapped to token boundaries) or a token rule (`uncertainty`: the sampled tokens with the highest
--log p, at least `min_gap` apart; `fixed`: evenly spaced), which branches every completion of two or more tokens
-at min(`max_steps`, length - 1) points. A text rule that finds fewer than `min_steps` boundaries hands the
-completion to `fallback_rule` (a token rule, or `none`: a prompt none of whose trees branches is then sampled
-plainly, as is one whose completions have one token, with no point inside). From each branch point, `completions_per_step` continuations are
-sampled from `prompt_ids + completion_ids[:k]`. A continuation trains only on its own tokens after the branch
-point (the shared prefix is the initial completion's, trained once there, and generated once: the token budget
-counts it once).
+points, token counts k (0 < k < its length), by `step_rule` (algorithm/branch_points.py): a text rule (`sentence`,
+`line`, `both`: reasoning-step boundaries in the decoded text, mapped to token boundaries) or a token rule
+(`uncertainty`: the sampled tokens with the highest -log p, at least `min_gap` apart; `fixed`: evenly spaced),
+which branches every completion of two or more tokens at min(`max_steps`, length - 1) points. A text rule that
+finds fewer than `min_steps` boundaries hands the completion to `fallback_rule` (a token rule, or `none`: a prompt
+none of whose trees branches is then sampled plainly, as is one whose completions have one token, with no point
+inside). From each branch point, `completions_per_step` continuations are sampled from
+`prompt_ids + completion_ids[:k]`. A continuation trains only on its own tokens after the branch point (the shared
+prefix is the initial completion's, trained once there, and generated once: the token budget counts it once).
 
 Credit, `advantage`: `group` puts the forest's completions in ONE flat advantage group; `tree` gives each token
 the advantage of its segment, V(end) - V(start), each value estimated from samples that do not contain the segment:

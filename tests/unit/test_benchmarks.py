@@ -140,10 +140,11 @@ def write_run(
     wall_s=None,
     fallback: list[float] | None = None,
     completion_len: list[float] | None = None,
+    credited: list[float] | None = None,
 ):
     """A finished run folder: `rollout/tokens_generated_total` at the given steps, evaluations (EVAL_TAGS names
-    without `eval/`) at theirs, STORPO's `rollout/storpo_fallback_frac` and `rollout/completion_len_mean` a round
-    if given. Values are dyadic, exact in TensorBoard's float32."""
+    without `eval/`) at theirs, STORPO's `rollout/storpo_fallback_frac`, `rollout/completion_len_mean` and
+    `rollout/credited_token_frac` a round if given. Values are dyadic, exact in TensorBoard's float32."""
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     for step, total in round_tokens.items():
         writer.add_scalar("rollout/tokens_generated_total", total, step)
@@ -151,6 +152,8 @@ def write_run(
         writer.add_scalar("rollout/storpo_fallback_frac", frac, step)
     for step, length in enumerate(completion_len or []):
         writer.add_scalar("rollout/completion_len_mean", length, step)
+    for step, share in enumerate(credited or []):
+        writer.add_scalar("rollout/credited_token_frac", share, step)
     for step, metrics in evals.items():
         for name, v in metrics.items():
             writer.add_scalar(f"eval/{name}", v, step)
@@ -297,15 +300,15 @@ def variants_runs(out: Path, storpo_fallback: tuple[list[float], list[float]] = 
         return ev(acc, acc - 0.125, acc + 0.125, acc / 2, fmt)
 
     write_run(out / "grpo_seed0", grpo_rounds, {0: e(0.125), 2: e(0.25), 4: e(0.5), 5: e(0.5)}, wall_s=600,
-              completion_len=[20.0, 30.0])  # fmt: skip
+              completion_len=[20.0, 30.0], credited=[0.5, 0.25])  # fmt: skip
     write_run(out / "grpo_seed1", grpo_rounds, {0: e(0.125), 2: e(0.375), 4: e(0.375), 5: e(0.5)}, wall_s=660,
-              completion_len=[40.0])  # fmt: skip
+              completion_len=[40.0], credited=[0.625])  # fmt: skip
     write_run(out / "storpo_tree_seed0", storpo_rounds,
               {0: e(0.125), 2: e(0.25), 4: e(0.5), 6: e(0.625), 7: e(0.625)},
-              wall_s=540, fallback=storpo_fallback[0], completion_len=[10.0])  # fmt: skip
+              wall_s=540, fallback=storpo_fallback[0], completion_len=[10.0], credited=[0.75])  # fmt: skip
     write_run(out / "storpo_tree_seed1", storpo_rounds,
               {0: e(0.125), 2: e(0.25), 4: e(0.25), 6: e(0.25), 7: e(0.25)},
-              wall_s=480, fallback=storpo_fallback[1], completion_len=[12.0])  # fmt: skip
+              wall_s=480, fallback=storpo_fallback[1], completion_len=[12.0], credited=[1.0])  # fmt: skip
 
 
 ARMS_ARGV = ["--experiment", "learn_cpu", "--arms", "grpo", "storpo_tree", "--seeds", "0", "1"]
@@ -324,16 +327,20 @@ def test_variants_tables_by_hand(tmp_path, capsys):
     assert rows == [
         # tokens to 0.375: grpo (3000 + 2000) / 2; storpo: seed 1 never; final pass@1 mean, interval envelope;
         # branched: the lowest round of both seeds is 0 (seed 1), the mean of (1/4, 3/4, 0, 0) is 1/4;
+        # trained tokens credited: the mean of each run's round mean, (0.375 + 0.625) / 2 and (0.75 + 1) / 2;
         # completion tokens: the mean of each run's round mean, (25 + 40) / 2 and (10 + 12) / 2
-        "| grpo | 2 | 2500 | 0.500 | [0.375, 0.625] | n/a | 32.5 |",
-        "| storpo_tree | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] | 0.000 / 0.250 | 11.0 |",
-        # paired by seed: 0.625 - 0.5 and 0.25 - 0.5
-        "| storpo_tree | +0.125, -0.250 | -0.062 | 1 / 0 / 1 |",
-        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | n/a | 25.0 | 10.0 |",
-        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | n/a | 40.0 | 11.0 |",
-        "| storpo_tree | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 0.250 / 0.500 | 10.0 | 9.0 |",
-        "| storpo_tree | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 0.000 / 0.000 | 12.0 "
-        "| 8.0 |",
+        "| grpo | 2 | 2500 | 0.500 | [0.375, 0.625] | n/a | 0.500 | 32.5 |",
+        "| storpo_tree | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] | 0.000 / 0.250 | 0.875 "
+        "| 11.0 |",
+        # paired by seed: 0.625 - 0.5 and 0.25 - 0.5; mean -0.0625, sd 0.1875 sqrt 2, t(1) 12.706:
+        # -0.0625 -+ 12.706 x 0.1875
+        "| storpo_tree | +0.125, -0.250 | -0.062 | [-2.445, +2.320] | 1 / 0 / 1 |",
+        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | n/a | 0.375 | 25.0 | 10.0 |",
+        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | n/a | 0.625 | 40.0 | 11.0 |",
+        "| storpo_tree | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 0.250 / 0.500 | 0.750 | 10.0 "
+        "| 9.0 |",
+        "| storpo_tree | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 0.000 / 0.000 | 1.000 "
+        "| 12.0 | 8.0 |",
     ]
     assert "| arm - grpo | final pass@1 difference per seed (0, 1) | mean difference |" in text
     assert "target pass@1: 0.375 (--target); tokens to it: linear interpolation" in text

@@ -315,3 +315,15 @@ def test_per_token_advantages_change_which_tokens_move():
     loss_fn(x, logp.detach(), None, adv, mask).loss.backward()
     moved = (x.grad != 0).nonzero().tolist()
     assert moved == [[1, 3]]
+
+
+def test_the_share_of_trained_tokens_credited_by_hand():
+    """Trained tokens whose advantage is not 0: a continuation's after its branch point only."""
+    from grpo_lightning.algorithm.round_metrics import credited_tokens
+
+    rows = [
+        Rollout([1], [3, 4, 5], [-1.0] * 3, 1.0, 0, False, branch_point=1, token_advantages=[9.0, 0.5, 0.0]),
+        Rollout([1], [6, 7, 8], [-1.0] * 3, 0.0, 1, False, advantage=0.0),  # a zero-variance group's
+        Rollout([1], [6, 7], [-1.0] * 2, 0.0, 2, False, advantage=0.3),
+    ]
+    assert credited_tokens(rows) == (1 + 0 + 2, 2 + 3 + 2)
