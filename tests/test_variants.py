@@ -3,15 +3,16 @@
 from grpo_lightning.app.train import build_run
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.types import Rollout
-from grpo_lightning.variants import VARIANTS, GRPOVariant, register_variant
+from grpo_lightning.variants import VARIANTS, GroupShape, GRPOVariant, register_variant
 
 
 @register_variant("toy_pairs")
 class PairsPerPrompt(GRPOVariant):
-    """Two samples per prompt, one group each: the smallest possible variant, written as a user would."""
+    """Two samples per prompt, one group each: the smallest possible variant, written as a user would (no settings
+    of its own)."""
 
-    def rollouts_per_round(self, num_prompts: int) -> int:
-        return 2 * num_prompts
+    def group(self) -> GroupShape:
+        return GroupShape(rollouts=2, samples="2 completions", keys=(), samples_per_prefix=2, shared_prompt=True)
 
     def sample_rollouts(self, generator, prompts, reward_fn, decode):
         rollouts = []
@@ -45,21 +46,20 @@ def test_storpo_trains_end_to_end_on_the_tiny_model(tiny_cfg):
     assert run.trainer.global_step == 2
     for key in ("rollout/storpo_branches_mean", "rollout/storpo_fallback_frac", "rollout/group_size_mean"):
         assert key in metrics
-    # The random model rarely writes "<word>. <Capital>"; whatever it did, every group is whole and
-    # has the size STORPO's rule gives: 1 + K x branches, or fallback_generations.
     sizes = {}
     for mb in run.datamodule.micro_batches:
         for g in mb.group_ids.tolist():
             sizes[g] = sizes.get(g, 0) + 1
-    fallback = run.cfg.variant.fallback_generations
-    assert all(s == fallback or (s - 1) % 2 == 0 for s in sizes.values())
     assert metrics["rollout/logp_diff_mean"] < 1e-3
     # The default rule (uncertainty) branches every completion of two or more tokens, at min(max_steps, L - 1)
-    # points, whatever its text; the default credit (tree) reaches the loss as per-token advantages.
+    # points, whatever its text: every group is a forest of `trees` trees of 1 + K x max_steps completions. The
+    # default credit (tree) reaches the loss as per-token advantages.
     assert metrics["rollout/storpo_branched_frac"] == 1.0 and metrics["rollout/storpo_fallback_frac"] == 0.0
     assert metrics["rollout/storpo_branches_mean"] == run.cfg.variant.max_steps
-    assert all(s == 1 + 2 * run.cfg.variant.max_steps for s in sizes.values())
+    variant = run.cfg.variant
+    assert all(s == variant.trees * (1 + variant.completions_per_step * variant.max_steps) for s in sizes.values())
     assert all(mb.token_advantages is not None for mb in run.datamodule.micro_batches)
+    assert 0.0 < metrics["rollout/credited_token_frac"] <= 1.0
 
 
 def test_dry_run_lists_the_registered_variants(tmp_path, capsys):
