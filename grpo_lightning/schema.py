@@ -104,7 +104,7 @@ def import_target(target: Any) -> Any:
     for cut in range(len(parts), 0, -1):
         try:
             found = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
+        except (ImportError, ValueError):  # ValueError: an empty name ("", "a..b")
             continue
         for name in parts[cut:]:
             found = getattr(found, name, None)

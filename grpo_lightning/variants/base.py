@@ -89,7 +89,8 @@ class GRPOVariant(Configured, ABC):
         if settings is not None and keys:
             raise TypeError(f"{type(self).__name__} takes a settings object or its keys, not both")
         if settings is None:
-            settings = self.settings_from(keys)[0] if self.settings_types else None
+            built = self.settings_from(keys)  # a key no settings type declares is refused by name
+            settings = built[0] if built else None
         elif self.settings_types and not isinstance(settings, self.settings_types[0]):
             raise TypeError(f"{type(self).__name__} takes a {self.settings_types[0].__name__} (got {settings!r})")
         self.settings = settings
