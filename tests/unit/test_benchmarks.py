@@ -330,8 +330,7 @@ def test_variants_tables_by_hand(tmp_path, capsys):
         # trained tokens credited: the mean of each run's round mean, (0.375 + 0.625) / 2 and (0.75 + 1) / 2;
         # completion tokens: the mean of each run's round mean, (25 + 40) / 2 and (10 + 12) / 2
         "| grpo | 2 | 2500 | 0.500 | [0.375, 0.625] | n/a | 0.500 | 32.5 |",
-        "| storpo_tree | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] | 0.000 / 0.250 | 0.875 "
-        "| 11.0 |",
+        "| storpo_tree | 2 | not reached (1 of 2 seeds did) | 0.438 | [0.125, 0.750] | 0.000 / 0.250 | 0.875 | 11.0 |",
         # paired by seed: 0.625 - 0.5 and 0.25 - 0.5; mean -0.0625, sd 0.1875 sqrt 2, t(1) 12.706:
         # -0.0625 -+ 12.706 x 0.1875
         "| storpo_tree | +0.125, -0.250 | -0.062 | [-2.445, +2.320] | 1 / 0 / 1 |",

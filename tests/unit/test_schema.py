@@ -243,3 +243,36 @@ def test_the_declared_defaults_are_the_default_config(tmp_path):
     walk(cfg, "", (RunSettings,))
     walk(make_cfg(tmp_path, []).generator, "generator.", ())
     assert differ == []
+
+
+def test_import_target_and_settings_from():
+    """`_target_` paths resolve without Hydra (None for what does not import); a Configured class builds one
+    settings object per type from a node's keys, omegaconf containers as plain Python, an unknown key refused."""
+    from dataclasses import dataclass
+
+    from omegaconf import OmegaConf
+
+    from grpo_lightning.schema import Configured, import_target, integer, setting, strings, target_class
+
+    assert target_class("grpo_lightning.variants.storpo.STORPO").__name__ == "STORPO"
+    assert import_target("grpo_lightning.data.source.test_split_of").__name__ == "test_split_of"
+    assert target_class("grpo_lightning.data.source.test_split_of") is None  # a function, not a class
+    for missing in ("no_such_package.X", "grpo_lightning.variants.storpo.Nope", "", "a..b", None):
+        assert import_target(missing) is None
+
+    @dataclass(frozen=True)
+    class Sizes:
+        count: int = setting(2, integer(1))
+
+    @dataclass(frozen=True)
+    class Names:
+        names: list = setting(rule=strings, factory=lambda: ["a"])
+
+    class Thing(Configured):
+        settings_types = (Sizes, Names)
+
+    node = OmegaConf.create({"count": 3, "names": ["x", "y"]})
+    sizes, names = Thing.settings_from(dict(node.items()))
+    assert sizes == Sizes(3) and names.names == ["x", "y"] and type(names.names) is list
+    with pytest.raises(TypeError, match="Thing got unexpected keys: colour"):
+        Thing.settings_from({"count": 3, "colour": "red"})
