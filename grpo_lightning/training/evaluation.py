@@ -162,38 +162,18 @@ class Evaluator(Configured, L.Callback):
                 "are evaluated by playing; experiment=selfplay_tictactoe sets it), or set eval.enabled=false"
             )
 
-    def __init__(
-        self,
-        dataset,
-        reward=None,
-        checker: AnswerChecker | None = None,
-        enabled: bool = EvalSettings.enabled,
-        every_n_rounds: int = EvalSettings.every_n_rounds,
-        num_problems: int = EvalSettings.num_problems,
-        pass_k: int = EvalSettings.pass_k,
-        num_samples: int = EvalSettings.num_samples,
-        max_new_tokens: int = EvalSettings.max_new_tokens,
-        max_prompt_tokens: int = EvalSettings.max_prompt_tokens,
-        num_samples_logged: int = EvalSettings.num_samples_logged,
-        at_start: bool = EvalSettings.at_start,
-        seed: int = EvalSettings.seed,
-        batch_size: int = EvalSettings.batch_size,
-        generator=None,
-        tokenizer=None,
-    ) -> None:
-        """`dataset`: the test split (`eval.dataset`, any data source). `checker` judges a reply; None: the
-        source's own, `dataset.checker(reward)` (GSM8K's keeps `reward`'s correctness as eval/gsm8k_accuracy),
-        or GSM8K's without a dataset. `generator` and `tokenizer` are the run's (train.py passes them with the
-        config's keys); a dry run builds the evaluator without them, to check its keys."""
-        EvalSettings(enabled, every_n_rounds, num_problems, pass_k, num_samples, max_new_tokens, max_prompt_tokens,
-                     num_samples_logged, at_start, seed, batch_size)  # fmt: skip
-        self.num_samples = num_samples or pass_k
+    def __init__(self, dataset, reward=None, checker: AnswerChecker | None = None, generator=None, tokenizer=None,
+                 **keys) -> None:  # fmt: skip
+        """`dataset`: the test split (`eval.dataset`, any data source); `keys`: the `eval` node's (its settings
+        types'). `checker` judges a reply; None: the source's own, `dataset.checker(reward)` (GSM8K's keeps
+        `reward`'s correctness as eval/gsm8k_accuracy), or GSM8K's without a dataset. `generator` and `tokenizer`
+        are the run's (train.py passes them with the config's keys); a dry run builds the evaluator without them, to
+        check its keys."""
+        self.settings, *self.own_settings = self.settings_from(keys)
+        """The shared `eval` keys (`EvalSettings`); `own_settings`: a subclass's other settings types'."""
+        self.num_samples = self.settings.num_samples or self.settings.pass_k
         """n, the samples drawn per problem for pass@k (Chen et al.'s estimator needs n >= k)."""
-        self.dataset, self.checker, self.enabled = dataset, checker or default_checker(dataset, reward), enabled
-        self.every_n_rounds, self.num_problems, self.pass_k = every_n_rounds, num_problems, pass_k
-        self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
-        self.num_samples_logged, self.at_start, self.seed = num_samples_logged, at_start, seed
-        self.batch_size = batch_size
+        self.dataset, self.checker = dataset, checker or default_checker(dataset, reward)
         self.generator, self.tokenizer = generator, tokenizer
         self.prompts: list = []
         self.final_metrics: dict[str, float] = {}
@@ -211,15 +191,15 @@ class Evaluator(Configured, L.Callback):
 
     def at_fit_start(self, trainer: L.Trainer) -> None:
         """Called by the rollout loop once round 0 is sampled: load the subset, evaluate the starting policy."""
-        if not self.enabled:
+        if not self.settings.enabled:
             return
         problems = self.dataset.load()
-        order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(self.seed)).tolist()
-        picked = order[: min(self.num_problems, len(problems))]
+        order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(self.settings.seed)).tolist()
+        picked = order[: min(self.settings.num_problems, len(problems))]
         self.prompts = [
-            encode_prompt(self.tokenizer, self.dataset, problems[i], i, self.max_prompt_tokens) for i in picked
+            encode_prompt(self.tokenizer, self.dataset, problems[i], i, self.settings.max_prompt_tokens) for i in picked
         ]
-        if self.at_start and trainer.ckpt_path is None:  # a resumed run was evaluated before its interruption
+        if self.settings.at_start and trainer.ckpt_path is None:  # a resumed run was evaluated before its interruption
             self.evaluate(trainer)
 
     def after_round(self, trainer: L.Trainer, pl_module: L.LightningModule, last_round: bool = False) -> None:
@@ -233,7 +213,11 @@ class Evaluator(Configured, L.Callback):
         weights blew up (nothing worth scoring, or logging)."""
         rounds_done = trainer.current_epoch + 1
         last = last_round or (trainer.max_epochs is not None and rounds_done >= trainer.max_epochs)
-        return self.enabled and not pl_module.diverged and (rounds_done % self.every_n_rounds == 0 or last)
+        return (
+            self.settings.enabled
+            and not pl_module.diverged
+            and (rounds_done % self.settings.every_n_rounds == 0 or last)
+        )
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer) -> dict[str, float]:
@@ -242,9 +226,16 @@ class Evaluator(Configured, L.Callback):
         rank, world_size = rank_and_world()
         mine = self.prompts[rank::world_size]
         prefixes = [p.prompt_ids for p in mine]
-        with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves the training RNG
-            greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.max_new_tokens, greedy=True)]
-            sampled = self.generator.generate(prefixes, self.num_samples, self.max_new_tokens) if self.pass_k else []
+        with (
+            torch.random.fork_rng(),
+            self.generator.rows_per_call(self.settings.batch_size),
+        ):  # never moves the training RNG
+            greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.settings.max_new_tokens, greedy=True)]
+            sampled = (
+                self.generator.generate(prefixes, self.num_samples, self.settings.max_new_tokens)
+                if self.settings.pass_k
+                else []
+            )
         texts = [self._decode(c.token_ids) for c in greedy]
         part = {  # judged here: a problem's record (a reasoning-gym verifier) never crosses processes
             "replies": [
@@ -257,15 +248,15 @@ class Evaluator(Configured, L.Callback):
                 [self.checker.check(self._decode(c.token_ids), p.answer, p.record).correct for c in samples]
                 for samples, p in zip(sampled, mine, strict=True)
             ]
-            if self.pass_k
+            if self.settings.pass_k
             else [],
         }  # fmt: skip
         parts = gather_objects(part)
         replies, lengths, correct = ([x for q in parts for x in q[key]] for key in part)
         metrics = verdict_metrics([r["verdict"] for r in replies])
         metrics["eval/completion_len_mean"] = sum(lengths) / max(len(lengths), 1)
-        if self.pass_k:
-            metrics[f"eval/pass@{self.pass_k}"] = pass_at_k(correct, self.pass_k)
+        if self.settings.pass_k:
+            metrics[f"eval/pass@{self.settings.pass_k}"] = pass_at_k(correct, self.settings.pass_k)
         metrics["time/eval_s"] = max(gather_objects(time.perf_counter() - start))  # ranks decode in parallel
         self.record(trainer, metrics)
         if trainer.is_global_zero:
@@ -299,7 +290,7 @@ class Evaluator(Configured, L.Callback):
         )
         rows = [
             (r["answer"], yes_no(r["verdict"].correct), yes_no(r["verdict"].strict), r["completion"])
-            for r in replies[: self.num_samples_logged]
+            for r in replies[: self.settings.num_samples_logged]
         ]
         tracking.log_table(trainer.loggers, "eval/samples", tracking.Table(columns, tuple(rows)), trainer.global_step)
 

@@ -70,20 +70,18 @@ class GameEvaluator(Evaluator):
     settings_types = (EvalSettings, GameEvalSettings)
     plays_games = True
 
-    def __init__(self, dataset, opponents=("random", "base"), max_turns: int = 30, reward=None, checker=None,
-                 **settings) -> None:  # fmt: skip
-        opponents = list(opponents)
-        GameEvalSettings(opponents, max_turns)
-        super().__init__(dataset, reward=None, checker=_NoChecker(), **settings)
-        self.opponents, self.max_turns = opponents, max_turns
+    def __init__(self, dataset, reward=None, checker=None, **keys) -> None:
+        super().__init__(dataset, reward=None, checker=_NoChecker(), **keys)
+        (self.game_settings,) = self.own_settings
+        """`eval.opponents` and `eval.max_turns` (`GameEvalSettings`)."""
         self.seeds: list[int] = []
         self._prompts: TurnPrompts | None = None
 
     def at_fit_start(self, trainer: L.Trainer) -> None:
-        if not self.enabled:
+        if not self.settings.enabled:
             return
-        self.seeds = [p.record.seed for p in self.dataset.load()][: self.num_problems]
-        if self.at_start and trainer.ckpt_path is None:
+        self.seeds = [p.record.seed for p in self.dataset.load()][: self.settings.num_problems]
+        if self.settings.at_start and trainer.ckpt_path is None:
             self.evaluate(trainer)
 
     @torch.no_grad()
@@ -92,30 +90,33 @@ class GameEvaluator(Evaluator):
         rank, world_size = rank_and_world()
         own = swapping_adapters(self.generator, "eval (data=games)").adapter_weights()
         matches = []
-        for name in self.opponents:
+        for name in self.game_settings.opponents:
             opponent = SCRIPTED[name]() if name in SCRIPTED else ModelPlayer("base", adapter_off(own))
             for seed in self.seeds[rank::world_size]:
                 for seat in (0, 1):
                     game = make_game(self.dataset.game)
                     game.reset(seed)
-                    rng = random.Random(derive_seed(self.seed, "eval", name, seed, seat))
+                    rng = random.Random(derive_seed(self.settings.seed, "eval", name, seed, seat))
                     matches.append(Match(game, seat, opponent, rng))
 
         if self._prompts is None:  # one for the run: its first cut is warned once
-            self._prompts = TurnPrompts(self.dataset, self.tokenizer, self.max_prompt_tokens, "eval.max_prompt_tokens",
-                                        metric=None)  # fmt: skip
+            limit = self.settings.max_prompt_tokens
+            self._prompts = TurnPrompts(self.dataset, self.tokenizer, limit, "eval.max_prompt_tokens", metric=None)
 
         def encode(game: TwoPlayerGame, player: int) -> list[int]:  # within eval.max_prompt_tokens, as training's
             return self._prompts.encode(game, player)[0]
 
-        with torch.random.fork_rng(), self.generator.rows_per_call(self.batch_size):  # never moves training's RNG
-            torch.manual_seed(self.seed)
-            play(matches, self.generator, encode, self._decode, self.dataset.reply_prefix, self.max_turns,
-                 self.max_new_tokens)  # fmt: skip
+        with (
+            torch.random.fork_rng(),
+            self.generator.rows_per_call(self.settings.batch_size),
+        ):  # never moves training's RNG
+            torch.manual_seed(self.settings.seed)
+            play(matches, self.generator, encode, self._decode, self.dataset.reply_prefix, self.game_settings.max_turns,
+                 self.settings.max_new_tokens)  # fmt: skip
         parts = gather_objects([(m.opponent.name, m.learner_score, [t.illegal for t in m.turns]) for m in matches])
         games = [g for part in parts for g in part]
         metrics: dict[str, float] = {}
-        for name in self.opponents:
+        for name in self.game_settings.opponents:
             metrics |= rate_metrics(name, [score for opp, score, _ in games if opp == name])
         illegal = [flag for _, _, flags in games for flag in flags]
         low, high = wilson_interval(sum(illegal), len(illegal))
