@@ -35,7 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from grpo_lightning.games.progress import ReportsProgress, SelfPlayProgress
-from grpo_lightning.schema import boolean, check_settings, configures, number, setting
+from grpo_lightning.schema import Configured, boolean, check_settings, configures, number, setting
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class LiveViewSettings:
         check_settings(self, "callbacks.live_view")
 
 
-class SelfPlayLiveView(L.Callback):
+class SelfPlayLiveView(Configured, L.Callback):
     """Draws the round a variant reports (`ReportsProgress`) in the terminal while it plays (rank 0 only).
 
     `setup` registers `update` with the variant's `progress_listeners`; the live display starts at the first
@@ -154,19 +154,13 @@ class SelfPlayLiveView(L.Callback):
     report (no `progress_listeners` list) leaves the view off.
     """
 
-    def __init__(
-        self,
-        variant,
-        enabled: bool = True,
-        refresh_per_second: float = 4.0,
-        *,
-        evaluator=None,
-        console: Console | None = None,
-    ) -> None:
+    settings_types = (LiveViewSettings,)
+
+    def __init__(self, variant, *, evaluator=None, console: Console | None = None, **keys) -> None:
         """`variant` and `evaluator` are the run's (passed by the run, conf/callbacks/default.yaml; the latest
         evaluation's metrics are the evaluator's `final_metrics`); `console`: where to draw (None: rich's global
-        console, shared with Lightning's Rich progress bar)."""
-        self.settings = LiveViewSettings(enabled, refresh_per_second)
+        console, shared with Lightning's Rich progress bar); `keys`: `callbacks.live_view`'s (`LiveViewSettings`)."""
+        (self.settings,) = self.settings_from(keys)
         self.variant = variant
         self.evaluator = evaluator
         self.console = console
@@ -299,16 +293,12 @@ def holds(console: Console, live: Live) -> bool:
     return getattr(console, "_live", None) is live
 
 
-def live_view(
-    variant, evaluator=None, enabled: bool = True, refresh_per_second: float = 4.0
-) -> SelfPlayLiveView | None:
+def live_view(variant, evaluator=None, **keys) -> SelfPlayLiveView | None:
     """The `callbacks.live_view` entry: the view for a variant that reports its rounds (`ReportsProgress`), or
-    none (disabled, or any other variant)."""
-    settings = LiveViewSettings(enabled, refresh_per_second)
-    if not settings.enabled or not isinstance(variant, ReportsProgress):
+    none (disabled, or any other variant); `keys`: `LiveViewSettings`'."""
+    if not LiveViewSettings(**keys).enabled or not isinstance(variant, ReportsProgress):
         return None
-    return SelfPlayLiveView(variant, settings.enabled, settings.refresh_per_second, evaluator=evaluator)
+    return SelfPlayLiveView(variant, evaluator=evaluator, **keys)
 
 
-configures(SelfPlayLiveView, LiveViewSettings)
 configures(live_view, LiveViewSettings)
