@@ -99,6 +99,17 @@ class TwoPlayerGame(ABC):
         """Whether `optimal_moves` is implemented (the `perfect` opponent can play this game)."""
         return False
 
+    def winning_moves(self, player: int) -> list[str]:
+        """The moves with which `player` would win at once if it were to move in this position (the `tactic`
+        scripted player's: win, else block); a game that cannot say raises, and the config check refuses `tactic`
+        for it."""
+        raise NotImplementedError(f"{self.game_id} does not list winning moves")
+
+    @property
+    def lists_winning_moves(self) -> bool:
+        """Whether `winning_moves` is implemented (the `tactic` opponent can play this game)."""
+        return False
+
 
 TEXTARENA_PREFIX = "textarena:"
 """How a TextArena game id starts (`textarena:Nim-v0`; games/registry.py, games/textarena_games.py)."""

@@ -29,8 +29,9 @@ from grpo_lightning.games.progress import PoolEntry
 from grpo_lightning.schema import strings
 
 LEARNER = "learner"
-FIXED_OPPONENTS = ("random", "perfect", "base")
-"""Opponents that are not snapshots: a random legal move, minimax play (solved games only), the base model."""
+FIXED_OPPONENTS = ("random", "tactic", "perfect", "base")
+"""Opponents that are not snapshots: a random legal move, one-move tactics (win, else block, else random; games that
+list winning moves), minimax play (solved games only), the base model."""
 SAMPLING_MODES = ("mirror", "lagged", "random", "match_quality")
 
 

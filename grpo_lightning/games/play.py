@@ -52,9 +52,21 @@ class ModelPlayer(Player):
 
 
 class ScriptedPlayer(Player):
+    """A player whose move is drawn from an exact distribution over the position's moves (`move_distribution`), so
+    its expected results can be computed as well as sampled (games/exact.py)."""
+
     @abstractmethod
+    def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
+        """Each move this player may make in the position of `game` (in the game's format), with its probability."""
+
     def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
-        """The reply of this player to the position of `game` (a move in the game's format)."""
+        """The reply of this player to the position of `game`, drawn from `move_distribution` with `rng`."""
+        moves = self.move_distribution(game)
+        return rng.choices(list(moves), weights=list(moves.values()))[0] if len(moves) > 1 else next(iter(moves))
+
+
+def _uniform(moves: Sequence[str]) -> dict[str, float]:
+    return {move: 1.0 / len(moves) for move in moves}
 
 
 class RandomMovePlayer(ScriptedPlayer):
@@ -62,11 +74,14 @@ class RandomMovePlayer(ScriptedPlayer):
 
     name = "random"
 
-    def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
+    def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
         moves = game.legal_moves()
         if not moves:
             raise ValueError(f"{game.game_id} does not list its legal moves: the random player cannot play it")
-        return rng.choice(moves)
+        return _uniform(moves)
+
+    def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
+        return rng.choice(list(self.move_distribution(game)))  # the draw every earlier run made
 
 
 class PerfectPlayer(ScriptedPlayer):
@@ -74,11 +89,26 @@ class PerfectPlayer(ScriptedPlayer):
 
     name = "perfect"
 
+    def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
+        return _uniform(game.optimal_moves())
+
     def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
-        return rng.choice(game.optimal_moves())
+        return rng.choice(game.optimal_moves())  # the draw every earlier run made
 
 
-SCRIPTED = {"random": RandomMovePlayer, "perfect": PerfectPlayer}
+class TacticPlayer(ScriptedPlayer):
+    """Win if a move wins now, else block a move with which the opponent would win next, else a random legal move
+    (each choice uniform among its moves): the one-move tactics a player needs before any strategy. Games that list
+    their winning moves only (`TwoPlayerGame.winning_moves`: TicTacToe)."""
+
+    name = "tactic"
+
+    def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
+        me = game.current_player
+        return _uniform(game.winning_moves(me) or game.winning_moves(1 - me) or game.legal_moves())
+
+
+SCRIPTED = {"random": RandomMovePlayer, "perfect": PerfectPlayer, "tactic": TacticPlayer}
 
 
 @dataclass

@@ -82,6 +82,14 @@ class TicTacToe(TwoPlayerGame):
             if -minimax_value(_play(self.board, cell, self.to_move), 1 - self.to_move) == value
         ]
 
+    def winning_moves(self, player: int) -> list[str]:
+        """The free cells that complete a line of `player`'s marks."""
+        return [f"[{cell}]" for cell in _free(self.board) if winner(_play(self.board, cell, player)) == player]
+
+    @property
+    def lists_winning_moves(self) -> bool:
+        return True
+
     def render(self) -> str:
         rows = []
         for r in range(3):

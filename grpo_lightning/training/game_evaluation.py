@@ -49,18 +49,24 @@ class GameEvalSettings:
         check_settings(self, "eval")
 
 
+SEAT_NAMES = ("first", "second")
+"""How the per-seat metrics name the learner's seat: `eval/win_rate_vs_random_first` moved first (seat 0)."""
+
+
 def rate_metrics(name: str, scores: list[float]) -> dict[str, float]:
-    """Win / draw / loss rates of the learner's `scores` (+1 / 0 / -1) against `name`, the win rate's interval."""
+    """Win / draw / loss rates of the learner's `scores` (+1 / 0 / -1) against `name`, each with its 95% Wilson
+    interval (`..._ci95_low`, `..._ci95_high`)."""
     n = max(len(scores), 1)
-    wins = sum(s > 0 for s in scores)
-    low, high = wilson_interval(wins, len(scores))
-    return {
-        f"eval/win_rate_vs_{name}": wins / n,
-        f"eval/win_rate_vs_{name}_ci95_low": low,
-        f"eval/win_rate_vs_{name}_ci95_high": high,
-        f"eval/draw_rate_vs_{name}": sum(s == 0 for s in scores) / n,
-        f"eval/loss_rate_vs_{name}": sum(s < 0 for s in scores) / n,
-    }
+    metrics: dict[str, float] = {}
+    for what, count in (
+        ("win", sum(s > 0 for s in scores)),
+        ("draw", sum(s == 0 for s in scores)),
+        ("loss", sum(s < 0 for s in scores)),
+    ):
+        low, high = wilson_interval(count, len(scores))
+        key = f"eval/{what}_rate_vs_{name}"
+        metrics |= {key: count / n, f"{key}_ci95_low": low, f"{key}_ci95_high": high}
+    return metrics
 
 
 class GameEvaluator(Evaluator):
@@ -113,12 +119,17 @@ class GameEvaluator(Evaluator):
             torch.manual_seed(self.settings.seed)
             play(matches, self.generator, encode, self._decode, self.dataset.reply_prefix, self.game_settings.max_turns,
                  self.settings.max_new_tokens)  # fmt: skip
-        parts = gather_objects([(m.opponent.name, m.learner_score, [t.illegal for t in m.turns]) for m in matches])
+        parts = gather_objects(
+            [(m.opponent.name, m.learner_seat, m.learner_score, [t.illegal for t in m.turns]) for m in matches]
+        )
         games = [g for part in parts for g in part]
         metrics: dict[str, float] = {}
-        for name in self.game_settings.opponents:
-            metrics |= rate_metrics(name, [score for opp, score, _ in games if opp == name])
-        illegal = [flag for _, _, flags in games for flag in flags]
+        for name in self.game_settings.opponents:  # both seats, then each (the first mover's edge shows apart)
+            metrics |= rate_metrics(name, [score for opp, _, score, _ in games if opp == name])
+            for seat, seat_name in enumerate(SEAT_NAMES):
+                scores = [score for opp, s, score, _ in games if opp == name and s == seat]
+                metrics |= rate_metrics(f"{name}_{seat_name}", scores)
+        illegal = [flag for _, _, _, flags in games for flag in flags]
         low, high = wilson_interval(sum(illegal), len(illegal))
         metrics["eval/illegal_move_rate"] = sum(illegal) / max(len(illegal), 1)
         metrics["eval/illegal_move_rate_ci95_low"], metrics["eval/illegal_move_rate_ci95_high"] = low, high

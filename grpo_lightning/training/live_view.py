@@ -43,6 +43,8 @@ WIN_RATE = "eval/win_rate_vs_"
 """Prefix of the evaluation's win rate against one opponent: `eval/win_rate_vs_<name>`, with its Wilson
 interval `..._ci95_low` / `..._ci95_high`, beside `eval/draw_rate_vs_<name>` and `eval/loss_rate_vs_<name>`."""
 INTERVAL = ("_ci95_low", "_ci95_high")
+SEAT_LABELS = {"first": "moving first", "second": "moving second"}
+"""The per-seat rows of an evaluation (`eval/win_rate_vs_<name>_first`, training/game_evaluation.py SEAT_NAMES)."""
 ILLEGAL_RATE = "eval/illegal_move_rate"
 
 
@@ -76,7 +78,8 @@ def pool_table(progress: SelfPlayProgress) -> Table:
 
 
 def eval_table(metrics: dict[str, float]) -> Table:
-    """The latest evaluation: per opponent, the learner's win rate with its 95% interval, draw and loss rates."""
+    """The latest evaluation: per opponent, then per seat, the learner's win rate with its 95% interval, draw and
+    loss rates."""
     table = Table(title="latest evaluation", box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("opponent")
     for name in ("win", "95% interval", "draw", "loss"):
@@ -88,8 +91,12 @@ def eval_table(metrics: dict[str, float]) -> Table:
     for name in eval_opponents(metrics):
         low, high = (f"{WIN_RATE}{name}{end}" for end in INTERVAL)
         interval = f"[{metrics[low]:.3f}, {metrics[high]:.3f}]" if low in metrics and high in metrics else "-"
+        label = name
+        for seat in SEAT_LABELS:
+            if name.endswith(f"_{seat}"):  # a per-seat row of the evaluation: `random_first`
+                label = f"  {name.removesuffix(f'_{seat}')}, learner {SEAT_LABELS[seat]}"
         table.add_row(
-            name,
+            label,
             value(f"{WIN_RATE}{name}"),
             interval,
             value(f"eval/draw_rate_vs_{name}"),

@@ -118,6 +118,11 @@ class SelfPlay(GRPOVariant):
         ):
             if "perfect" in names and not game.solved:
                 raise ValueError(f"{key}: 'perfect' plays solved games only (tictactoe), and {game.game_id} is not one")
+            if "tactic" in names and not game.lists_winning_moves:
+                raise ValueError(
+                    f"{key}: 'tactic' plays games that list their winning moves (tictactoe), and {game.game_id} does "
+                    "not; leave it out"
+                )
             if "random" in names and not game.legal_moves():
                 raise ValueError(
                     f"{key}: 'random' plays a random legal move, and {cfg.data.dataset.game} does not list its legal "

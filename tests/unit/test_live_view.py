@@ -196,3 +196,20 @@ def test_it_pauses_while_a_rich_bar_takes_the_console_over_and_then_draws_beside
     view.on_fit_end(trainer(bar), None)
     assert console._live_stack == [other]
     other.stop()
+
+
+def test_the_evaluation_shows_each_seat_under_its_opponent():
+    metrics = {
+        "eval/win_rate_vs_random": 0.75, "eval/draw_rate_vs_random": 0.125, "eval/loss_rate_vs_random": 0.125,
+        "eval/win_rate_vs_random_first": 0.875, "eval/win_rate_vs_random_first_ci95_low": 0.529,
+        "eval/win_rate_vs_random_first_ci95_high": 0.978, "eval/draw_rate_vs_random_first": 0.125,
+        "eval/loss_rate_vs_random_first": 0.0,
+        "eval/win_rate_vs_random_second": 0.625, "eval/draw_rate_vs_random_second": 0.125,
+        "eval/loss_rate_vs_random_second": 0.25,
+    }  # fmt: skip
+    lines = render_text(progress(last_eval=metrics)).splitlines()
+    first = next(line for line in lines if "random, learner moving first" in line)
+    second = next(line for line in lines if "random, learner moving second" in line)
+    assert first.split()[-6:-1] == ["0.875", "[0.529,", "0.978]", "0.125", "0.000"]
+    assert "0.625" in second and "0.250" in second
+    assert lines.index(first) < lines.index(second)

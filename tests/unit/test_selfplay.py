@@ -32,6 +32,7 @@ from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards.games import GameOutcome, LegalMove, MoveFormat
 from grpo_lightning.rewards.pipeline import build_reward
 from grpo_lightning.rewards.transforms import BatchNormalize, RoleBaseline
+from grpo_lightning.training.evaluation import wilson_interval
 from grpo_lightning.training.game_evaluation import GameEvaluator
 from grpo_lightning.types import Completion, Prompt, TurnRecord
 from grpo_lightning.variants.selfplay import SelfPlay
@@ -418,9 +419,17 @@ def test_evaluation_is_the_same_for_the_same_weights_and_leaves_the_rng_alone(to
             assert first[key] == second[key], key
     assert first["eval/games"] == 24.0  # 6 seeds x 2 seats x 2 opponents
     for name in ("random", "base"):
-        rates = [first[f"eval/{k}_rate_vs_{name}"] for k in ("win", "draw", "loss")]
-        assert sum(rates) == pytest.approx(1.0)
-        assert first[f"eval/win_rate_vs_{name}_ci95_low"] <= rates[0] <= first[f"eval/win_rate_vs_{name}_ci95_high"]
+        for who in (name, f"{name}_first", f"{name}_second"):  # both seats, then each seat's 6 games
+            rates = [first[f"eval/{k}_rate_vs_{who}"] for k in ("win", "draw", "loss")]
+            assert sum(rates) == pytest.approx(1.0)
+            for k, r in zip(("win", "draw", "loss"), rates, strict=True):
+                low, high = (first[f"eval/{k}_rate_vs_{who}_ci95_{end}"] for end in ("low", "high"))
+                assert (low, high) == pytest.approx(wilson_interval(round(r * (12 if who == name else 6)),
+                                                                    12 if who == name else 6))  # fmt: skip
+                assert low <= r <= high
+        for k in ("win", "draw", "loss"):  # equal games a seat: the overall rate is the seats' mean
+            seats = (first[f"eval/{k}_rate_vs_{name}_first"], first[f"eval/{k}_rate_vs_{name}_second"])
+            assert first[f"eval/{k}_rate_vs_{name}"] == pytest.approx(sum(seats) / 2)
     assert logged and logged[0] is not None
 
 

@@ -1,0 +1,84 @@
+"""Exact expected results of one scripted player against another, every game enumerated (no sampling).
+
+A scripted player's move is drawn from an exact distribution (`ScriptedPlayer.move_distribution`), so the chance of
+every game between two of them is a product of known probabilities, and its win, draw and loss rates are sums over
+the game tree. Positions recur along different move orders, so each is valued once (memoised on `key`: by default
+the rendered board and the player to move, which is the whole state of a board game like TicTacToe; a game whose
+rendering hides state needs its own key). These are the numbers a learned policy is measured against: what a
+scripted policy is worth against the random player, from each seat (docs/selfplay.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.play import ScriptedPlayer
+
+
+@dataclass(frozen=True)
+class Expected:
+    """Win, draw and loss probabilities of one player (they sum to 1)."""
+
+    win: float
+    draw: float
+    loss: float
+
+    @staticmethod
+    def mean(results: list[Expected]) -> Expected:
+        n = len(results)
+        return Expected(*(sum(getattr(r, f) for r in results) / n for f in ("win", "draw", "loss")))
+
+
+def position_key(game: TwoPlayerGame) -> Hashable:
+    """The rendered position and the player to move."""
+    return game.render(), game.current_player
+
+
+def expected_results(
+    game: TwoPlayerGame,
+    player: ScriptedPlayer,
+    opponent: ScriptedPlayer,
+    seat: int,
+    key: Callable[[TwoPlayerGame], Hashable] = position_key,
+    max_moves: int | None = None,
+) -> Expected:
+    """`player`'s exact results in `seat` against `opponent` from `game`'s current position (a game capped after
+    `max_moves` more moves, as self-play's `max_turns`, is a draw)."""
+    memo: dict[tuple[Hashable, int | None], Expected] = {}
+
+    def value(position: TwoPlayerGame, moves_left: int | None) -> Expected:
+        if position.done:
+            result = position.outcome[seat]
+            return Expected(float(result > 0), float(result == 0), float(result < 0))
+        if moves_left == 0:
+            return Expected(0.0, 1.0, 0.0)
+        known = memo.get((key(position), moves_left))
+        if known is not None:
+            return known
+        mover = player if position.current_player == seat else opponent
+        win = draw = loss = 0.0
+        for move, p in mover.move_distribution(position).items():
+            after = copy.deepcopy(position)
+            after.step(move)
+            v = value(after, None if moves_left is None else moves_left - 1)
+            win, draw, loss = win + p * v.win, draw + p * v.draw, loss + p * v.loss
+        memo[key(position), moves_left] = Expected(win, draw, loss)
+        return memo[key(position), moves_left]
+
+    return value(copy.deepcopy(game), max_moves)
+
+
+def both_seats(
+    new_game: Callable[[], TwoPlayerGame], player: ScriptedPlayer, opponent: ScriptedPlayer
+) -> tuple[Expected, Expected, Expected]:
+    """`player`'s exact results from seat 0, from seat 1, and their mean (as an evaluation that plays every seed
+    from both seats reports them)."""
+    per_seat = []
+    for seat in (0, 1):
+        game = new_game()
+        game.reset(0)
+        per_seat.append(expected_results(game, player, opponent, seat))
+    return per_seat[0], per_seat[1], Expected.mean(per_seat)
