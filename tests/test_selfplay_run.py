@@ -61,9 +61,9 @@ def test_selfplay_trains_and_reports_games(tmp_path):
     assert last.variant_metrics["game/games"] == 4.0  # 2 seeds x 2 games
     for key in ("game/win_rate", "pool/size", "pool/mu_learner", "pool/mu_random", "pool/mu_base"):
         assert key in metrics, key
-    assert metrics["eval/games"] == 8.0  # 2 seeds x 2 seats x 2 opponents
+    assert metrics["eval/games"] == 12.0  # 2 seeds x 2 seats x 3 opponents (random, tactic, base)
     for key in ("eval/win_rate_vs_random", "eval/win_rate_vs_base_ci95_high", "eval/illegal_move_rate",
-                "summary/eval_win_rate_vs_random_end"):  # fmt: skip
+                "eval/loss_rate_vs_tactic_second", "summary/eval_win_rate_vs_random_end"):  # fmt: skip
         assert key in metrics, key
     assert {r.group_id for r in last.rollouts} == {0, 1}
 
