@@ -83,8 +83,6 @@ class Rollout:
     """The completion's scalar advantage (the reward pipeline's group transforms)."""
     branch_point: int = 0
     """Number of leading completion tokens NOT trained on (STORPO continuations); 0 trains on all."""
-    tree: int = 0
-    """Which initial completion of its group it is or continues (STORPO's forest: `variant.trees` per prompt)."""
     answer_extracted: bool = False
     """Whether the reward function found an answer in the completion (format rate)."""
     reward_terms: dict[str, float] = field(default_factory=dict)
@@ -92,6 +90,8 @@ class Rollout:
     token_advantages: list[float] | None = None
     """Per completion token, when the variant gives tokens their own credit (STORPO's `variant.advantage=tree`,
     algorithm/tree_advantages.py); None: every trained token gets `advantage`."""
+    tree: int = 0
+    """Which initial completion of its group it is or continues (STORPO's forest: `variant.trees` per prompt)."""
 
     def __post_init__(self) -> None:
         for name in ("gen_logprobs", "token_advantages"):
