@@ -11,7 +11,7 @@ class PairsPerPrompt(GRPOVariant):
     """Two samples per prompt, one group each: the smallest possible variant, written as a user would (no settings
     of its own)."""
 
-    def group(self) -> GroupShape:
+    def group(self, source=None) -> GroupShape:
         return GroupShape(rollouts=2, samples="2 completions", keys=(), samples_per_prefix=2, shared_prompt=True)
 
     def sample_rollouts(self, generator, prompts, reward_fn, decode):

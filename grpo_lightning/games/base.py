@@ -40,6 +40,9 @@ class TwoPlayerGame(ABC):
     """One game in progress between seat 0 and seat 1."""
 
     game_id: str = "unnamed"
+    longest_game: int | None = None
+    """The most moves (both players') a game can last, when the rules bound it (TicTacToe 9, Kuhn Poker 3); None:
+    unbounded or unknown (self-play's `variant.max_turns` bounds it then). Sizes a self-play group's rollouts."""
 
     @abstractmethod
     def reset(self, seed: int) -> None:
@@ -93,6 +96,12 @@ class TwoPlayerGame(ABC):
         """The moves perfect play allows now (the `perfect` scripted player's); a game that is not solved here
         cannot say, and the config check refuses `perfect` for it."""
         raise NotImplementedError(f"{self.game_id} has no perfect player")
+
+    def optimal_distribution(self) -> dict[str, float]:
+        """How perfect play mixes its moves now (the `perfect` player's draw): uniform over `optimal_moves` unless
+        the game's equilibrium is a mixed one (Kuhn Poker's)."""
+        moves = self.optimal_moves()
+        return {move: 1.0 / len(moves) for move in moves}
 
     @property
     def solved(self) -> bool:

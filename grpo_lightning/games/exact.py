@@ -11,7 +11,7 @@ scripted policy is worth against the random player, from each seat (docs/selfpla
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from grpo_lightning.games.base import TwoPlayerGame
@@ -72,13 +72,19 @@ def expected_results(
 
 
 def both_seats(
-    new_game: Callable[[], TwoPlayerGame], player: ScriptedPlayer, opponent: ScriptedPlayer
+    new_game: Callable[[], TwoPlayerGame],
+    player: ScriptedPlayer,
+    opponent: ScriptedPlayer,
+    seeds: Sequence[int] = (0,),
 ) -> tuple[Expected, Expected, Expected]:
     """`player`'s exact results from seat 0, from seat 1, and their mean (as an evaluation that plays every seed
-    from both seats reports them)."""
+    from both seats reports them), each the mean over the games `seeds` deal (Kuhn Poker: 6 seeds, every deal)."""
     per_seat = []
     for seat in (0, 1):
-        game = new_game()
-        game.reset(0)
-        per_seat.append(expected_results(game, player, opponent, seat))
+        results = []
+        for seed in seeds:
+            game = new_game()
+            game.reset(seed)
+            results.append(expected_results(game, player, opponent, seat))
+        per_seat.append(Expected.mean(results))
     return per_seat[0], per_seat[1], Expected.mean(per_seat)

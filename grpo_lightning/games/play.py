@@ -85,15 +85,19 @@ class RandomMovePlayer(ScriptedPlayer):
 
 
 class PerfectPlayer(ScriptedPlayer):
-    """A uniformly random move among those perfect play allows (solved games only: TicTacToe)."""
+    """Perfect play (solved games only): a uniformly random move among those minimax allows (TicTacToe), or the
+    equilibrium's mixed move (Kuhn Poker)."""
 
     name = "perfect"
 
     def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
-        return _uniform(game.optimal_moves())
+        return game.optimal_distribution()
 
     def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
-        return rng.choice(game.optimal_moves())  # the draw every earlier run made
+        moves = self.move_distribution(game)
+        if len(set(moves.values())) == 1:
+            return rng.choice(list(moves))  # uniform: the draw every earlier run made
+        return super().choose(game, rng)
 
 
 class TacticPlayer(ScriptedPlayer):

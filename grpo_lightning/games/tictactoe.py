@@ -50,6 +50,8 @@ def _play(board: str, cell: int, seat: int) -> str:
 
 @register_game("tictactoe")
 class TicTacToe(TwoPlayerGame):
+    longest_game = 9
+
     def __init__(self) -> None:
         self.board = "........."
         self.to_move = 0

@@ -28,7 +28,7 @@ class GRPOSettings:
 class BaselineGRPO(GRPOVariant):
     settings_types = (GRPOSettings,)
 
-    def group(self) -> GroupShape:
+    def group(self, source=None) -> GroupShape:
         """G independent completions of the prompt."""
         g = self.settings.num_generations
         return GroupShape(

@@ -137,14 +137,18 @@ class SelfPlay(GRPOVariant):
                         "turns: use reward=selfplay"
                     )
 
-    def group(self) -> GroupShape:
+    def group(self, source=None) -> GroupShape:
         """At most: `games_per_group` games of one seed from one seat against one opponent, every one lasting
-        `max_turns` moves, half of them the learner's (each learner move is a rollout)."""
+        `max_turns` moves or the game's longest game (the source's, or the bound source's), half of them the
+        learner's, rounded up (each learner move is a rollout)."""
         s = self.settings
+        source = source if source is not None else self.source
+        longest = make_game(source.game).longest_game if isinstance(source, GameSeeds) else None
+        learner_moves = math.ceil(min(s.max_turns, longest or s.max_turns) / 2)
         return GroupShape(
-            rollouts=s.games_per_group * math.ceil(s.max_turns / 2),
+            rollouts=s.games_per_group * learner_moves,
             samples=f"{s.games_per_group} games of a seed from one seat (one rollout a learner move, at most "
-            f"{math.ceil(s.max_turns / 2)} a game)",
+            f"{learner_moves} a game)",
             keys=("variant.games_per_group", "variant.max_turns"),
             samples_per_prefix=1,  # one move of each game a call
             shared_prompt=False,

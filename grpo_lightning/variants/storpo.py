@@ -101,7 +101,7 @@ class STORPO(GRPOVariant):
         self._warned_plain = False
         self.begin_round(0)
 
-    def group(self) -> GroupShape:
+    def group(self, source=None) -> GroupShape:
         """At most: `trees` initial completions, each with `completions_per_step` continuations at each of
         `max_steps` branch points, or a prompt sampled plainly (`fallback_generations`), whichever is larger."""
         s = self.settings

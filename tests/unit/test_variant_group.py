@@ -12,6 +12,7 @@ import torch
 
 from grpo_lightning.app.export import model_card
 from grpo_lightning.app.memory import ModelShape, estimate, run_shape
+from grpo_lightning.data.games import GameSeeds
 from grpo_lightning.training.checkpointing import check_resume_settings, fixed_settings
 from grpo_lightning.variants.base import GroupShape
 from grpo_lightning.variants.baseline import BaselineGRPO
@@ -37,6 +38,11 @@ def test_each_variant_says_its_group():
     selfplay = SelfPlay(games_per_group=3, max_turns=9).group()
     assert (selfplay.rollouts, selfplay.samples_per_prefix, selfplay.shared_prompt) == (3 * 5, 1, False)
     assert selfplay.keys == ("variant.games_per_group", "variant.max_turns")
+    # a game whose rules bound it: TicTacToe lasts 9 moves at most, 5 of them the first mover's
+    tictactoe = SelfPlay(games_per_group=3, max_turns=30).group(GameSeeds(game="tictactoe"))
+    assert tictactoe.rollouts == 3 * 5 and "at most 5 a game" in tictactoe.samples
+    kuhn = SelfPlay(games_per_group=3, max_turns=30).group(GameSeeds(game="kuhn_poker"))
+    assert kuhn.rollouts == 3 * 2  # 3 moves at most: 2 of them the first seat's
 
 
 def test_a_variant_takes_its_settings_object_or_its_keys():

@@ -1,0 +1,127 @@
+"""Kuhn Poker, built in (Kuhn 1950): the smallest poker with bluffing, a second game beside TicTacToe.
+
+Three cards, J < Q < K; each seat antes 1 chip and is dealt one card, the third unseen. Seat 0 acts first:
+`[check]` or `[bet]` (1 chip). After a check, seat 1 checks (showdown for the 2-chip pot) or bets; facing a bet, a
+player `[call]`s (showdown for 4 chips) or `[fold]`s (the bettor takes the pot). The higher card wins a showdown.
+`chips` is what seat 0 won (+1 or +2, or -1 or -2); the outcome the trainer sees is its sign (there are no draws).
+An unreadable or illegal move loses the game at once, as in TicTacToe.
+
+The deal is the seed's: `reset(seed)` deals `DEALS[seed % 6]`, so any 6 consecutive seeds play every deal once
+(an evaluation over them averages over the chance node exactly).
+
+`optimal_distribution` is a Nash equilibrium of the game (Kuhn's family at alpha = 0: seat 0 never bets first; with
+a Q it calls a bet a third of the time; seat 1 bets a J after a check a third of the time and calls a bet with a Q a
+third of the time): against it no strategy wins more than -1/18 chips a game from seat 0 or +1/18 from seat 1, on
+average over the deals; the `perfect` scripted player plays it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move
+from grpo_lightning.games.registry import register_game
+
+CARDS = "JQK"
+DEALS = tuple(itertools.permutations(range(3), 2))
+"""The 6 deals: (seat 0's card, seat 1's card), card indices into CARDS."""
+MOVES = ("check", "bet", "call", "fold")
+EQUILIBRIUM: dict[tuple[int, str], dict[str, float]] = {
+    # (card, history) -> the move distribution of the player to move; history: the moves so far, joined by ","
+    (0, ""): {"check": 1.0},
+    (1, ""): {"check": 1.0},
+    (2, ""): {"check": 1.0},
+    (0, "check,bet"): {"fold": 1.0},
+    (1, "check,bet"): {"call": 1 / 3, "fold": 2 / 3},
+    (2, "check,bet"): {"call": 1.0},
+    (0, "check"): {"bet": 1 / 3, "check": 2 / 3},
+    (1, "check"): {"check": 1.0},
+    (2, "check"): {"bet": 1.0},
+    (0, "bet"): {"fold": 1.0},
+    (1, "bet"): {"call": 1 / 3, "fold": 2 / 3},
+    (2, "bet"): {"call": 1.0},
+}
+"""Kuhn's equilibrium with alpha = 0, by the card of the player to move and the history."""
+
+
+@register_game("kuhn_poker")
+class KuhnPoker(TwoPlayerGame):
+    longest_game = 3
+
+    def __init__(self) -> None:
+        self.cards = DEALS[0]
+        self.history: list[str] = []
+        self._outcome: tuple[float, float] | None = None
+        self.chips = 0
+        """What seat 0 won (seat 1 won the opposite), once the game is over."""
+
+    def reset(self, seed: int) -> None:
+        self.cards, self.history, self._outcome, self.chips = DEALS[seed % len(DEALS)], [], None, 0
+
+    @property
+    def current_player(self) -> int:
+        return len(self.history) % 2
+
+    @property
+    def outcome(self) -> tuple[float, float] | None:
+        return self._outcome
+
+    def legal_moves(self) -> list[str]:
+        if self.done:
+            return []
+        facing_bet = bool(self.history) and self.history[-1] == "bet"
+        return ["[call]", "[fold]"] if facing_bet else ["[check]", "[bet]"]
+
+    @property
+    def solved(self) -> bool:
+        return True
+
+    def optimal_moves(self) -> list[str]:
+        """The moves the equilibrium plays with a positive probability."""
+        return [f"[{move}]" for move in self._equilibrium()]
+
+    def optimal_distribution(self) -> dict[str, float]:
+        """The equilibrium's mixed move: each move with its probability."""
+        return {f"[{move}]": p for move, p in self._equilibrium().items()}
+
+    def _equilibrium(self) -> dict[str, float]:
+        return EQUILIBRIUM[self.cards[self.current_player], ",".join(self.history)]
+
+    def render(self) -> str:
+        return ", ".join(f"seat {i % 2} {move}s" for i, move in enumerate(self.history)) or "no moves yet"
+
+    def observation(self, player: int) -> str:
+        order = "you act first" if player == 0 else "your opponent acts first"
+        return (
+            "You are playing Kuhn Poker: a deck of three cards, J < Q < K. Each player antes 1 chip and holds one "
+            f"card; the higher card wins at showdown. {order.capitalize()}. Check or bet 1 chip; facing a bet, call "
+            "or fold.\n\n"
+            f"Your card: {CARDS[self.cards[player]]}\nSo far: {self.render()}\n\n"
+            f"Legal moves: {', '.join(self.legal_moves())}\nReply with your move in square brackets, e.g. "
+            f"{self.legal_moves()[0] if self.legal_moves() else '[check]'}."
+        )
+
+    def step(self, reply: str) -> StepResult:
+        if self.done:
+            raise RuntimeError("the game is over; reset it")
+        seat = self.current_player
+        move = bracketed_move(reply)
+        if move is None or move not in self.legal_moves():
+            self._finish(-1 if seat == 0 else 1)
+            return StepResult(illegal=True, done=True, outcome=self._outcome)
+        self.history.append(move[1:-1])
+        moves = ",".join(self.history)
+        showdown = 1 if self.cards[0] > self.cards[1] else -1
+        if moves == "check,check":
+            self._finish(showdown)
+        elif moves in ("bet,call", "check,bet,call"):
+            self._finish(2 * showdown)
+        elif moves == "bet,fold":
+            self._finish(1)
+        elif moves == "check,bet,fold":
+            self._finish(-1)
+        return StepResult(illegal=False, done=self.done, outcome=self._outcome)
+
+    def _finish(self, chips: int) -> None:
+        self.chips = chips
+        self._outcome = (1.0, -1.0) if chips > 0 else (-1.0, 1.0)
