@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ from grpo_lightning.training.tracking import writer_for
 log = logging.getLogger(__name__)
 
 ABSENT = object()
+WIRED = re.compile(r"\$\{[\w.]+\}")
+"""An interpolation that only refers to another key (`${generator.num_generations}`), not a resolver's."""
 
 
 # ---- every declared key ------------------------------------------------------------------------------------------
@@ -77,8 +80,9 @@ def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> lis
             value = node[key]
         except OmegaConfBaseException:  # an interpolation that resolves only in a Hydra run (${hydra:...})
             continue
-        if isinstance(value, DictConfig) and OmegaConf.is_interpolation(node, key):
-            continue  # a whole node wired from elsewhere (eval.dataset.train: ${data.dataset}): checked there
+        if OmegaConf.is_interpolation(node, key) and WIRED.fullmatch(str(node._get_node(key)._value())):
+            continue  # a node or a key wired from elsewhere (variant.num_generations: ${generator.num_generations}):
+            # checked, and named, where it is written
         if isinstance(value, DictConfig) and key not in mappings:
             children[key] = value
         else:
