@@ -54,10 +54,12 @@ def credited_tokens(rollouts: list[Rollout]) -> tuple[int, int]:
     of a completion's tokens its one advantage)."""
     credited = trained = 0
     for r in rollouts:
-        per_token = r.token_advantages if r.token_advantages is not None else [r.advantage] * len(r.completion_ids)
-        own = per_token[r.branch_point :]  # a continuation trains after its branch point only
-        trained += len(own)
-        credited += sum(abs(a) > CREDIT_EPS for a in own)
+        own = len(r.completion_ids) - r.branch_point  # a continuation trains after its branch point only
+        trained += own
+        if r.token_advantages is None:  # one advantage for every trained token
+            credited += own if abs(r.advantage) > CREDIT_EPS else 0
+        else:
+            credited += sum(abs(a) > CREDIT_EPS for a in r.token_advantages[r.branch_point :])
     return credited, trained
 
 

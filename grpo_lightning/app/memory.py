@@ -383,10 +383,14 @@ def _fix(key: str) -> str:
     return SWITCHES[key]
 
 
+def is_vllm(cfg) -> bool:
+    """generator=vllm (the config group's engine, by its target)."""
+    return str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator")
+
+
 def run_shape(cfg, group: GroupShape, rollouts_per_round: int) -> RunShape:
     """The estimate's view of a composed config (validated: every key has its type) and of the variant's group.
     With `generator.batch_size=auto` the decode rows are `decode_rows`' (train.py fits them to the GPU)."""
-    from grpo_lightning.app.validation import is_vllm
     from grpo_lightning.generation.placement import trainer_devices, world_size
     from grpo_lightning.generation.vllm_io import installed_platform
     from grpo_lightning.generation.vllm_settings import engine_dtype, settings_in

@@ -121,8 +121,9 @@ def make_plan(
             f"data.prompts_per_round ({dm.settings.prompts_per_round}) exceeds the {len(dm.problems)} problems loaded"
         )
     per_round = dm.micro_batches_per_round * dm.settings.num_iterations
-    rollouts_per_round = variant.rollouts_per_round(dm.settings.prompts_per_round, dm.dataset)
-    memory, run = memory_estimate(cfg, source, rollouts_per_round, variant.group(dm.dataset))
+    group = variant.group(dm.dataset)
+    rollouts_per_round = dm.settings.prompts_per_round * group.rollouts  # variant.rollouts_per_round, group in hand
+    memory, run = memory_estimate(cfg, source, rollouts_per_round, group)
     return Plan(
         model=source.describe(),
         data=dm.dataset.describe(),

@@ -225,11 +225,6 @@ def check_reward_fits_data(cfg: DictConfig) -> None:
             )
 
 
-def is_vllm(cfg: DictConfig) -> bool:
-    """generator=vllm (the config group's engine, by its target)."""
-    return str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator")
-
-
 def check_overlap(cfg: DictConfig) -> None:
     """rollout.max_staleness >= 1 (training/overlap.py): a strategy that lets the engine sample beside the trainer,
     and rounds that take no more optimizer steps than the bound, known from data.* and

@@ -36,6 +36,7 @@ from rich.text import Text
 
 from grpo_lightning.games.progress import ReportsProgress, SelfPlayProgress
 from grpo_lightning.schema import Configured, boolean, check_settings, configures, number, setting
+from grpo_lightning.training.game_evaluation import SEAT_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ WIN_RATE = "eval/win_rate_vs_"
 """Prefix of the evaluation's win rate against one opponent: `eval/win_rate_vs_<name>`, with its Wilson
 interval `..._ci95_low` / `..._ci95_high`, beside `eval/draw_rate_vs_<name>` and `eval/loss_rate_vs_<name>`."""
 INTERVAL = ("_ci95_low", "_ci95_high")
-SEAT_LABELS = {"first": "moving first", "second": "moving second"}
-"""The per-seat rows of an evaluation (`eval/win_rate_vs_<name>_first`, training/game_evaluation.py SEAT_NAMES)."""
+SEAT_LABELS = {seat: f"moving {seat}" for seat in SEAT_NAMES}
+"""The per-seat rows of an evaluation (`eval/win_rate_vs_<name>_first`), by the evaluator's seat names."""
 ILLEGAL_RATE = "eval/illegal_move_rate"
 
 
