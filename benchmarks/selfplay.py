@@ -1,23 +1,35 @@
-"""Does self-play make the model a better player? experiment=selfplay_tictactoe against its control, over seeds.
+"""Does self-play make the model a better player? experiment=selfplay_tictactoe against its control, over seeds and
+credit choices.
 
-Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` per seed, reads every run's evaluations back
+Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` per arm and seed, reads every run's evaluations back
 (TensorBoard) and writes `selfplay.md` (printed too) and `selfplay.png` into the output folder:
 
-- per run, at the start and the end: the win rate against the random-move player and against the base model,
-  each with its 95% Wilson interval, and the illegal-move rate with its interval;
-- per seed, the trained run's end against its control: whether the win rate against random rose and the
+- per run, at the start and the end: the win rate against the random-move player (both seats, then each seat), the
+  loss rate against `tactic`, the win rate against the base model, each with its 95% Wilson interval, and the
+  illegal-move rate with its interval;
+- per arm and seed, the run's end against its control: whether the win rate against random rose and the
   illegal-move rate fell beyond the intervals (the test is stated in the table);
-- the plot: both rates against the round, each seed's trained run and its control.
+- per arm and seed, the play targets: win rate against random >= 0.80 with its interval's low end above 0.611 (the
+  lowest-free-cell rule's), loss rate against `tactic` below 0.886 (the same rule's; docs/selfplay.md);
+- the plot: both rates against the round, each run and its control.
 
-The control (`--control lr0`, the default) is the same recipe with `optim.optimizer.lr=0`. `--control start`
-runs none: an lr=0 run never changes its weights, and the game evaluation samples under a fixed seed
-(`eval.seed`), so its every evaluation plays exactly the games of the trained run's start-of-run evaluation
-(tests/unit/test_selfplay.py checks that two evaluations of unchanged weights are identical, and the table says
-whether a finished lr=0 run's evaluations all equal its trained run's start). A seed whose lr=0 run has finished
-in the output folder is compared with it either way.
+Arms (`--arms`, default `trained`), each the recipe with its credit choice (docs/selfplay.md):
+
+- `trained`: the recipe as it is (reward=selfplay, the group's games the baseline);
+- `role`: reward=selfplay_role (the role baseline, then a batch z-score);
+- `rae`: reward=selfplay_rae (SPIRAL's role-conditioned advantage alone);
+- `last_move`: reward=selfplay with per-move credit (`reward.terms.outcome.discount=0.5`).
+
+The control (`--control lr0`, the default) is the same recipe with `optim.optimizer.lr=0`, one a seed for every arm
+(lr=0 trains nothing, whatever the reward). `--control start` runs none: an lr=0 run never changes its weights,
+and the game evaluation samples under a fixed seed (`eval.seed`), so its every evaluation plays exactly the games of
+the trained run's start-of-run evaluation (tests/unit/test_selfplay.py checks that two evaluations of unchanged
+weights are identical, and the table says whether a finished lr=0 run's evaluations all equal its trained run's
+start). A seed whose lr=0 run has finished in the output folder is compared with it either way.
 
     python benchmarks/selfplay.py                         # seeds 0 1 2, trained + lr=0 controls
     python benchmarks/selfplay.py --seeds 1 2 --control start   # half the compute: control = each run's start
+    python benchmarks/selfplay.py --arms trained rae last_move --seeds 0 --control start   # the credit choices
 """
 
 from __future__ import annotations
@@ -30,12 +42,31 @@ from grpo_lightning.app.analysis import read_run
 from grpo_lightning.app.jobs import Job, compose, finished, run_jobs, wall_seconds
 
 WIN = "eval/win_rate_vs_random"
+WIN_FIRST = "eval/win_rate_vs_random_first"
+WIN_SECOND = "eval/win_rate_vs_random_second"
+LOSS_TACTIC = "eval/loss_rate_vs_tactic"
 WIN_BASE = "eval/win_rate_vs_base"
 ILLEGAL = "eval/illegal_move_rate"
+TAGS = (WIN, WIN_FIRST, WIN_SECOND, LOSS_TACTIC, WIN_BASE, ILLEGAL)
+ARMS = {
+    "trained": (),
+    "role": ("reward=selfplay_role",),
+    "rae": ("reward=selfplay_rae",),
+    "last_move": ("reward.terms.outcome.discount=0.5",),
+}
+"""Each arm's overrides on top of the recipe (the credit it trains with)."""
+LOWEST_FREE_CELL = {"win_vs_random": 0.611, "loss_vs_tactic": 0.886}
+"""The lowest-free-cell rule's exact rates, both seats averaged (tests/unit/test_exact_results.py)."""
+WIN_TARGET = 0.80
 BEYOND_TEST = (
     "beyond = the trained run's 95% Wilson interval at the end lies wholly on the better side of its control's "
     "rate (win rate: above, illegal-move rate: below). The control's evaluation plays the same seeded games with "
     "the unchanged start model"
+)
+TARGET_TEST = (
+    f"targets: win vs random >= {WIN_TARGET:.2f} with the interval's low end above "
+    f"{LOWEST_FREE_CELL['win_vs_random']} and loss vs tactic below {LOWEST_FREE_CELL['loss_vs_tactic']}, the "
+    "lowest-free-cell rule's exact rates (docs/selfplay.md)"
 )
 
 
@@ -48,13 +79,13 @@ class Point:
 
 
 def evaluations(run_dir: Path) -> list[Point]:
-    """Every evaluation of a run, in step order (rate, low, high of each of WIN, WIN_BASE, ILLEGAL)."""
+    """Every evaluation of a run, in step order (rate, low, high of each of TAGS it logged)."""
     run = read_run(run_dir)
     steps = sorted({s for s, _ in run.scalars.get(WIN, [])})
     points = []
     for step in steps:
         rates = {}
-        for tag in (WIN, WIN_BASE, ILLEGAL):
+        for tag in TAGS:
             values = {
                 suffix: dict(run.scalars.get(tag + suffix, [])).get(step) for suffix in ("", "_ci95_low", "_ci95_high")
             }
@@ -64,9 +95,14 @@ def evaluations(run_dir: Path) -> list[Point]:
     return points
 
 
-def finished_seeds(out: Path) -> set[int]:
-    """Seeds whose trained run has finished in `out` (read into the table whatever `--seeds` says)."""
-    return {int(d.name.removeprefix("trained_seed")) for d in out.glob("trained_seed*") if finished(d)}
+def finished_runs(out: Path, arms: list[str]) -> set[tuple[str, int]]:
+    """(arm, seed) of every finished run of `arms` in `out` (read into the tables whatever `--seeds` says)."""
+    return {
+        (arm, int(d.name.removeprefix(f"{arm}_seed")))
+        for arm in arms
+        for d in out.glob(f"{arm}_seed*")
+        if d.name.removeprefix(f"{arm}_seed").isdigit() and finished(d)
+    }
 
 
 def fmt(rate: tuple[float, float, float] | None) -> str:
@@ -81,52 +117,78 @@ def beyond(trained: tuple[float, float, float], control: tuple[float, float, flo
     return low > control[0] if higher_is_better else high < control[0]
 
 
-def report(runs: dict[int, tuple[list[Point], list[Point], float]], labels: dict[int, str]) -> str:
-    """`runs`: seed -> (trained evaluations, control evaluations, trained wall seconds); `labels`: each seed's
-    control, `control (lr=0)` or `control (start)`."""
+def targets(end: dict[str, tuple[float, float, float]]) -> tuple[str, str]:
+    """Whether a run's end meets the win target (rate and interval) and the loss-vs-tactic target: yes / no / n/a."""
+    win, loss = end.get(WIN), end.get(LOSS_TACTIC)
+    win_met = win is not None and win[0] >= WIN_TARGET and win[1] > LOWEST_FREE_CELL["win_vs_random"]
+    loss_met = loss is not None and loss[0] < LOWEST_FREE_CELL["loss_vs_tactic"]
+    return ("yes" if win_met else "no"), ("n/a" if loss is None else "yes" if loss_met else "no")
+
+
+def report(
+    runs: dict[tuple[str, int], tuple[list[Point], float]],
+    controls: dict[int, tuple[list[Point], str]],
+) -> str:
+    """`runs`: (arm, seed) -> (evaluations, wall seconds); `controls`: seed -> (the control's evaluations, its kind,
+    `lr=0` or `start`)."""
     lines = [
-        "| seed | arm | win vs random, start -> end | win vs base, end | illegal-move rate, start -> end | wall |",
-        "|---|---|---|---|---|---|",
+        "| seed | arm | win vs random, start -> end | first seat, end | second seat, end | loss vs tactic, end | "
+        "win vs base, end | illegal-move rate, start -> end | wall |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     gaps = [
-        "| seed | control | win vs random: trained end - control | beyond | illegal-move rate: trained end - "
-        "control | beyond |",
-        "|---|---|---|---|---|---|",
+        "| seed | arm | control | win vs random: end - control | beyond | illegal-move rate: end - control | beyond | "
+        "win target | tactic target |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for seed, (trained, control, wall) in sorted(runs.items()):
-        for arm, points, seconds in (("trained", trained, wall), (labels[seed], control, None)):
-            start, end = points[0].rates, points[-1].rates
-            lines.append(
-                f"| {seed} | {arm} | {fmt(start.get(WIN))} -> {fmt(end.get(WIN))} | {fmt(end.get(WIN_BASE))} | "
-                f"{fmt(start.get(ILLEGAL))} -> {fmt(end.get(ILLEGAL))} | "
-                f"{'' if seconds is None else f'{seconds / 60:.1f} min'} |"
-            )
-        t, c = trained[-1].rates, control[-1].rates
-        win_beyond = "yes" if beyond(t[WIN], c[WIN], True) else "no"
-        illegal_beyond = "yes" if beyond(t[ILLEGAL], c[ILLEGAL], False) else "no"
-        control_kind = labels[seed].removeprefix("control (").removesuffix(")")
-        gaps.append(
-            f"| {seed} | {control_kind} | {t[WIN][0] - c[WIN][0]:+.3f} | {win_beyond} | "
-            f"{t[ILLEGAL][0] - c[ILLEGAL][0]:+.3f} | {illegal_beyond} |"
+
+    def row(seed: int, arm: str, points: list[Point], seconds: float | None) -> str:
+        start, end = points[0].rates, points[-1].rates
+        return (
+            f"| {seed} | {arm} | {fmt(start.get(WIN))} -> {fmt(end.get(WIN))} | {fmt(end.get(WIN_FIRST))} | "
+            f"{fmt(end.get(WIN_SECOND))} | {fmt(end.get(LOSS_TACTIC))} | {fmt(end.get(WIN_BASE))} | "
+            f"{fmt(start.get(ILLEGAL))} -> {fmt(end.get(ILLEGAL))} | "
+            f"{'' if seconds is None else f'{seconds / 60:.1f} min'} |"
         )
-    return "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST
+
+    for seed in sorted({seed for _, seed in runs}):
+        control, kind = controls[seed]
+        for (arm, s), (points, wall) in sorted(
+            runs.items(), key=lambda item: (item[0][1], list(ARMS).index(item[0][0]))
+        ):
+            if s != seed:
+                continue
+            lines.append(row(seed, arm, points, wall))
+            t, c = points[-1].rates, control[-1].rates
+            win_beyond = "yes" if beyond(t[WIN], c[WIN], True) else "no"
+            illegal_beyond = "yes" if beyond(t[ILLEGAL], c[ILLEGAL], False) else "no"
+            gaps.append(
+                f"| {seed} | {arm} | {kind} | {t[WIN][0] - c[WIN][0]:+.3f} | {win_beyond} | "
+                f"{t[ILLEGAL][0] - c[ILLEGAL][0]:+.3f} | {illegal_beyond} | {' | '.join(targets(t))} |"
+            )
+        lines.append(row(seed, f"control ({kind})", control, None))
+    return "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST + ".\n\n" + TARGET_TEST
 
 
-def plot(runs: dict[int, tuple[list[Point], list[Point], float]], path: Path) -> None:
+def plot(runs: dict[tuple[str, int], tuple[list[Point], float]], controls: dict[int, tuple[list[Point], str]],
+         path: Path) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    last_step = max(points[-1].step for points, _ in runs.values())
     for ax, tag, title in ((axes[0], WIN, "win rate vs random"), (axes[1], ILLEGAL, "illegal-move rate")):
-        for seed, (trained, control, _) in sorted(runs.items()):
-            for points, style, arm in ((trained, "-o", "trained"), (control, ":", "control")):
-                xs = [p.step for p in points if tag in p.rates]
-                ys = [p.rates[tag][0] for p in points if tag in p.rates]
-                if arm == "control" and len(xs) == 1:  # the start evaluation, held level
-                    xs, ys = [xs[0], trained[-1].step], ys * 2
-                ax.plot(xs, ys, style, label=f"{arm} seed {seed}")
+        for (arm, seed), (points, _) in sorted(runs.items()):
+            ax.plot([p.step for p in points if tag in p.rates], [p.rates[tag][0] for p in points if tag in p.rates],
+                    "-o", label=f"{arm} seed {seed}")  # fmt: skip
+        for seed, (points, kind) in sorted(controls.items()):
+            xs = [p.step for p in points if tag in p.rates]
+            ys = [p.rates[tag][0] for p in points if tag in p.rates]
+            if len(xs) == 1:  # the start evaluation, held level
+                xs, ys = [xs[0], last_step], ys * 2
+            ax.plot(xs, ys, ":", label=f"control ({kind}) seed {seed}")
         ax.set_title(title)
         ax.set_xlabel("optimizer step (one per round)")
         ax.set_ylim(0, 1)
@@ -139,6 +201,7 @@ def plot(runs: dict[int, tuple[list[Point], list[Point], float]], path: Path) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="selfplay_tictactoe")
+    parser.add_argument("--arms", nargs="+", default=["trained"], choices=list(ARMS), help="the credit choices")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--control", choices=("lr0", "start"), default="lr0")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/selfplay"))
@@ -147,37 +210,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args(argv)
     try:  # a missing recipe or a bad override fails now, not an hour later
-        compose([f"experiment={args.experiment}", *args.overrides])
+        for arm in args.arms:
+            compose([f"experiment={args.experiment}", *ARMS[arm], *args.overrides])
     except ValueError as e:
         parser.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    arms = {"trained": ()} | ({"control": ("optim.optimizer.lr=0",)} if args.control == "lr0" else {})
+    arms = {arm: ARMS[arm] for arm in args.arms} | (
+        {"control": ("optim.optimizer.lr=0",)} if args.control == "lr0" else {}
+    )
     jobs = [
         Job(f"{arm}_seed{seed}", (f"experiment={args.experiment}", f"seed={seed}", *extra, *args.overrides))
         for seed in args.seeds
         for arm, extra in arms.items()
     ]
     run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
-    runs, labels, notes = {}, {}, []
-    for seed in sorted({*args.seeds, *finished_seeds(args.out)}):
-        trained = evaluations(args.out / f"trained_seed{seed}")
+    runs, controls, notes = {}, {}, []
+    for arm, seed in sorted(finished_runs(args.out, args.arms) | {(a, s) for a in args.arms for s in args.seeds}):
+        run_dir = args.out / f"{arm}_seed{seed}"
+        runs[arm, seed] = (evaluations(run_dir), wall_seconds(run_dir))
+    for seed in sorted({seed for _, seed in runs}):
+        starts = [points[0].rates for (_, s), (points, _) in sorted(runs.items()) if s == seed]
         control_dir = args.out / f"control_seed{seed}"
         if finished(control_dir):
-            control, labels[seed] = evaluations(control_dir), "control (lr=0)"
-            same = all(p.rates == trained[0].rates for p in control)
+            control = evaluations(control_dir)
+            controls[seed] = (control, "lr=0")
+            same = all(p.rates == start for p in control for start in starts)
             notes.append(
                 f"seed {seed}: every evaluation of the lr=0 run {'equals' if same else 'DIFFERS from'} the trained "
-                "run's start-of-run evaluation"
+                "runs' start-of-run evaluation"
             )
         else:
-            control, labels[seed] = trained[:1], "control (start)"
-        runs[seed] = (trained, control, wall_seconds(args.out / f"trained_seed{seed}"))
-    text = f"experiment={args.experiment}, seeds {sorted(runs)}\n\n" + report(runs, labels)
+            first = next(points for (_, s), (points, _) in sorted(runs.items()) if s == seed)
+            controls[seed] = (first[:1], "start")
+    text = f"experiment={args.experiment}, arms {args.arms}, seeds {sorted(controls)}\n\n" + report(runs, controls)
     if notes:
         text += "\n\n" + "\n".join(f"- {n}" for n in notes)
     print(text)
     (args.out / "selfplay.md").write_text(text + "\n")
-    plot(runs, args.out / "selfplay.png")
+    plot(runs, controls, args.out / "selfplay.png")
     print(f"wrote {args.out / 'selfplay.md'} and {args.out / 'selfplay.png'}")
     return 0
 

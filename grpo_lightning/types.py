@@ -48,6 +48,9 @@ class TurnRecord:
     """The learner's result of the whole game: +1 win, 0 draw, -1 loss."""
     opponent: str
     """Who the learner played (`random`, `base`, `learner`, a snapshot's `round<NNN>`)."""
+    learner_turns: int
+    """How many turns the learner had in this game (`turn` runs from 0 to learner_turns - 1): a turn's distance
+    from the game's end, which per-move credit reads (rewards/games.py GameOutcome.discount)."""
 
 
 @dataclass

@@ -138,6 +138,7 @@ NON_DEFAULT = {
     "experiment=selfplay_tictactoe": "self-play's keys: the variant, the game source, its rewards, the evaluator that "
     "plays (docs/selfplay.md)",
     "reward=selfplay_role": "the role baseline's transforms (docs/selfplay.md)",
+    "reward=selfplay_rae": "the role baseline's transforms (docs/selfplay.md)",
     "probe=[gns,entropy]": "a probe's keys exist only when it is selected (docs/probes.md)",
     "logger=[tensorboard,csv,mlflow,wandb]": "a tracker's keys exist only when it is selected (docs/tracking.md)",
 }

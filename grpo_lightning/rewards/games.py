@@ -33,22 +33,34 @@ GAME_RECORDS = "data=games variant=selfplay"
 
 
 class GameOutcome(RewardTerm):
-    """The learner's result of the game the turn belongs to: `win`, `draw` or `loss` (default +1 / 0 / -1).
+    """The learner's result of the game the turn belongs to: `win`, `draw` or `loss` (default +1 / 0 / -1),
+    times `discount` ** (the learner's turns after this one in its game).
 
-    Every turn of a game gets the game's result: the credit of a move is the game it led to, and the group's
-    other games (same game, seed, seat and opponent) are its baseline. It reports the move as the extracted
-    answer, so `rollout/format_rate` is the share of replies with a bracketed move."""
+    At `discount` 1 (the default) every turn of a game gets the game's result: the credit of a move is the game it
+    led to, and the group's other games (same game, seed, seat and opponent) are its baseline. Below 1 the credit
+    is per move, by distance from the end, as a discounted return is: the learner's last move, the one that won or
+    after which the game was lost (a missed block), carries the whole result and a move k turns earlier carries
+    discount ** k of it, so a game lost by its last move no longer blames the sound opening as much (docs/
+    selfplay.md). It reports the move as the extracted answer, so `rollout/format_rate` is the share of replies
+    with a bracketed move."""
 
     needs_record: ClassVar[bool] = True
     record_source: ClassVar[str] = GAME_RECORDS
     reports_answer: ClassVar[bool] = True
 
-    def __init__(self, win: float = 1.0, draw: float = 0.0, loss: float = -1.0) -> None:
+    def __init__(self, win: float = 1.0, draw: float = 0.0, loss: float = -1.0, discount: float = 1.0) -> None:
         self.values = {1.0: _finite("win", win), 0.0: _finite("draw", draw), -1.0: _finite("loss", loss)}
+        self.discount = _finite("discount", discount)
+        if not 0.0 < self.discount <= 1.0:
+            raise ValueError(f"discount must be in (0, 1] (got {discount!r})")
 
     def score(self, completion: str, reference: str, **info: Any) -> RewardResult:
         turn = _turn(info)
-        return RewardResult(reward=self.values[turn.outcome], extracted=turn.move, correct=turn.outcome > 0)
+        turns_after = turn.learner_turns - 1 - turn.turn
+        if turns_after < 0:
+            raise ValueError(f"turn {turn.turn} of a game in which the learner had {turn.learner_turns} turns")
+        value = self.values[turn.outcome] * self.discount**turns_after
+        return RewardResult(reward=value, extracted=turn.move, correct=turn.outcome > 0)
 
 
 class LegalMove(RewardTerm):

@@ -254,7 +254,8 @@ def game_eval(win, win_low, win_high, illegal, illegal_low, illegal_high):
 
 def test_selfplay_tables_by_hand(tmp_path, capsys):
     """Seed 0: an lr=0 run, the win rate up beyond its interval, the illegal rate down but not beyond; seed 1: no
-    control run (its start), both beyond."""
+    control run (its start), both beyond, and a `rae` run that meets both play targets (0.85 >= 0.80 with its low
+    end 0.75 above 0.611; loss vs tactic 0.5 below 0.886)."""
     start = game_eval(0.125, 0.0625, 0.25, 0.5, 0.375, 0.625)
     rounds = {0: 10.0, 1: 20.0}
     write_run(tmp_path / "trained_seed0", rounds, {0: start, 2: game_eval(0.5, 0.375, 0.625, 0.375, 0.25, 0.5)},
@@ -262,15 +263,25 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
     write_run(tmp_path / "control_seed0", rounds, {0: start, 2: start}, wall_s=600)
     write_run(tmp_path / "trained_seed1", rounds, {0: start, 2: game_eval(0.375, 0.25, 0.5, 0.25, 0.125, 0.375)},
               wall_s=480)  # fmt: skip
-    assert selfplay.main(["--seeds", "1", "--control", "start", "--out", str(tmp_path)]) == 0
+    strong = game_eval(0.85, 0.75, 0.92, 0.0, 0.0, 0.05) | {
+        "win_rate_vs_random_first": 0.9, "win_rate_vs_random_first_ci95_low": 0.8,
+        "win_rate_vs_random_first_ci95_high": 0.95, "loss_rate_vs_tactic": 0.5,
+        "loss_rate_vs_tactic_ci95_low": 0.4, "loss_rate_vs_tactic_ci95_high": 0.6,
+    }  # fmt: skip
+    write_run(tmp_path / "rae_seed1", rounds, {0: start, 2: strong}, wall_s=540)
+    assert selfplay.main(["--arms", "trained", "rae", "--seeds", "1", "--control", "start", "--out", str(tmp_path)]) == 0
     assert "trained_seed1: finished before, reading it" in capsys.readouterr().out
     text = (tmp_path / "selfplay.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ")]
-    assert "| 0 | trained | 0.125 [0.062, 0.250] -> 0.500 [0.375, 0.625] | 0.500 [0.250, 0.750] | " \
+    assert "| 0 | trained | 0.125 [0.062, 0.250] -> 0.500 [0.375, 0.625] | n/a | n/a | n/a | 0.500 [0.250, 0.750] | " \
            "0.500 [0.375, 0.625] -> 0.375 [0.250, 0.500] | 10.0 min |" in rows  # fmt: skip
-    assert "| 0 | lr=0 | +0.375 | yes | -0.125 | no |" in rows  # 0.375 > 0.125; 0.5 is not below 0.5
-    assert "| 1 | start | +0.250 | yes | -0.250 | yes |" in rows  # 0.25 > 0.125; 0.375 < 0.5
-    assert "seed 0: every evaluation of the lr=0 run equals the trained run's start-of-run evaluation" in text
+    assert "| 1 | rae | 0.125 [0.062, 0.250] -> 0.850 [0.750, 0.920] | 0.900 [0.800, 0.950] | n/a | " \
+           "0.500 [0.400, 0.600] | 0.500 [0.250, 0.750] | 0.500 [0.375, 0.625] -> 0.000 [0.000, 0.050] | 9.0 min |" \
+           in rows  # fmt: skip
+    assert "| 0 | trained | lr=0 | +0.375 | yes | -0.125 | no | no | n/a |" in rows  # 0.375 > 0.125; 0.5 not below 0.5
+    assert "| 1 | trained | start | +0.250 | yes | -0.250 | yes | no | n/a |" in rows  # 0.25 > 0.125; 0.375 < 0.5
+    assert "| 1 | rae | start | +0.725 | yes | -0.500 | yes | yes | yes |" in rows
+    assert "seed 0: every evaluation of the lr=0 run equals the trained runs' start-of-run evaluation" in text
     assert (tmp_path / "selfplay.png").stat().st_size > 0
 
 

@@ -46,17 +46,17 @@ def _policy(name, board, mark):
 
 
 @functools.cache
-def _raw(name, board, mark_to_move, mine):
+def _raw(name, board, mark_to_move, mine, opponent="random"):
     won = _winner(board)
     if won is not None:
         return (1.0, 0.0, 0.0) if won == mine else (0.0, 0.0, 1.0)
     if "." not in board:
         return (0.0, 1.0, 0.0)
-    dist = _policy(name if mark_to_move == mine else "random", board, mark_to_move)
+    dist = _policy(name if mark_to_move == mine else opponent, board, mark_to_move)
     nxt = "O" if mark_to_move == "X" else "X"
     total = [0.0, 0.0, 0.0]
     for cell, p in dist.items():
-        w, d, lo = _raw(name, board[:cell] + mark_to_move + board[cell + 1 :], nxt, mine)
+        w, d, lo = _raw(name, board[:cell] + mark_to_move + board[cell + 1 :], nxt, mine, opponent)
         total = [total[0] + p * w, total[1] + p * d, total[2] + p * lo]
     return tuple(total)
 
@@ -85,6 +85,29 @@ def test_the_reference_table():
                        "perfect": (0.873, 0.0)}  # fmt: skip
     assert table["perfect"].loss == 0.0
     assert all(e.win + e.draw + e.loss == pytest.approx(1.0) for e in table.values())
+
+
+@pytest.mark.parametrize("name", ["random", "lowest", "tactic"])
+def test_against_the_tactic_player_by_an_independent_enumeration(name):
+    player = {"random": RandomMovePlayer(), "lowest": LowestFreeCell(), "tactic": TacticPlayer()}[name]
+    seat0, seat1, _ = both_seats(TicTacToe, player, TacticPlayer())
+    for seat, result in ((0, seat0), (1, seat1)):
+        want = _raw(name, ".........", "X", "XO"[seat], "tactic")
+        assert (result.win, result.draw, result.loss) == pytest.approx(want, abs=1e-12)
+
+
+def test_the_table_against_the_tactic_player():
+    """What each scripted policy is worth against `tactic`, both seats averaged (docs/selfplay.md): the bar a
+    learned policy's loss rate against it is measured by. Playing the lowest free cell loses 88.6% of games;
+    the random player 79.8%; perfect play never loses."""
+    table = {
+        name: both_seats(TicTacToe, player, TacticPlayer())[2]
+        for name, player in [("random", RandomMovePlayer()), ("lowest", LowestFreeCell()), ("tactic", TacticPlayer()),
+                             ("perfect", PerfectPlayer())]
+    }  # fmt: skip
+    rounded = {name: (round(e.win, 3), round(e.loss, 3)) for name, e in table.items()}
+    assert rounded == {"random": (0.037, 0.798), "lowest": (0.013, 0.886), "tactic": (0.243, 0.243),
+                       "perfect": (0.470, 0.0)}  # fmt: skip
 
 
 def test_the_tactic_player_wins_then_blocks_then_plays_at_random():

@@ -318,6 +318,21 @@ def test_a_round_of_rollouts_scored_as_worked_out_by_hand(tokenizer):
         assert sum(values) == pytest.approx(0.0, abs=1e-5)
 
 
+def test_per_move_credit_reaches_each_turn_by_its_distance_from_the_games_end(tokenizer):
+    """The same games with `discount` 0.5: a game's illegal last move scores -1 (loss) - 1 (illegal); the legal
+    move before it, one learner turn from the end, -1 x 0.5 + 0."""
+    v = variant(tokenizer)
+    node = {**REWARD, "terms": {**REWARD["terms"], "outcome": {**REWARD["terms"]["outcome"], "discount": 0.5}}}
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    v.begin_round(0)
+    rollouts = v.generate_rollouts(MoveEngine(tokenizer, always_centre), prompts([0, 1]), build_reward(node), decode)
+    for r in rollouts:  # the illegal move is always the game's last
+        illegal = r.reward_terms["legal"] == -1.0
+        assert r.reward_terms["outcome"] == (-1.0 if illegal else -0.5)
+        assert r.reward == (-2.0 if illegal else -0.5)
+    assert sum(r.reward == -0.5 for r in rollouts) > 0
+
+
 def test_a_game_whose_rules_and_state_exceed_data_max_prompt_tokens_is_refused_in_one_line(tokenizer):
     """A limit below a TicTacToe prompt's length: TicTacToe's prompt is its rules and the board alone (nothing to
     leave out), so the round is refused instead of training on the prompt's last tokens, which lose the rules
@@ -367,7 +382,22 @@ def test_progress_is_reported_after_every_move(tokenizer):
 # ---- rewards -----------------------------------------------------------------------------------------------------
 def turn(**kw) -> TurnRecord:
     return TurnRecord(**{"game_id": "tictactoe", "seat": 0, "turn": 0, "move": "[4]", "illegal": False,
-                         "outcome": 1.0, "opponent": "random", **kw})  # fmt: skip
+                         "outcome": 1.0, "opponent": "random", "learner_turns": 1, **kw})  # fmt: skip
+
+
+def test_discounted_outcome_credits_the_last_move_most():
+    """discount d: the learner's turn t of T gets the result times d ** (T - 1 - t), by hand."""
+    lost = GameOutcome(discount=0.5)
+    assert [lost("", "", record=turn(turn=t, learner_turns=3, outcome=-1.0)) for t in range(3)] == [-0.25, -0.5, -1.0]
+    won = GameOutcome(win=2.0, discount=0.9)
+    assert won("", "", record=turn(turn=0, learner_turns=2)) == pytest.approx(1.8)
+    assert GameOutcome(discount=0.5)("", "", record=turn(turn=1, learner_turns=4, outcome=0.0)) == 0.0
+    assert [GameOutcome()("", "", record=turn(turn=t, learner_turns=4, outcome=-1.0)) for t in range(4)] == [-1.0] * 4
+    for bad in (0.0, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="discount"):
+            GameOutcome(discount=bad)
+    with pytest.raises(ValueError, match="turn 3 of a game in which the learner had 3 turns"):
+        lost("", "", record=turn(turn=3, learner_turns=3))
 
 
 def test_game_terms():
