@@ -269,7 +269,8 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
         "loss_rate_vs_tactic_ci95_low": 0.4, "loss_rate_vs_tactic_ci95_high": 0.6,
     }  # fmt: skip
     write_run(tmp_path / "rae_seed1", rounds, {0: start, 2: strong}, wall_s=540)
-    assert selfplay.main(["--arms", "trained", "rae", "--seeds", "1", "--control", "start", "--out", str(tmp_path)]) == 0
+    args = ["--arms", "trained", "rae", "--seeds", "1", "--control", "start", "--out", str(tmp_path)]
+    assert selfplay.main(args) == 0
     assert "trained_seed1: finished before, reading it" in capsys.readouterr().out
     text = (tmp_path / "selfplay.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ")]
