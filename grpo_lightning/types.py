@@ -51,6 +51,9 @@ class TurnRecord:
     learner_turns: int
     """How many turns the learner had in this game (`turn` runs from 0 to learner_turns - 1): a turn's distance
     from the game's end, which per-move credit reads (rewards/games.py GameOutcome.discount)."""
+    payoff: float
+    """The learner's payoff of the whole game in the game's unit (Kuhn Poker's chips; the outcome where that is
+    all): what rewards/games.py GamePayoff scores."""
 
 
 @dataclass

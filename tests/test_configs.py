@@ -74,8 +74,12 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
     elif group == "reward" and option.startswith("selfplay"):  # a game turn's record (docs/selfplay.md)
         from grpo_lightning.types import TurnRecord
 
-        won = TurnRecord("tictactoe", 0, 0, "[4]", illegal=False, outcome=1.0, opponent="random", learner_turns=1)
-        lost = TurnRecord("tictactoe", 1, 0, "[9]", illegal=True, outcome=-1.0, opponent="random", learner_turns=1)
+        won = TurnRecord(
+            "tictactoe", 0, 0, "[4]", illegal=False, outcome=1.0, opponent="random", learner_turns=1, payoff=1.0
+        )
+        lost = TurnRecord(
+            "tictactoe", 1, 0, "[9]", illegal=True, outcome=-1.0, opponent="random", learner_turns=1, payoff=-1.0
+        )
         pipeline = build_reward(node, loss_type="grpo", max_new_tokens=16)
         assert pipeline("[4]", "", record=won) == 1.0  # win 1 + legal 0 (the role baseline starts at 0)
         assert pipeline("[9]", "", record=lost) == -2.0  # loss -1 + illegal -1 (the other seat's baseline: 0)

@@ -63,6 +63,16 @@ class TwoPlayerGame(ABC):
         """Over: a game has an outcome exactly when it is done."""
         return self.outcome is not None
 
+    payoff_unit: str | None = None
+    """What `payoff` counts when it is more than the outcome (Kuhn Poker: `chips`); None: the outcome is the whole
+    result, and the evaluation reports no payoff of its own."""
+
+    @property
+    def payoff(self) -> tuple[float, float] | None:
+        """Each seat's payoff once the game is over, in `payoff_unit` (the chips won in poker: a call of a bet wins
+        or loses 2, a fold 1); by default the outcome, for games whose result is all there is."""
+        return self.outcome
+
     @abstractmethod
     def observation(self, player: int) -> str:
         """What `player` sees before moving: the rules, the state and how to answer (the user message)."""

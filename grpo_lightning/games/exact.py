@@ -20,16 +20,18 @@ from grpo_lightning.games.play import ScriptedPlayer
 
 @dataclass(frozen=True)
 class Expected:
-    """Win, draw and loss probabilities of one player (they sum to 1)."""
+    """Win, draw and loss probabilities of one player (they sum to 1), and its expected payoff
+    (`TwoPlayerGame.payoff`: Kuhn Poker's chips; win - loss in games whose outcome is the whole result)."""
 
     win: float
     draw: float
     loss: float
+    payoff: float
 
     @staticmethod
     def mean(results: list[Expected]) -> Expected:
         n = len(results)
-        return Expected(*(sum(getattr(r, f) for r in results) / n for f in ("win", "draw", "loss")))
+        return Expected(*(sum(getattr(r, f) for r in results) / n for f in ("win", "draw", "loss", "payoff")))
 
 
 def position_key(game: TwoPlayerGame) -> Hashable:
@@ -52,20 +54,20 @@ def expected_results(
     def value(position: TwoPlayerGame, moves_left: int | None) -> Expected:
         if position.done:
             result = position.outcome[seat]
-            return Expected(float(result > 0), float(result == 0), float(result < 0))
+            return Expected(float(result > 0), float(result == 0), float(result < 0), position.payoff[seat])
         if moves_left == 0:
-            return Expected(0.0, 1.0, 0.0)
+            return Expected(0.0, 1.0, 0.0, 0.0)
         known = memo.get((key(position), moves_left))
         if known is not None:
             return known
         mover = player if position.current_player == seat else opponent
-        win = draw = loss = 0.0
+        win = draw = loss = payoff = 0.0
         for move, p in mover.move_distribution(position).items():
             after = copy.deepcopy(position)
             after.step(move)
             v = value(after, None if moves_left is None else moves_left - 1)
-            win, draw, loss = win + p * v.win, draw + p * v.draw, loss + p * v.loss
-        memo[key(position), moves_left] = Expected(win, draw, loss)
+            win, draw, loss, payoff = win + p * v.win, draw + p * v.draw, loss + p * v.loss, payoff + p * v.payoff
+        memo[key(position), moves_left] = Expected(win, draw, loss, payoff)
         return memo[key(position), moves_left]
 
     return value(copy.deepcopy(game), max_moves)

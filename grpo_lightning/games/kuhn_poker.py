@@ -4,7 +4,8 @@ Three cards, J < Q < K; each seat antes 1 chip and is dealt one card, the third 
 `[check]` or `[bet]` (1 chip). After a check, seat 1 checks (showdown for the 2-chip pot) or bets; facing a bet, a
 player `[call]`s (showdown for 4 chips) or `[fold]`s (the bettor takes the pot). The higher card wins a showdown.
 `chips` is what seat 0 won (+1 or +2, or -1 or -2); the outcome the trainer sees is its sign (there are no draws).
-An unreadable or illegal move loses the game at once, as in TicTacToe.
+An unreadable or illegal move loses the game at once, as in TicTacToe, and the ante (1 chip). `payoff` is the chips
+each seat won, what a poker player is judged by: a hand won by folding the opponent wins less than a called bet.
 
 The deal is the seed's: `reset(seed)` deals `DEALS[seed % 6]`, so any 6 consecutive seeds play every deal once
 (an evaluation over them averages over the chance node exactly).
@@ -47,6 +48,7 @@ EQUILIBRIUM: dict[tuple[int, str], dict[str, float]] = {
 @register_game("kuhn_poker")
 class KuhnPoker(TwoPlayerGame):
     longest_game = 3
+    payoff_unit = "chips"
 
     def __init__(self) -> None:
         self.cards = DEALS[0]
@@ -65,6 +67,11 @@ class KuhnPoker(TwoPlayerGame):
     @property
     def outcome(self) -> tuple[float, float] | None:
         return self._outcome
+
+    @property
+    def payoff(self) -> tuple[float, float] | None:
+        """The chips each seat won: (chips, -chips) once the game is over."""
+        return None if self._outcome is None else (float(self.chips), float(-self.chips))
 
     def legal_moves(self) -> list[str]:
         if self.done:

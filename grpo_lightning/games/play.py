@@ -154,6 +154,14 @@ class Match:
             return 0.0
         return self.game.outcome[self.learner_seat]
 
+    @property
+    def learner_payoff(self) -> float:
+        """The learner's payoff in the game's unit (`TwoPlayerGame.payoff`; the outcome where that is all), 0 for a
+        game called a draw at `max_turns` (once done)."""
+        if self.capped:
+            return 0.0
+        return self.game.payoff[self.learner_seat]
+
 
 LEARNER_PLAYER = ModelPlayer("learner")
 

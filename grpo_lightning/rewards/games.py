@@ -32,6 +32,21 @@ GAME_RECORDS = "data=games variant=selfplay"
 """What gives a game term its records: the turns of games played by self-play (docs/selfplay.md)."""
 
 
+def _discount(value) -> float:
+    discount = _finite("discount", value)
+    if not 0.0 < discount <= 1.0:
+        raise ValueError(f"discount must be in (0, 1] (got {value!r})")
+    return discount
+
+
+def _weight_of_turn(turn: TurnRecord, discount: float) -> float:
+    """discount ** (the learner's turns after this one in its game): 1 for its last move."""
+    turns_after = turn.learner_turns - 1 - turn.turn
+    if turns_after < 0:
+        raise ValueError(f"turn {turn.turn} of a game in which the learner had {turn.learner_turns} turns")
+    return discount**turns_after
+
+
 class GameOutcome(RewardTerm):
     """The learner's result of the game the turn belongs to: `win`, `draw` or `loss` (default +1 / 0 / -1),
     times `discount` ** (the learner's turns after this one in its game).
@@ -50,16 +65,30 @@ class GameOutcome(RewardTerm):
 
     def __init__(self, win: float = 1.0, draw: float = 0.0, loss: float = -1.0, discount: float = 1.0) -> None:
         self.values = {1.0: _finite("win", win), 0.0: _finite("draw", draw), -1.0: _finite("loss", loss)}
-        self.discount = _finite("discount", discount)
-        if not 0.0 < self.discount <= 1.0:
-            raise ValueError(f"discount must be in (0, 1] (got {discount!r})")
+        self.discount = _discount(discount)
 
     def score(self, completion: str, reference: str, **info: Any) -> RewardResult:
         turn = _turn(info)
-        turns_after = turn.learner_turns - 1 - turn.turn
-        if turns_after < 0:
-            raise ValueError(f"turn {turn.turn} of a game in which the learner had {turn.learner_turns} turns")
-        value = self.values[turn.outcome] * self.discount**turns_after
+        value = self.values[turn.outcome] * _weight_of_turn(turn, self.discount)
+        return RewardResult(reward=value, extracted=turn.move, correct=turn.outcome > 0)
+
+
+class GamePayoff(RewardTerm):
+    """The learner's payoff of the game the turn belongs to, in the game's unit (Kuhn Poker's chips: +-1 for a
+    fold, +-2 for a called bet; the outcome in games where that is all), times `discount` ** (the learner's turns
+    after this one), as GameOutcome's. What a poker player is judged by: a hand won by a fold is worth half a called
+    bet, and the win rate alone would train a player to win small pots and lose big ones (docs/selfplay.md)."""
+
+    needs_record: ClassVar[bool] = True
+    record_source: ClassVar[str] = GAME_RECORDS
+    reports_answer: ClassVar[bool] = True
+
+    def __init__(self, discount: float = 1.0) -> None:
+        self.discount = _discount(discount)
+
+    def score(self, completion: str, reference: str, **info: Any) -> RewardResult:
+        turn = _turn(info)
+        value = turn.payoff * _weight_of_turn(turn, self.discount)
         return RewardResult(reward=value, extracted=turn.move, correct=turn.outcome > 0)
 
 

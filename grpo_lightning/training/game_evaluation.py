@@ -7,12 +7,14 @@ policy samples at the training temperature (greedy play of a deterministic game 
 under a forked RNG seeded from `eval.seed`, so evaluations differ only by the policy, and training's random state
 never moves. Metrics: `eval/win_rate_vs_<opponent>` with `_ci95_low` / `_ci95_high`, `eval/draw_rate_vs_<o>`,
 `eval/loss_rate_vs_<o>`, `eval/illegal_move_rate` over all the learner's moves (`eval/learner_moves`) with its
-interval, and `eval/games`.
+interval, and `eval/games`; in a game with a payoff of its own (Kuhn Poker's chips), `eval/payoff_vs_<o>`, the mean
+payoff with its interval. Each per-opponent metric also comes per seat (`..._first`, `..._second`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -69,6 +71,17 @@ def rate_metrics(name: str, scores: list[float]) -> dict[str, float]:
     return metrics
 
 
+def payoff_metrics(name: str, payoffs: list[float]) -> dict[str, float]:
+    """The learner's mean payoff against `name` (games with a payoff of their own, `TwoPlayerGame.payoff_unit`:
+    Kuhn Poker's chips), with a 95% interval: mean +- 1.96 standard errors (the sample's, n - 1), normal-theory;
+    a payoff takes few values, and with the evaluation's 64+ games a side the mean is close to normal."""
+    n = len(payoffs)
+    mean = sum(payoffs) / n if n else 0.0
+    spread = 1.96 * math.sqrt(sum((p - mean) ** 2 for p in payoffs) / (n - 1) / n) if n > 1 else 0.0
+    key = f"eval/payoff_vs_{name}"
+    return {key: mean, f"{key}_ci95_low": mean - spread, f"{key}_ci95_high": mean + spread}
+
+
 class GameEvaluator(Evaluator):
     """The evaluator of data=games: `at_fit_start`, `after_round` and the history as `Evaluator`'s; `evaluate`
     plays. `reward` and `checker` are the shared `eval` node's and unused here (set `eval.reward: null`)."""
@@ -120,16 +133,25 @@ class GameEvaluator(Evaluator):
             play(matches, self.generator, encode, self._decode, self.dataset.reply_prefix, self.game_settings.max_turns,
                  self.settings.max_new_tokens)  # fmt: skip
         parts = gather_objects(
-            [(m.opponent.name, m.learner_seat, m.learner_score, [t.illegal for t in m.turns]) for m in matches]
+            [
+                (m.opponent.name, m.learner_seat, m.learner_score, [t.illegal for t in m.turns], m.learner_payoff)
+                for m in matches
+            ]  # fmt: skip
         )
         games = [g for part in parts for g in part]
+        has_payoff = make_game(self.dataset.game).payoff_unit is not None
         metrics: dict[str, float] = {}
         for name in self.game_settings.opponents:  # both seats, then each (the first mover's edge shows apart)
-            metrics |= rate_metrics(name, [score for opp, _, score, _ in games if opp == name])
+            metrics |= rate_metrics(name, [score for opp, _, score, _, _ in games if opp == name])
+            if has_payoff:
+                metrics |= payoff_metrics(name, [payoff for opp, _, _, _, payoff in games if opp == name])
             for seat, seat_name in enumerate(SEAT_NAMES):
-                scores = [score for opp, s, score, _ in games if opp == name and s == seat]
+                scores = [score for opp, s, score, _, _ in games if opp == name and s == seat]
                 metrics |= rate_metrics(f"{name}_{seat_name}", scores)
-        illegal = [flag for _, _, _, flags in games for flag in flags]
+                if has_payoff:
+                    payoffs = [payoff for opp, s, _, _, payoff in games if opp == name and s == seat]
+                    metrics |= payoff_metrics(f"{name}_{seat_name}", payoffs)
+        illegal = [flag for _, _, _, flags, _ in games for flag in flags]
         low, high = wilson_interval(sum(illegal), len(illegal))
         metrics["eval/illegal_move_rate"] = sum(illegal) / max(len(illegal), 1)
         metrics["eval/illegal_move_rate_ci95_low"], metrics["eval/illegal_move_rate_ci95_high"] = low, high

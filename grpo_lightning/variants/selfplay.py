@@ -242,7 +242,7 @@ class SelfPlay(GRPOVariant):
             score = m.learner_score
             for turn_index, turn in enumerate(m.turns):
                 record = TurnRecord(m.game.game_id, m.learner_seat, turn_index, turn.move, turn.illegal, score,
-                                    m.opponent.name, len(m.turns))  # fmt: skip
+                                    m.opponent.name, len(m.turns), m.learner_payoff)  # fmt: skip
                 rollouts.append(
                     self.scored_rollout(
                         turn.prompt_ids, turn.completion, turn.reply, "", m.group_id, reward_fn, record=record

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_lightning.games.exact import both_seats
 from grpo_lightning.games.kuhn_poker import DEALS, KuhnPoker
-from grpo_lightning.games.play import PerfectPlayer, RandomMovePlayer
+from grpo_lightning.games.play import PerfectPlayer, RandomMovePlayer, ScriptedPlayer
 from grpo_lightning.games.registry import make_game
 
 
@@ -115,3 +115,47 @@ def test_exact_results_against_the_random_player_average_the_deals():
     assert (first.win, second.win) == (pytest.approx(float(won_first)), pytest.approx(float(won_second)))
     assert mean.win == pytest.approx(float(won_first + won_second) / 2) and mean.win < 0.5
     assert chips({0: equilibrium, 1: uniform}) > 0 and chips({0: uniform, 1: equilibrium}) < 0
+
+
+def test_the_expected_payoff_is_the_chips_of_the_independent_enumeration():
+    """games/exact.py's expected payoff (chips) against the enumeration above, from each seat: the equilibrium
+    against itself is the game value, -1/18 from the first seat and +1/18 from the second; against the random
+    player it wins chips from both seats, though fewer than half of its games."""
+    first, second, _ = both_seats(KuhnPoker, PerfectPlayer(), PerfectPlayer(), seeds=range(6))
+    assert (first.payoff, second.payoff) == (pytest.approx(-1 / 18), pytest.approx(1 / 18))
+    first, second, mean = both_seats(KuhnPoker, PerfectPlayer(), RandomMovePlayer(), seeds=range(6))
+    assert first.payoff == pytest.approx(float(chips({0: equilibrium, 1: uniform})))
+    assert second.payoff == pytest.approx(float(-chips({0: uniform, 1: equilibrium})))
+    assert mean.payoff > 0 and mean.win < 0.5
+    assert play(2, "bet", "call").payoff == (2.0, -2.0) and play(0, "bet", "call").payoff == (-2.0, 2.0)
+    assert play(0, "bet", "fold").payoff == (1.0, -1.0)  # seed 2 deals Q against J, seed 0 J against Q
+    assert KuhnPoker.payoff_unit == "chips" and KuhnPoker().payoff is None
+
+
+class Rule(ScriptedPlayer):
+    """A pure rule: `first` when no bet is faced (check or bet), `facing` when one is (call or fold)."""
+
+    def __init__(self, first: str, facing: str) -> None:
+        self.name, self.first, self.facing = f"{first}/{facing}", first, facing
+
+    def move_distribution(self, game):
+        return {f"[{self.first if '[check]' in game.legal_moves() else self.facing}]": 1.0}
+
+
+def test_the_table_of_docs_selfplay():
+    """docs/selfplay.md's Kuhn Poker table: win rate and chips a hand, both seats averaged over every deal."""
+    players = {"random": RandomMovePlayer(), "check/call": Rule("check", "call"), "check/fold": Rule("check", "fold"),
+               "bet/call": Rule("bet", "call"), "perfect": PerfectPlayer()}  # fmt: skip
+    table = {
+        (name, against): both_seats(KuhnPoker, player, opponent, seeds=range(6))[2]
+        for name, player in players.items()
+        for against, opponent in (("random", RandomMovePlayer()), ("perfect", PerfectPlayer()))
+    }
+    rounded = {key: (round(e.win, 3), round(e.payoff, 3)) for key, e in table.items()}
+    assert rounded == {
+        ("random", "random"): (0.5, 0.0), ("random", "perfect"): (0.542, -0.111),
+        ("check/call", "random"): (0.5, 0.0), ("check/call", "perfect"): (0.5, -0.111),
+        ("check/fold", "random"): (0.25, -0.5), ("check/fold", "perfect"): (0.444, -0.111),
+        ("bet/call", "random"): (0.688, 0.375), ("bet/call", "perfect"): (0.611, -0.111),
+        ("perfect", "random"): (0.458, 0.111), ("perfect", "perfect"): (0.5, 0.0),
+    }  # fmt: skip

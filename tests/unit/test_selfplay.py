@@ -16,6 +16,8 @@ import torch
 
 from grpo_lightning.data.games import GameSeed, GameSeeds
 from grpo_lightning.games import make_game
+from grpo_lightning.games.exact import both_seats
+from grpo_lightning.games.kuhn_poker import KuhnPoker
 from grpo_lightning.games.opponent_pool import LEARNER, OpponentPool, rating_model
 from grpo_lightning.games.play import (
     LEARNER_PLAYER,
@@ -23,13 +25,14 @@ from grpo_lightning.games.play import (
     ModelPlayer,
     PerfectPlayer,
     RandomMovePlayer,
+    ScriptedPlayer,
     play,
 )
 from grpo_lightning.games.tictactoe import minimax_value
 from grpo_lightning.generation import SwapsAdapters
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.models.lora import adapter_off
-from grpo_lightning.rewards.games import GameOutcome, LegalMove, MoveFormat
+from grpo_lightning.rewards.games import GameOutcome, GamePayoff, LegalMove, MoveFormat
 from grpo_lightning.rewards.pipeline import build_reward
 from grpo_lightning.rewards.transforms import BatchNormalize, RoleBaseline
 from grpo_lightning.training.evaluation import wilson_interval
@@ -382,7 +385,7 @@ def test_progress_is_reported_after_every_move(tokenizer):
 # ---- rewards -----------------------------------------------------------------------------------------------------
 def turn(**kw) -> TurnRecord:
     return TurnRecord(**{"game_id": "tictactoe", "seat": 0, "turn": 0, "move": "[4]", "illegal": False,
-                         "outcome": 1.0, "opponent": "random", "learner_turns": 1, **kw})  # fmt: skip
+                         "outcome": 1.0, "opponent": "random", "learner_turns": 1, "payoff": 1.0, **kw})  # fmt: skip
 
 
 def test_discounted_outcome_credits_the_last_move_most():
@@ -398,6 +401,15 @@ def test_discounted_outcome_credits_the_last_move_most():
             GameOutcome(discount=bad)
     with pytest.raises(ValueError, match="turn 3 of a game in which the learner had 3 turns"):
         lost("", "", record=turn(turn=3, learner_turns=3))
+
+
+def test_the_payoff_term_scores_the_chips_by_hand():
+    """A called bet lost (-2 chips) against a fold won (+1): the payoff, not the outcome; discounted alike."""
+    assert GamePayoff()("", "", record=turn(outcome=-1.0, payoff=-2.0)) == -2.0
+    assert GamePayoff()("", "", record=turn(outcome=1.0, payoff=1.0)) == 1.0
+    assert GamePayoff(discount=0.5)("", "", record=turn(turn=0, learner_turns=2, outcome=-1.0, payoff=-2.0)) == -1.0
+    with pytest.raises(ValueError, match="discount must be in"):
+        GamePayoff(discount=0)
 
 
 def test_game_terms():
@@ -461,6 +473,54 @@ def test_evaluation_is_the_same_for_the_same_weights_and_leaves_the_rng_alone(to
             seats = (first[f"eval/{k}_rate_vs_{name}_first"], first[f"eval/{k}_rate_vs_{name}_second"])
             assert first[f"eval/{k}_rate_vs_{name}"] == pytest.approx(sum(seats) / 2)
     assert logged and logged[0] is not None
+
+
+def bet_or_call(text: str, who: str) -> str:
+    """Kuhn Poker: bet when you may, else call (without the opening bracket the reply prefix gives)."""
+    return "bet]" if "[bet]" in text.rsplit("Legal moves:", 1)[-1] else "call]"
+
+
+class BetOrCall(ScriptedPlayer):
+    name = "bet_or_call"
+
+    def move_distribution(self, game):
+        return {"[bet]" if "[bet]" in game.legal_moves() else "[call]": 1.0}
+
+
+def test_a_kuhn_evaluation_reports_the_chips_won_around_their_exact_expectation(tokenizer):
+    """The learner bets or calls every hand against the random player over 600 seeds (every deal 100 times) from
+    both seats: the mean chips it won, per seat and overall, hold the exact expectation (games/exact.py; +0.5 from
+    the first seat, +0.25 from the second) inside their 95% intervals. TicTacToe reports no payoff."""
+    logged = []
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, ckpt_path=None,
+                              loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append(m))])  # fmt: skip
+    kuhn = GameSeeds(game="kuhn_poker", eval_seed=1200)
+    evaluator = GameEvaluator(
+        kuhn.test_split(num_problems=600),
+        opponents=["random"],
+        num_problems=600,
+        at_start=False,
+        generator=MoveEngine(tokenizer, bet_or_call),
+        tokenizer=tokenizer,
+    )
+    evaluator.at_fit_start(trainer)
+    metrics = evaluator.evaluate(trainer)
+    first, second, both = both_seats(KuhnPoker, BetOrCall(), RandomMovePlayer(), seeds=range(6))
+    assert (first.payoff, second.payoff) == (pytest.approx(0.5), pytest.approx(0.25))
+    for who, exact in (("random", both.payoff), ("random_first", first.payoff), ("random_second", second.payoff)):
+        low, high = metrics[f"eval/payoff_vs_{who}_ci95_low"], metrics[f"eval/payoff_vs_{who}_ci95_high"]
+        assert low < exact < high and low < metrics[f"eval/payoff_vs_{who}"] < high and high - low < 0.3
+    assert metrics["eval/illegal_move_rate"] == 0.0
+    tictactoe = GameEvaluator(
+        source().test_split(num_problems=2),
+        opponents=["random"],
+        num_problems=2,
+        at_start=False,
+        generator=MoveEngine(tokenizer, lowest_legal),
+        tokenizer=tokenizer,
+    )
+    tictactoe.at_fit_start(trainer)
+    assert not any(key.startswith("eval/payoff") for key in tictactoe.evaluate(trainer))
 
 
 # ---- the HF engine's adapter swaps -------------------------------------------------------------------------------
@@ -527,6 +587,7 @@ class EndOrPass:
     current_player = property(lambda self: self.to_move)
     done = property(lambda self: self._outcome is not None)
     outcome = property(lambda self: self._outcome)
+    payoff = outcome
 
     def legal_moves(self):
         return ["[end]", "[pass]"] if self.to_move == 0 else ["[draw]"]
