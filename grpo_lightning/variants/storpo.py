@@ -66,7 +66,7 @@ class STORPOSettings:
     trees: int = setting(2, integer(1))
     completions_per_step: int = setting(2, integer(1))
     min_steps: int = setting(2, integer(1))
-    max_steps: int = setting(4, integer(1))
+    max_steps: int = setting(2, integer(1))
     fallback_generations: int = setting(4, integer(2))
     step_rule: str = setting(
         "uncertainty",
