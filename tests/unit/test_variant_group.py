@@ -45,6 +45,16 @@ def test_each_variant_says_its_group():
     assert kuhn.rollouts == 3 * 2  # 3 moves at most: 2 of them the first seat's
 
 
+def test_a_default_storpo_round_samples_about_what_a_default_grpo_round_does(tmp_path):
+    """At the shipped defaults a STORPO prompt samples at most 2 trees x (1 + 2 continuations x 2 points) = 10
+    completions' worth (docs/algorithm.md, "Counting the cost"), against GRPO's 8: a round at most 1.25x."""
+    from hydra.utils import instantiate
+
+    storpo = instantiate(make_cfg(tmp_path, ["variant=storpo"]).variant).group()
+    grpo = instantiate(make_cfg(tmp_path, ["variant=grpo"]).variant).group()
+    assert (storpo.rollouts, grpo.rollouts) == (10, 8)
+
+
 def test_a_variant_takes_its_settings_object_or_its_keys():
     settings = STORPOSettings(min_gap=2, max_steps=3)
     assert STORPO(settings).settings == STORPO(min_gap=2, max_steps=3).settings == settings
