@@ -47,7 +47,9 @@ WIN_SECOND = "eval/win_rate_vs_random_second"
 LOSS_TACTIC = "eval/loss_rate_vs_tactic"
 WIN_BASE = "eval/win_rate_vs_base"
 ILLEGAL = "eval/illegal_move_rate"
-TAGS = (WIN, WIN_FIRST, WIN_SECOND, LOSS_TACTIC, WIN_BASE, ILLEGAL)
+PAYOFF_RANDOM = "eval/payoff_vs_random"
+PAYOFF_PERFECT = "eval/payoff_vs_perfect"
+TAGS = (WIN, WIN_FIRST, WIN_SECOND, LOSS_TACTIC, WIN_BASE, ILLEGAL, PAYOFF_RANDOM, PAYOFF_PERFECT)
 ARMS = {
     "trained": (),
     "role": ("reward=selfplay_role",),
@@ -131,6 +133,10 @@ def report(
 ) -> str:
     """`runs`: (arm, seed) -> (evaluations, wall seconds); `controls`: seed -> (the control's evaluations, its kind,
     `lr=0` or `start`)."""
+    payoffs = [
+        "| seed | arm | control | chips vs random, start -> end | beyond | chips vs perfect, start -> end | beyond |",
+        "|---|---|---|---|---|---|---|",
+    ]
     lines = [
         "| seed | arm | win vs random, start -> end | first seat, end | second seat, end | loss vs tactic, end | "
         "win vs base, end | illegal-move rate, start -> end | wall |",
@@ -166,8 +172,19 @@ def report(
                 f"| {seed} | {arm} | {kind} | {t[WIN][0] - c[WIN][0]:+.3f} | {win_beyond} | "
                 f"{t[ILLEGAL][0] - c[ILLEGAL][0]:+.3f} | {illegal_beyond} | {' | '.join(targets(t))} |"
             )
+            if PAYOFF_RANDOM in t:  # a game with a payoff of its own (Kuhn Poker's chips)
+                cells = [
+                    f"{fmt(points[0].rates.get(tag))} -> {fmt(t.get(tag))} | "
+                    + ("yes" if tag in t and tag in c and beyond(t[tag], c[tag], True) else "no")
+                    for tag in (PAYOFF_RANDOM, PAYOFF_PERFECT)
+                ]
+                payoffs.append(f"| {seed} | {arm} | {kind} | {' | '.join(cells)} |")
         lines.append(row(seed, f"control ({kind})", control, None))
-    return "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST + ".\n\n" + TARGET_TEST
+    text = "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST + ".\n\n" + TARGET_TEST
+    if len(payoffs) > 2:
+        text += "\n\n" + "\n".join(payoffs) + "\n\nbeyond = the 95% interval of the mean chips a hand at the end "
+        text += "lies wholly above the control's mean"
+    return text
 
 
 def plot(runs: dict[tuple[str, int], tuple[list[Point], float]], controls: dict[int, tuple[list[Point], str]],

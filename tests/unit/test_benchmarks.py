@@ -286,6 +286,31 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
     assert (tmp_path / "selfplay.png").stat().st_size > 0
 
 
+def test_selfplay_chips_table_by_hand(tmp_path):
+    """A game with a payoff (Kuhn Poker): the mean chips a hand against random rose from -0.1 to +0.3, its interval
+    [0.2, 0.4] wholly above the lr=0 control's -0.1; against perfect from -0.2 to -0.15, [-0.3, 0.0] not above."""
+    chips = {
+        "payoff_vs_random": -0.1,
+        "payoff_vs_random_ci95_low": -0.2,
+        "payoff_vs_random_ci95_high": 0.0,
+        "payoff_vs_perfect": -0.2,
+        "payoff_vs_perfect_ci95_low": -0.3,
+        "payoff_vs_perfect_ci95_high": -0.1,
+    }
+    start = game_eval(0.5, 0.4, 0.6, 0.2, 0.1, 0.3) | chips
+    end = game_eval(0.6, 0.5, 0.7, 0.0, 0.0, 0.05) | {
+        "payoff_vs_random": 0.3, "payoff_vs_random_ci95_low": 0.2, "payoff_vs_random_ci95_high": 0.4,
+        "payoff_vs_perfect": -0.15, "payoff_vs_perfect_ci95_low": -0.3, "payoff_vs_perfect_ci95_high": 0.0,
+    }  # fmt: skip
+    rounds = {0: 10.0, 1: 20.0}
+    write_run(tmp_path / "trained_seed0", rounds, {0: start, 2: end}, wall_s=300)
+    write_run(tmp_path / "control_seed0", rounds, {0: start, 2: start}, wall_s=300)
+    assert selfplay.main(["--seeds", "0", "--out", str(tmp_path)]) == 0
+    rows = [line for line in (tmp_path / "selfplay.md").read_text().splitlines() if line.startswith("| ")]
+    assert "| 0 | trained | lr=0 | -0.100 [-0.200, 0.000] -> 0.300 [0.200, 0.400] | yes | " \
+           "-0.200 [-0.300, -0.100] -> -0.150 [-0.300, 0.000] | no |" in rows  # fmt: skip
+
+
 def test_the_control_from_the_start_is_flat_over_the_trained_run(tmp_path):
     learning_runs(tmp_path, with_control=False)
     dirs = {"trained": {0: tmp_path / "trained_seed0", 1: tmp_path / "trained_seed1"}}
