@@ -164,7 +164,7 @@ class SelfPlay(GRPOVariant):
         super().begin_round(round_index)
         self.round_index, self._snapshot_taken = round_index, False
         self._counts = dict.fromkeys(("games", "wins", "draws", "losses", "turns", "illegal", "opp_moves_fixed",
-                                      "capped", "extra_games", "prompts_cut"), 0.0)  # fmt: skip
+                                      "capped", "extra_games", "prompts_cut", "payoff"), 0.0)  # fmt: skip
 
     def sample_rollouts(self, generator, prompts: Sequence, reward_fn, decode: Callable) -> list[Rollout]:
         if self.source is None:
@@ -261,6 +261,7 @@ class SelfPlay(GRPOVariant):
         c["illegal"] += sum(t.illegal for t in m.turns)
         c["opp_moves_fixed"] += m.opponent_illegal
         c["capped"] += m.capped
+        c["payoff"] += m.learner_payoff
 
     def round_metrics(self, counts: dict[str, float] | None = None) -> dict[str, float]:
         """The round's `game/...` metrics from `counts` (default: this rank's own), and the pool's `pool/...`.
@@ -273,6 +274,7 @@ class SelfPlay(GRPOVariant):
             "game/win_rate": c["wins"] / games,
             "game/draw_rate": c["draws"] / games,
             "game/loss_rate": c["losses"] / games,
+            "game/payoff_mean": c["payoff"] / games,
             "game/illegal_move_rate": c["illegal"] / turns,
             "game/learner_turns_mean": c["turns"] / games,
             "game/opponent_moves_replaced": c["opp_moves_fixed"],

@@ -314,6 +314,7 @@ def test_a_round_of_rollouts_scored_as_worked_out_by_hand(tokenizer):
     illegal = sum(r.reward == -2.0 for r in rollouts)
     assert illegal == 12  # each of the 12 games ends on one illegal move
     assert v.metrics["game/games"] == 12 and v.metrics["game/loss_rate"] == 1.0
+    assert v.metrics["game/payoff_mean"] == -1.0  # TicTacToe: the payoff is the outcome
     assert v.metrics["game/illegal_move_rate"] == pytest.approx(illegal / len(rollouts))
     assert v.metrics["pool/size"] == 1.0  # round 0's snapshot
     for g in groups:  # group-normalised: zero mean in each group
