@@ -28,6 +28,7 @@ import json
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import open_dict
@@ -49,8 +50,9 @@ class Clock:
         self.first_phase_at: float | None = None
         """perf_counter() when the first phase began (the run's build and model load come before it)."""
 
-    def wrap(self, owner, name: str, part: str, phase: bool = False) -> None:
-        """Time `owner.name` as `part`; `phase=True`: it is a phase, and the parts inside it are counted under it."""
+    def wrap(self, owner, name: str, part: str | Callable[[], str], phase: bool = False) -> None:
+        """Time `owner.name` as `part` (a callable: the part's name, asked at each call); `phase=True`: it is a
+        phase, and the parts inside it are counted under it."""
         original = getattr(owner, name)
         clock = self
 
