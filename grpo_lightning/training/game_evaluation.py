@@ -71,6 +71,18 @@ def rate_metrics(name: str, scores: list[float]) -> dict[str, float]:
     return metrics
 
 
+@dataclass(frozen=True)
+class Played:
+    """One evaluation game as the ranks gather it: the opponent's name, the learner's seat, its result (+1 / 0 /
+    -1), its payoff (`Match.learner_payoff`) and whether each of its moves was illegal."""
+
+    opponent: str
+    seat: int
+    score: float
+    payoff: float
+    illegal: list[bool]
+
+
 def payoff_metrics(name: str, payoffs: list[float]) -> dict[str, float]:
     """The learner's mean payoff against `name` (games with a payoff of their own, `TwoPlayerGame.payoff_unit`:
     Kuhn Poker's chips), with a 95% interval: mean +- 1.96 standard errors (the sample's, n - 1), normal-theory;
@@ -132,26 +144,18 @@ class GameEvaluator(Evaluator):
             torch.manual_seed(self.settings.seed)
             play(matches, self.generator, encode, self._decode, self.dataset.reply_prefix, self.game_settings.max_turns,
                  self.settings.max_new_tokens)  # fmt: skip
-        parts = gather_objects(
-            [
-                (m.opponent.name, m.learner_seat, m.learner_score, [t.illegal for t in m.turns], m.learner_payoff)
-                for m in matches
-            ]  # fmt: skip
-        )
+        parts = gather_objects([Played(m.opponent.name, m.learner_seat, m.learner_score, m.learner_payoff,
+                                       [t.illegal for t in m.turns]) for m in matches])  # fmt: skip
         games = [g for part in parts for g in part]
         has_payoff = make_game(self.dataset.game).payoff_unit is not None
         metrics: dict[str, float] = {}
         for name in self.game_settings.opponents:  # both seats, then each (the first mover's edge shows apart)
-            metrics |= rate_metrics(name, [score for opp, _, score, _, _ in games if opp == name])
-            if has_payoff:
-                metrics |= payoff_metrics(name, [payoff for opp, _, _, _, payoff in games if opp == name])
-            for seat, seat_name in enumerate(SEAT_NAMES):
-                scores = [score for opp, s, score, _, _ in games if opp == name and s == seat]
-                metrics |= rate_metrics(f"{name}_{seat_name}", scores)
+            for suffix, seats in (("", (0, 1)), *((f"_{n}", (seat,)) for seat, n in enumerate(SEAT_NAMES))):
+                these = [g for g in games if g.opponent == name and g.seat in seats]
+                metrics |= rate_metrics(name + suffix, [g.score for g in these])
                 if has_payoff:
-                    payoffs = [payoff for opp, s, _, _, payoff in games if opp == name and s == seat]
-                    metrics |= payoff_metrics(f"{name}_{seat_name}", payoffs)
-        illegal = [flag for _, _, _, flags, _ in games for flag in flags]
+                    metrics |= payoff_metrics(name + suffix, [g.payoff for g in these])
+        illegal = [flag for g in games for flag in g.illegal]
         low, high = wilson_interval(sum(illegal), len(illegal))
         metrics["eval/illegal_move_rate"] = sum(illegal) / max(len(illegal), 1)
         metrics["eval/illegal_move_rate_ci95_low"], metrics["eval/illegal_move_rate_ci95_high"] = low, high
