@@ -61,25 +61,28 @@ def _raw(name, board, mark_to_move, mine, opponent="random"):
     return tuple(total)
 
 
-@pytest.mark.parametrize(
-    ("player", "name"), [(RandomMovePlayer(), "random"), (LowestFreeCell(), "lowest"), (TacticPlayer(), "tactic")]
-)
-def test_against_an_independent_enumeration(player, name):
-    seat0, seat1, _ = both_seats(TicTacToe, player, RandomMovePlayer())
+PLAYERS = {"random": RandomMovePlayer, "lowest": LowestFreeCell, "tactic": TacticPlayer, "perfect": PerfectPlayer}
+
+
+@pytest.mark.parametrize("opponent", ["random", "tactic"])
+@pytest.mark.parametrize("name", ["random", "lowest", "tactic"])
+def test_against_an_independent_enumeration(name, opponent):
+    seat0, seat1, _ = both_seats(TicTacToe, PLAYERS[name](), PLAYERS[opponent]())
     for seat, result in ((0, seat0), (1, seat1)):
-        want = _raw(name, ".........", "X", "XO"[seat])
+        want = _raw(name, ".........", "X", "XO"[seat], opponent)
         assert (result.win, result.draw, result.loss) == pytest.approx(want, abs=1e-12)
+
+
+def table_against(opponent: str) -> dict[str, Expected]:
+    """Each scripted policy's exact results against `opponent`, both seats averaged."""
+    return {name: both_seats(TicTacToe, player(), PLAYERS[opponent]())[2] for name, player in PLAYERS.items()}
 
 
 def test_the_reference_table():
     """What each scripted policy is worth against the uniform-random legal player, both seats averaged
     (docs/selfplay.md).
     Perfect play never loses; the tactics (win, else block, else random) lose 3.7% of games."""
-    table = {
-        name: both_seats(TicTacToe, player, RandomMovePlayer())[2]
-        for name, player in [("random", RandomMovePlayer()), ("lowest", LowestFreeCell()), ("tactic", TacticPlayer()),
-                             ("perfect", PerfectPlayer())]
-    }  # fmt: skip
+    table = table_against("random")
     rounded = {name: (round(e.win, 3), round(e.loss, 3)) for name, e in table.items()}
     assert rounded == {"random": (0.437, 0.437), "lowest": (0.611, 0.349), "tactic": (0.798, 0.037),
                        "perfect": (0.873, 0.0)}  # fmt: skip
@@ -87,24 +90,11 @@ def test_the_reference_table():
     assert all(e.win + e.draw + e.loss == pytest.approx(1.0) for e in table.values())
 
 
-@pytest.mark.parametrize("name", ["random", "lowest", "tactic"])
-def test_against_the_tactic_player_by_an_independent_enumeration(name):
-    player = {"random": RandomMovePlayer(), "lowest": LowestFreeCell(), "tactic": TacticPlayer()}[name]
-    seat0, seat1, _ = both_seats(TicTacToe, player, TacticPlayer())
-    for seat, result in ((0, seat0), (1, seat1)):
-        want = _raw(name, ".........", "X", "XO"[seat], "tactic")
-        assert (result.win, result.draw, result.loss) == pytest.approx(want, abs=1e-12)
-
-
 def test_the_table_against_the_tactic_player():
     """What each scripted policy is worth against `tactic`, both seats averaged (docs/selfplay.md): the bar a
     learned policy's loss rate against it is measured by. Playing the lowest free cell loses 88.6% of games;
     the random player 79.8%; perfect play never loses."""
-    table = {
-        name: both_seats(TicTacToe, player, TacticPlayer())[2]
-        for name, player in [("random", RandomMovePlayer()), ("lowest", LowestFreeCell()), ("tactic", TacticPlayer()),
-                             ("perfect", PerfectPlayer())]
-    }  # fmt: skip
+    table = table_against("tactic")
     rounded = {name: (round(e.win, 3), round(e.loss, 3)) for name, e in table.items()}
     assert rounded == {"random": (0.037, 0.798), "lowest": (0.013, 0.886), "tactic": (0.243, 0.243),
                        "perfect": (0.470, 0.0)}  # fmt: skip

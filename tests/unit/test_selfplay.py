@@ -444,14 +444,21 @@ def random_cell(text: str, who: str) -> str:
     return cells[int(torch.randint(len(cells), ()))][1:]
 
 
-def test_evaluation_is_the_same_for_the_same_weights_and_leaves_the_rng_alone(tokenizer):
-    logged = []
+def game_evaluator(dataset: GameSeeds, seeds: int, opponents: list[str], engine, tokenizer):
+    """A GameEvaluator of `seeds` test seeds of `dataset` against `opponents`, started on a stand-in trainer whose
+    logger keeps what it logs (returned with it, with that list)."""
+    logged: list[dict] = []
     trainer = SimpleNamespace(is_global_zero=True, global_step=0, ckpt_path=None,
                               loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append(m))])  # fmt: skip
-    engine = MoveEngine(tokenizer, random_cell)
-    evaluator = GameEvaluator(source().test_split(num_problems=6), opponents=["random", "base"], num_problems=6,
+    evaluator = GameEvaluator(dataset.test_split(num_problems=seeds), opponents=opponents, num_problems=seeds,
                               at_start=False, generator=engine, tokenizer=tokenizer)  # fmt: skip
     evaluator.at_fit_start(trainer)
+    return evaluator, trainer, logged
+
+
+def test_evaluation_is_the_same_for_the_same_weights_and_leaves_the_rng_alone(tokenizer):
+    evaluator, trainer, logged = game_evaluator(source(), 6, ["random", "base"], MoveEngine(tokenizer, random_cell),
+                                                tokenizer)  # fmt: skip
     torch.manual_seed(0)
     state = torch.get_rng_state()
     first = evaluator.evaluate(trainer)
@@ -492,19 +499,8 @@ def test_a_kuhn_evaluation_reports_the_chips_won_around_their_exact_expectation(
     """The learner bets or calls every hand against the random player over 600 seeds (every deal 100 times) from
     both seats: the mean chips it won, per seat and overall, hold the exact expectation (games/exact.py; +0.5 from
     the first seat, +0.25 from the second) inside their 95% intervals. TicTacToe reports no payoff."""
-    logged = []
-    trainer = SimpleNamespace(is_global_zero=True, global_step=0, ckpt_path=None,
-                              loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append(m))])  # fmt: skip
     kuhn = GameSeeds(game="kuhn_poker", eval_seed=1200)
-    evaluator = GameEvaluator(
-        kuhn.test_split(num_problems=600),
-        opponents=["random"],
-        num_problems=600,
-        at_start=False,
-        generator=MoveEngine(tokenizer, bet_or_call),
-        tokenizer=tokenizer,
-    )
-    evaluator.at_fit_start(trainer)
+    evaluator, trainer, _ = game_evaluator(kuhn, 600, ["random"], MoveEngine(tokenizer, bet_or_call), tokenizer)
     metrics = evaluator.evaluate(trainer)
     first, second, both = both_seats(KuhnPoker, BetOrCall(), RandomMovePlayer(), seeds=range(6))
     assert (first.payoff, second.payoff) == (pytest.approx(0.5), pytest.approx(0.25))
@@ -512,15 +508,7 @@ def test_a_kuhn_evaluation_reports_the_chips_won_around_their_exact_expectation(
         low, high = metrics[f"eval/payoff_vs_{who}_ci95_low"], metrics[f"eval/payoff_vs_{who}_ci95_high"]
         assert low < exact < high and low < metrics[f"eval/payoff_vs_{who}"] < high and high - low < 0.3
     assert metrics["eval/illegal_move_rate"] == 0.0
-    tictactoe = GameEvaluator(
-        source().test_split(num_problems=2),
-        opponents=["random"],
-        num_problems=2,
-        at_start=False,
-        generator=MoveEngine(tokenizer, lowest_legal),
-        tokenizer=tokenizer,
-    )
-    tictactoe.at_fit_start(trainer)
+    tictactoe, trainer, _ = game_evaluator(source(), 2, ["random"], MoveEngine(tokenizer, lowest_legal), tokenizer)
     assert not any(key.startswith("eval/payoff") for key in tictactoe.evaluate(trainer))
 
 
