@@ -141,10 +141,12 @@ def write_run(
     fallback: list[float] | None = None,
     completion_len: list[float] | None = None,
     credited: list[float] | None = None,
+    config: dict | None = None,
 ):
     """A finished run folder: `rollout/tokens_generated_total` at the given steps, evaluations (EVAL_TAGS names
     without `eval/`) at theirs, STORPO's `rollout/storpo_fallback_frac`, `rollout/completion_len_mean` and
-    `rollout/credited_token_frac` a round if given. Values are dyadic, exact in TensorBoard's float32."""
+    `rollout/credited_token_frac` a round if given, and the composed config (`.hydra/config.yaml`) if given.
+    Values are dyadic, exact in TensorBoard's float32."""
     writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
     for step, total in round_tokens.items():
         writer.add_scalar("rollout/tokens_generated_total", total, step)
@@ -159,6 +161,9 @@ def write_run(
             writer.add_scalar(f"eval/{name}", v, step)
     writer.close()
     (run_dir / "final_metrics.json").write_text(json.dumps({}))
+    if config is not None:
+        (run_dir / ".hydra").mkdir()
+        (run_dir / ".hydra" / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     if wall_s is not None:
         (run_dir / "wall_s.txt").write_text(f"{wall_s}\n")
 
@@ -252,24 +257,36 @@ def game_eval(win, win_low, win_high, illegal, illegal_low, illegal_high):
             "illegal_move_rate_ci95_low": illegal_low, "illegal_move_rate_ci95_high": illegal_high}  # fmt: skip
 
 
+GAMES_CONFIG = {"data": {"prompts_per_round": 4}, "variant": {"games_per_group": 4}}
+"""16 games a round: an evaluation at step 2 comes after 32 training games."""
+
+
+def selfplay_run(run_dir, evals, wall_s):
+    write_run(run_dir, {0: 10.0, 1: 20.0}, evals, wall_s=wall_s, config=GAMES_CONFIG)
+
+
 def test_selfplay_tables_by_hand(tmp_path, capsys):
     """Seed 0: an lr=0 run, the win rate up beyond its interval, the illegal rate down but not beyond; seed 1: no
-    control run (its start), both beyond, and a `rae` run that meets both play targets (0.85 >= 0.80 with its low
-    end 0.75 above 0.611; loss vs tactic 0.5 below 0.886)."""
-    start = game_eval(0.125, 0.0625, 0.25, 0.5, 0.375, 0.625)
-    rounds = {0: 10.0, 1: 20.0}
-    write_run(tmp_path / "trained_seed0", rounds, {0: start, 2: game_eval(0.5, 0.375, 0.625, 0.375, 0.25, 0.5)},
-              wall_s=600)  # fmt: skip
-    write_run(tmp_path / "control_seed0", rounds, {0: start, 2: start}, wall_s=600)
-    write_run(tmp_path / "trained_seed1", rounds, {0: start, 2: game_eval(0.375, 0.25, 0.5, 0.25, 0.125, 0.375)},
-              wall_s=480)  # fmt: skip
+    control run (its start), both beyond; a `rae` run that meets both play targets (0.85 >= 0.80 with its low end
+    0.75 above 0.611; loss vs tactic 0.5, its whole interval below 0.886) and a `last_move` run whose loss vs tactic
+    (0.85 [0.75, 0.93]) is below 0.886 by its rate only. The curve: the rates at 0 and 32 games (2 rounds of 16)."""
+    start = game_eval(0.125, 0.0625, 0.25, 0.5, 0.375, 0.625) | {
+        "loss_rate_vs_tactic": 1.0, "loss_rate_vs_tactic_ci95_low": 0.875, "loss_rate_vs_tactic_ci95_high": 1.0,
+    }  # fmt: skip
+    selfplay_run(tmp_path / "trained_seed0", {0: start, 2: game_eval(0.5, 0.375, 0.625, 0.375, 0.25, 0.5)}, 600)
+    selfplay_run(tmp_path / "control_seed0", {0: start, 2: start}, 600)
+    selfplay_run(tmp_path / "trained_seed1", {0: start, 2: game_eval(0.375, 0.25, 0.5, 0.25, 0.125, 0.375)}, 480)
     strong = game_eval(0.85, 0.75, 0.92, 0.0, 0.0, 0.05) | {
         "win_rate_vs_random_first": 0.9, "win_rate_vs_random_first_ci95_low": 0.8,
         "win_rate_vs_random_first_ci95_high": 0.95, "loss_rate_vs_tactic": 0.5,
         "loss_rate_vs_tactic_ci95_low": 0.4, "loss_rate_vs_tactic_ci95_high": 0.6,
     }  # fmt: skip
-    write_run(tmp_path / "rae_seed1", rounds, {0: start, 2: strong}, wall_s=540)
-    args = ["--arms", "trained", "rae", "--seeds", "1", "--control", "start", "--out", str(tmp_path)]
+    selfplay_run(tmp_path / "rae_seed1", {0: start, 2: strong}, 540)
+    level = game_eval(0.5, 0.375, 0.625, 0.0, 0.0, 0.05) | {
+        "loss_rate_vs_tactic": 0.85, "loss_rate_vs_tactic_ci95_low": 0.75, "loss_rate_vs_tactic_ci95_high": 0.93,
+    }  # fmt: skip
+    selfplay_run(tmp_path / "last_move_seed1", {0: start, 2: level}, 540)
+    args = ["--arms", "trained", "rae", "last_move", "--seeds", "1", "--control", "start", "--out", str(tmp_path)]
     assert selfplay.main(args) == 0
     assert "trained_seed1: finished before, reading it" in capsys.readouterr().out
     text = (tmp_path / "selfplay.md").read_text()
@@ -279,10 +296,21 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
     assert "| 1 | rae | 0.125 [0.062, 0.250] -> 0.850 [0.750, 0.920] | 0.900 [0.800, 0.950] | n/a | " \
            "0.500 [0.400, 0.600] | 0.500 [0.250, 0.750] | 0.500 [0.375, 0.625] -> 0.000 [0.000, 0.050] | 9.0 min |" \
            in rows  # fmt: skip
-    assert "| 0 | trained | lr=0 | +0.375 | yes | -0.125 | no | no | n/a |" in rows  # 0.375 > 0.125; 0.5 not below 0.5
-    assert "| 1 | trained | start | +0.250 | yes | -0.250 | yes | no | n/a |" in rows  # 0.25 > 0.125; 0.375 < 0.5
-    assert "| 1 | rae | start | +0.725 | yes | -0.500 | yes | yes | yes |" in rows
+    # win: 0.375 > 0.125; no loss vs tactic at the end; illegal: 0.5 not below 0.5
+    assert "| 0 | trained | lr=0 | +0.375 | yes | n/a | n/a | -0.125 | no | no | n/a |" in rows
+    assert "| 1 | trained | start | +0.250 | yes | n/a | n/a | -0.250 | yes | no | n/a |" in rows  # 0.375 < 0.5
+    assert "| 1 | rae | start | +0.725 | yes | -0.500 | yes | -0.500 | yes | yes | yes |" in rows  # 0.6 < 1.0
+    assert "| 1 | last_move | start | +0.375 | yes | -0.150 | yes | -0.500 | yes | no | rate only |" in rows
     assert "seed 0: every evaluation of the lr=0 run equals the trained runs' start-of-run evaluation" in text
+    curve = text[text.index("| arm | games trained on") :].split("\n\n")[0].splitlines()[2:]
+    assert curve == [
+        "| trained | 0 | 0, 1 | 0.125, 0.125 | 0.125 | 1.000, 1.000 | 1.000 |",
+        "| trained | 32 | 0, 1 | 0.500, 0.375 | 0.438 | n/a | n/a |",  # (0.5 + 0.375) / 2 = 0.4375
+        "| rae | 0 | 1 | 0.125 | 0.125 | 1.000 | 1.000 |",
+        "| rae | 32 | 1 | 0.850 | 0.850 | 0.500 | 0.500 |",
+        "| last_move | 0 | 1 | 0.125 | 0.125 | 1.000 | 1.000 |",
+        "| last_move | 32 | 1 | 0.500 | 0.500 | 0.850 | 0.850 |",
+    ]
     assert (tmp_path / "selfplay.png").stat().st_size > 0
 
 
@@ -302,9 +330,8 @@ def test_selfplay_chips_table_by_hand(tmp_path):
         "payoff_vs_random": 0.3, "payoff_vs_random_ci95_low": 0.2, "payoff_vs_random_ci95_high": 0.4,
         "payoff_vs_perfect": -0.15, "payoff_vs_perfect_ci95_low": -0.3, "payoff_vs_perfect_ci95_high": 0.0,
     }  # fmt: skip
-    rounds = {0: 10.0, 1: 20.0}
-    write_run(tmp_path / "trained_seed0", rounds, {0: start, 2: end}, wall_s=300)
-    write_run(tmp_path / "control_seed0", rounds, {0: start, 2: start}, wall_s=300)
+    selfplay_run(tmp_path / "trained_seed0", {0: start, 2: end}, 300)
+    selfplay_run(tmp_path / "control_seed0", {0: start, 2: start}, 300)
     assert selfplay.main(["--seeds", "0", "--out", str(tmp_path)]) == 0
     rows = [line for line in (tmp_path / "selfplay.md").read_text().splitlines() if line.startswith("| ")]
     assert "| 0 | trained | lr=0 | -0.100 [-0.200, 0.000] -> 0.300 [0.200, 0.400] | yes | " \
