@@ -13,7 +13,8 @@ Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` per arm and seed, r
   lowest-free-cell rule's), loss rate against `tactic` below 0.886 (the same rule's; docs/selfplay.md);
 - the curve: per arm, the win rate against random and the loss rate against `tactic` at every evaluation, against
   the games the learner has trained on, each seed and their mean;
-- the plot: both rates against the games trained on, each run and its control.
+- the plot: both rates against the games trained on, each run and its control, and for TicTacToe the win target
+  and the lowest-free-cell rule's exact win rate.
 
 Arms (`--arms`, default `trained`), each the recipe with its credit choice (docs/selfplay.md):
 
@@ -256,6 +257,10 @@ def plot(runs: dict[tuple[str, int], tuple[list[Point], float]], controls: dict[
             if len(xs) == 1:  # the start evaluation, held level
                 xs, ys = [xs[0], last_games], ys * 2
             ax.plot(xs, ys, ":", label=f"control ({kind}) seed {seed}")
+        if tag == WIN and any(LOSS_TACTIC in p.rates for points, _ in runs.values() for p in points):  # TicTacToe
+            ax.axhline(WIN_TARGET, color="grey", linestyle="--", linewidth=0.8, label="target")
+            ax.axhline(LOWEST_FREE_CELL["win_vs_random"], color="grey", linestyle="-.", linewidth=0.8,
+                       label="lowest free cell, exact")  # fmt: skip
         ax.set_title(title)
         ax.set_xlabel("training games played (one optimizer step a round)")
         ax.set_ylim(0, 1)
