@@ -44,7 +44,8 @@ SELFPLAY = [
 
 @pytest.mark.slow
 def test_selfplay_trains_and_reports_games(tmp_path):
-    run = build_run(make_cfg(tmp_path / "run", SELFPLAY))
+    # the recipe's scripted opponents and the base model, whose moves the evaluation plays with the adapter off
+    run = build_run(make_cfg(tmp_path / "run", [*SELFPLAY, "eval.opponents=[random,tactic,base]"]))
     rounds = []
     original = run.rollout_loop.finish
 
