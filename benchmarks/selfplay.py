@@ -12,7 +12,8 @@ Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` per arm and seed, r
 - per arm and seed, the play targets: win rate against random >= 0.80 with its interval's low end above 0.611 (the
   lowest-free-cell rule's), loss rate against `tactic` below 0.886 (the same rule's; docs/selfplay.md);
 - the curve: per arm, the win rate against random and the loss rate against `tactic` at every evaluation, against
-  the games the learner has trained on, each seed and their mean;
+  the games the learner has trained on, each seed and their mean, beside what training had to learn from since the
+  evaluation before (the share of groups whose games all ended alike, the gradient norm; each seed's mean);
 - the plot: both rates against the games trained on, each run and its control, and for TicTacToe the win target
   and the lowest-free-cell rule's exact win rate.
 
@@ -53,6 +54,8 @@ ILLEGAL = "eval/illegal_move_rate"
 PAYOFF_RANDOM = "eval/payoff_vs_random"
 PAYOFF_PERFECT = "eval/payoff_vs_perfect"
 TAGS = (WIN, WIN_FIRST, WIN_SECOND, LOSS_TACTIC, WIN_BASE, ILLEGAL, PAYOFF_RANDOM, PAYOFF_PERFECT)
+SIGNAL = ("train/frac_zero_std_groups", "train/grad_norm")
+"""What GRPO has to learn from, a round: the share of groups whose games all ended alike, and the gradient norm."""
 ARMS = {
     "trained": (),
     "role": ("reward=selfplay_role",),
@@ -84,6 +87,8 @@ class Point:
     step: int
     games: int
     rates: dict[str, tuple[float, float, float]]
+    signal: dict[str, float]
+    """The means of SIGNAL over the rounds since the previous evaluation (empty at the first)."""
 
 
 def games_per_round(run_dir: Path) -> int:
@@ -101,7 +106,10 @@ def evaluations(run_dir: Path) -> list[Point]:
     games = games_per_round(run_dir)
     steps = sorted({s for s, _ in run.scalars.get(WIN, [])})
     points = []
-    for step in steps:
+    for previous, step in zip([None, *steps[:-1]], steps, strict=True):
+        rounds = {tag: [v for s, v in run.scalars.get(tag, []) if previous is not None and previous <= s < step]
+                  for tag in SIGNAL}  # fmt: skip
+        signal = {tag: sum(values) / len(values) for tag, values in rounds.items() if values}
         rates = {}
         for tag in TAGS:
             values = {
@@ -109,7 +117,7 @@ def evaluations(run_dir: Path) -> list[Point]:
             }
             if values[""] is not None:
                 rates[tag] = (values[""], values["_ci95_low"], values["_ci95_high"])
-        points.append(Point(step, step * games, rates))
+        points.append(Point(step, step * games, rates, signal))
     return points
 
 
@@ -218,8 +226,9 @@ def curve(runs: dict[tuple[str, int], tuple[list[Point], float]]) -> str:
     """Per arm, at every number of games trained on that some seed evaluated at: the win rate against random and
     the loss rate against `tactic`, each seed's (in seed order) and the mean over the seeds that evaluated there."""
     lines = [
-        "| arm | games trained on | seeds | win vs random, each seed | mean | loss vs tactic, each seed | mean |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | games trained on | seeds | win vs random, each seed | mean | loss vs tactic, each seed | mean | "
+        "groups alike since the last evaluation, each seed | gradient norm, each seed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in [a for a in ARMS if any(a == r for r, _ in runs)]:
         by_games: dict[int, dict[int, Point]] = {}
@@ -234,6 +243,9 @@ def curve(runs: dict[tuple[str, int], tuple[list[Point], float]]) -> str:
                     ", ".join(f"{r:.3f}" for r in rates) or "n/a",
                     f"{sum(rates) / len(rates):.3f}" if rates else "n/a",
                 ]
+            for tag in SIGNAL:
+                means = [f"{p.signal[tag]:.3f}" for _, p in sorted(points.items()) if tag in p.signal]
+                cells.append(", ".join(means) or "n/a")
             lines.append(f"| {arm} | {games} | {', '.join(map(str, sorted(points)))} | {' | '.join(cells)} |")
     return "\n".join(lines)
 

@@ -261,8 +261,15 @@ GAMES_CONFIG = {"data": {"prompts_per_round": 4}, "variant": {"games_per_group":
 """16 games a round: an evaluation at step 2 comes after 32 training games."""
 
 
-def selfplay_run(run_dir, evals, wall_s):
+def selfplay_run(run_dir, evals, wall_s, train=None):
+    """A finished self-play run of GAMES_CONFIG; `train`: `train/<name>` values at rounds 0, 1, ... by name."""
     write_run(run_dir, {0: 10.0, 1: 20.0}, evals, wall_s=wall_s, config=GAMES_CONFIG)
+    if train:
+        writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        for name, values in train.items():
+            for step, value in enumerate(values):
+                writer.add_scalar(f"train/{name}", value, step)
+        writer.close()
 
 
 def test_selfplay_tables_by_hand(tmp_path, capsys):
@@ -273,9 +280,15 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
     start = game_eval(0.125, 0.0625, 0.25, 0.5, 0.375, 0.625) | {
         "loss_rate_vs_tactic": 1.0, "loss_rate_vs_tactic_ci95_low": 0.875, "loss_rate_vs_tactic_ci95_high": 1.0,
     }  # fmt: skip
-    selfplay_run(tmp_path / "trained_seed0", {0: start, 2: game_eval(0.5, 0.375, 0.625, 0.375, 0.25, 0.5)}, 600)
+    # the trained runs log what GRPO had to learn from at rounds 0 and 1, and a value at step 2 that belongs to the
+    # rounds after the evaluation there: the evaluation at step 2 reports the means over rounds 0 and 1
+    signal0 = {"frac_zero_std_groups": [0.0, 0.5, 1.0], "grad_norm": [0.75, 0.25, 0.0]}
+    signal1 = {"frac_zero_std_groups": [0.25, 0.75, 1.0], "grad_norm": [0.125, 0.125, 0.0]}
+    selfplay_run(tmp_path / "trained_seed0", {0: start, 2: game_eval(0.5, 0.375, 0.625, 0.375, 0.25, 0.5)}, 600,
+                 signal0)  # fmt: skip
     selfplay_run(tmp_path / "control_seed0", {0: start, 2: start}, 600)
-    selfplay_run(tmp_path / "trained_seed1", {0: start, 2: game_eval(0.375, 0.25, 0.5, 0.25, 0.125, 0.375)}, 480)
+    selfplay_run(tmp_path / "trained_seed1", {0: start, 2: game_eval(0.375, 0.25, 0.5, 0.25, 0.125, 0.375)}, 480,
+                 signal1)  # fmt: skip
     strong = game_eval(0.85, 0.75, 0.92, 0.0, 0.0, 0.05) | {
         "win_rate_vs_random_first": 0.9, "win_rate_vs_random_first_ci95_low": 0.8,
         "win_rate_vs_random_first_ci95_high": 0.95, "loss_rate_vs_tactic": 0.5,
@@ -303,14 +316,17 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
     assert "| 1 | last_move | start | +0.375 | yes | -0.150 | yes | -0.500 | yes | no | rate only |" in rows
     assert "seed 0: every evaluation of the lr=0 run equals the trained runs' start-of-run evaluation" in text
     curve = text[text.index("| arm | games trained on") :].split("\n\n")[0].splitlines()[2:]
-    assert curve == [
-        "| trained | 0 | 0, 1 | 0.125, 0.125 | 0.125 | 1.000, 1.000 | 1.000 |",
-        "| trained | 32 | 0, 1 | 0.500, 0.375 | 0.438 | n/a | n/a |",  # (0.5 + 0.375) / 2 = 0.4375
-        "| rae | 0 | 1 | 0.125 | 0.125 | 1.000 | 1.000 |",
-        "| rae | 32 | 1 | 0.850 | 0.850 | 0.500 | 0.500 |",
-        "| last_move | 0 | 1 | 0.125 | 0.125 | 1.000 | 1.000 |",
-        "| last_move | 32 | 1 | 0.500 | 0.500 | 0.850 | 0.850 |",
-    ]
+    assert (
+        curve
+        == [  # the groups alike and the gradient norm: n/a before the first round, and for rae, which logs none
+            "| trained | 0 | 0, 1 | 0.125, 0.125 | 0.125 | 1.000, 1.000 | 1.000 | n/a | n/a |",
+            "| trained | 32 | 0, 1 | 0.500, 0.375 | 0.438 | n/a | n/a | 0.250, 0.500 | 0.500, 0.125 |",  # 0.4375
+            "| rae | 0 | 1 | 0.125 | 0.125 | 1.000 | 1.000 | n/a | n/a |",
+            "| rae | 32 | 1 | 0.850 | 0.850 | 0.500 | 0.500 | n/a | n/a |",
+            "| last_move | 0 | 1 | 0.125 | 0.125 | 1.000 | 1.000 | n/a | n/a |",
+            "| last_move | 32 | 1 | 0.500 | 0.500 | 0.850 | 0.850 | n/a | n/a |",
+        ]
+    )
     assert (tmp_path / "selfplay.png").stat().st_size > 0
 
 
