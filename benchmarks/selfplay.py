@@ -232,8 +232,8 @@ def curve(runs: dict[tuple[str, int], tuple[list[Point], float]]) -> str:
     ]
     for arm in [a for a in ARMS if any(a == r for r, _ in runs)]:
         by_games: dict[int, dict[int, Point]] = {}
-        for (a, seed), (points, _) in sorted(runs.items()):
-            for point in points if a == arm else ():
+        for seed in sorted(s for a, s in runs if a == arm):
+            for point in runs[arm, seed][0]:
                 by_games.setdefault(point.games, {})[seed] = point
         for games, points in sorted(by_games.items()):
             cells = []
