@@ -57,6 +57,9 @@ def run(run_dir: Path, devices: int, *extra: str, real_ranks: bool = False) -> d
     if real_ranks:
         env["GRPO_LIGHTNING_TEST_FORKED_RANKS"] = "0"
     env.pop("HYDRA_FULL_ERROR", None)
+    # `extra` replaces a default override of the same key (Hydra would keep the last one silently)
+    replaced = {o.split("=", 1)[0] for o in extra}
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in replaced]
     result = cli_run(*overrides, *extra, cwd=ROOT, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {"dir": run_dir, "stdout": result.stdout, "stderr": result.stderr}
@@ -182,3 +185,35 @@ def test_overlapped_ddp_extended_run_continues_exactly(overlapped):
         a = torch.load(overlapped["ddp"]["dir"] / f"rank{rank}.pt")
         b = torch.load(overlapped["resumed"]["dir"] / f"rank{rank}.pt")
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("advantage", ["tree", "group"])
+def test_storpo_under_two_ranks_equals_one_process(tmp_path, advantage):
+    """STORPO logs a third's continuation reward only where a tree branched in that third, so ranks report
+    different metric names; the round's metrics merge them by name (algorithm/round_metrics.py), and the two
+    ranks train exactly what one process trains on the same rollouts."""
+    extra = [
+        "variant=storpo",
+        f"variant.advantage={advantage}",
+        "generator.max_new_tokens=16",
+        "data.prompts_per_round=2",  # with seed 0, one rank branches no continuation in the last third
+        "generator.num_generations=8",
+    ]
+    single, ddp = run(tmp_path / "single", 1, *extra), run(tmp_path / "ddp", 2, *extra)
+    rank0, rank1 = torch.load(ddp["dir"] / "rank0.pt"), torch.load(ddp["dir"] / "rank1.pt")
+    reference = torch.load(single["dir"] / "rank0.pt")
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    for name in reference:
+        torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert scalars(ddp["dir"], "train/reward_mean") == pytest.approx(
+        scalars(single["dir"], "train/reward_mean"), rel=1e-6
+    )
+    thirds = [f"rollout/storpo_reward_{name}" for name in ("early", "middle", "late")]
+    logged = [tag for tag in thirds if scalars_or_none(ddp["dir"], tag)]
+    assert logged == [tag for tag in thirds if scalars_or_none(single["dir"], tag)]  # the same thirds branched
+
+
+def scalars_or_none(run_dir: Path, tag: str) -> list[float] | None:
+    events = EventAccumulator(str(next((run_dir / "tensorboard").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    return [e.value for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else None

@@ -64,14 +64,11 @@ def credited_tokens(rollouts: list[Rollout]) -> tuple[int, int]:
 
 
 def round_metrics(per_rank: list[dict]) -> dict[str, float]:
-    """Metrics of a whole round from every rank's part (stats over all rollouts; variant metrics: rank mean, except
-    a value every rank reports alike, kept as it is: a variant's metric already over all ranks, as self-play's
-    are, is that value, not a float mean that may round away from it)."""
+    """Metrics of a whole round from every rank's part (stats over all rollouts; variant metrics: see
+    `merge_variant_metrics`)."""
     stats = [s for part in per_rank for s in part["stats"]]
     metrics = rollout_metrics(stats, max(part["rollout_s"] for part in per_rank))  # ranks generate in parallel
-    for key in per_rank[0]["variant"]:
-        values = [part["variant"][key] for part in per_rank]
-        metrics[key] = values[0] if all(v == values[0] for v in values) else sum(values) / len(values)
+    metrics.update(merge_variant_metrics([part["variant"] for part in per_rank]))
     for key in per_rank[0]["sampling"]:  # dynamic sampling: counts over all ranks (extra batches: equal on all)
         values = [part["sampling"][key] for part in per_rank]
         metrics[key] = values[0] if key == "rollout/ds_extra_batches" else sum(values)
@@ -79,6 +76,23 @@ def round_metrics(per_rank: list[dict]) -> dict[str, float]:
     credited, trained = (sum(part["credit"][i] for part in per_rank) for i in (0, 1))
     metrics["rollout/credited_token_frac"] = credited / max(trained, 1)
     return metrics
+
+
+def merge_variant_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Every rank's variant metrics merged by name: each name any rank reports, in the order ranks first report it.
+
+    A rank may lack a name: a variant logs a metric only for what it observed (STORPO's reward of continuations
+    branched in the last third exists only where a tree branched there), so a rank without it observed nothing and
+    counts as absent, not as 0. A name's value is the mean over the ranks that report it; a value every reporting
+    rank gives alike is kept as it is (a metric already over all ranks, as self-play's are, is that value, not a
+    float mean that may round away from it). Every rank merges the same gathered parts, so every rank logs the same
+    names, which `log_dict(sync_dist=True)` needs."""
+    names = dict.fromkeys(name for part in per_rank for name in part)
+    merged = {}
+    for name in names:
+        values = [part[name] for part in per_rank if name in part]
+        merged[name] = values[0] if all(v == values[0] for v in values) else sum(values) / len(values)
+    return merged
 
 
 def rollout_metrics(stats: list[RolloutStats], rollout_s: float) -> dict[str, float]:
