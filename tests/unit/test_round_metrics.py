@@ -4,7 +4,9 @@ from grpo_lightning.algorithm.round_metrics import RolloutStats, merge_variant_m
 
 
 def part(variant: dict[str, float], reward: float = 1.0) -> dict:
-    stats = [RolloutStats(reward=reward, group=g, length=4, generated=4, truncated=False, extracted=True) for g in (0, 1)]
+    stats = [
+        RolloutStats(reward=reward, group=g, length=4, generated=4, truncated=False, extracted=True) for g in (0, 1)
+    ]
     return {"stats": stats, "rollout_s": 1.0, "variant": variant, "sampling": {}, "reward_errors": 0, "credit": (4, 8)}
 
 
