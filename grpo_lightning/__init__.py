@@ -15,4 +15,12 @@ from grpo_lightning.accel.settings import correction_dtype
 
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 OmegaConf.register_new_resolver("hf_decode_dtype", correction_dtype, replace=True)
-OmegaConf.register_new_resolver("positive", lambda count: int(count) > 0, replace=True)
+
+
+def _own_engine_process(max_staleness, trainer) -> bool:
+    from grpo_lightning.generation.placement import trainer_world_size
+
+    return int(max_staleness) > 0 or trainer_world_size(trainer) > 1
+
+
+OmegaConf.register_new_resolver("own_engine_process", _own_engine_process, replace=True)

@@ -148,9 +148,9 @@ CONFIG_MISTAKES = [
     ("resume=last in a fresh dir", ["ckpt_path=last"], ["ckpt_path=last: no checkpoint", "hydra.run.dir"]),
     ("data path missing", ["data.dataset.source=path"], ["data.dataset.path must be set"]),
     (
-        "vLLM with several training processes",
-        ["generator=vllm", "trainer=ddp", "trainer.devices=2"],
-        ["generator=vllm", "several training processes", "trainer.devices"],
+        "vLLM in the training process with several training processes",
+        ["generator=vllm", "trainer=ddp", "trainer.devices=2", "generator.engine_process=false"],
+        ["generator.engine_process=false", "several training processes", "trainer.devices"],
     ),
     (
         "staleness bound below a round's steps",

@@ -7,6 +7,7 @@ gives every engine the trainer's devices), and by the vLLM engine when it picks 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
@@ -16,15 +17,20 @@ from omegaconf import DictConfig, OmegaConf
 
 def world_size(cfg: DictConfig) -> int:
     """Processes the trainer will start: devices (a count or a list of ids) x nodes."""
-    devices = cfg.trainer.get("devices", 1)
+    return trainer_world_size(cfg.trainer)
+
+
+def trainer_world_size(trainer: DictConfig) -> int:
+    """`world_size` of the `trainer` node alone (the `own_engine_process` resolver gets just that node)."""
+    devices = trainer.get("devices", 1)
     if OmegaConf.is_list(devices):
         count = len(devices)
     elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
         count = int(devices)
     else:  # "auto" or -1: every GPU when the trainer will use GPUs, else one process
-        gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+        gpu = trainer.get("accelerator") in ("gpu", "cuda", "auto") and torch.cuda.is_available()
         count = torch.cuda.device_count() if gpu else 1
-    return count * int(cfg.trainer.get("num_nodes", 1) or 1)
+    return count * int(trainer.get("num_nodes", 1) or 1)
 
 
 def trainer_devices(cfg: DictConfig) -> tuple[int, ...]:
@@ -49,17 +55,25 @@ def trainer_cuda_devices(accelerator: str | None, devices, cuda_count: int) -> t
     return tuple(range(int(devices)))
 
 
-def engine_cuda_index(device: str | None, trainer_devices: Sequence[int], current: int = 0) -> int:
+def engine_cuda_index(
+    device: str | None, trainer_devices: Sequence[int], current: int = 0, local_rank: int | None = None
+) -> int:
     """Where a CUDA engine runs, by the placement rules (docs/vllm.md, Layouts).
 
-    - `generator.device: null` colocates the engine with the trainer: on the trainer's GPU (`trainer.devices=[1]`
-      puts both on cuda:1), or on `current` when the trainer is not on a GPU.
+    - `generator.device: null` colocates the engine with the trainer: on the GPU of this training process
+      (`trainer.devices=[1]` puts both on cuda:1; with several processes on a node, process `local_rank` trains on
+      `trainer_devices[local_rank]`, Lightning's rule, and its engine goes there too), or on `current` when the
+      trainer is not on a GPU. `local_rank` defaults to the launcher's `LOCAL_RANK` (0 when unset).
     - `generator.device: cuda:N` is the separate layout: cuda:N must not be one of the trainer's GPUs, where the
       engine, with sleep mode off, would keep its memory share while the trainer trains beside it.
     """
     index = parse_device(device)
     if index is None:
-        return trainer_devices[0] if trainer_devices else current
+        if not trainer_devices:
+            return current
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        return trainer_devices[local_rank % len(trainer_devices)]
     if index in trainer_devices:
         listed = ", ".join(f"cuda:{i}" for i in trainer_devices)
         raise ValueError(

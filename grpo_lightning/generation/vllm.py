@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from grpo_lightning.distributed import derive_seed, rank_and_world
 from grpo_lightning.generation import vllm_io
 from grpo_lightning.generation.base import (
     BackgroundEngine,
@@ -195,11 +196,18 @@ class VLLMGenerator(Generator):
                     "(generator.device=cuda:N)"
                 )
         processes = world_size(cfg)
-        if processes > 1:
+        if processes > 1 and not cfg.generator.get("engine_process"):
             raise ValueError(
-                f"generator=vllm runs one in-process engine and cannot be combined with several training processes "
-                f"yet (trainer.devices x trainer.num_nodes = {processes}); train on one device (colocated, or "
-                "generator.device=cuda:0 trainer.devices=[1]), or use generator=hf with trainer=ddp"
+                f"generator.engine_process=false runs the vLLM engine inside the training process, which cannot be "
+                f"combined with several training processes (trainer.devices x trainer.num_nodes = {processes}): "
+                "each process drives an engine of its own in a process beside it; set generator.engine_process=true "
+                "(its default with several training processes)"
+            )
+        if processes > 1 and generator_device(cfg) not in (None, "cpu"):
+            raise ValueError(
+                f"generator.device={generator_device(cfg)} gives one engine a GPU of its own, but each of the "
+                f"{processes} training processes drives an engine: set generator.device=null (each engine beside its "
+                "process's trainer, on its GPU), or serve the model once with generator=vllm_server (docs/scaling.md)"
             )
 
     @classmethod
@@ -279,8 +287,10 @@ class VLLMGenerator(Generator):
 
     def reseed(self, round_seed: int) -> None:
         """The engine in a process of its own seeds that process's RNGs for the round; in this process it draws
-        from the RNG the rollout loop seeds, and this does nothing."""
-        self.engine.reseed(round_seed)
+        from the RNG the rollout loop seeds, and this does nothing. With several training processes each engine
+        takes a seed of its own rank's, derived from the round's, so no two engines draw the same random stream."""
+        rank, processes = rank_and_world()
+        self.engine.reseed(round_seed if processes == 1 else derive_seed(round_seed, "engine of rank", rank))
 
     def background_copy(self) -> VLLMSnapshot:
         """Overlapped rounds sample with this generator's own engine, which must run in a process of its own."""
@@ -423,6 +433,11 @@ class VLLMRoundHooks(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.generator.sleep()
+
+
+def generator_device(cfg: DictConfig) -> str | None:
+    device = cfg.generator.get("device")
+    return None if device is None else str(device)
 
 
 def first_line(err: BaseException) -> str:

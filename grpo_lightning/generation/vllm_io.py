@@ -244,13 +244,17 @@ def is_memory_error(err: BaseException) -> bool:
 
 @contextlib.contextmanager
 def launcher_env(local_rank: int) -> Iterator[None]:
-    """The torch.distributed variables vLLM's external launcher reads, set while the engine is built."""
+    """The torch.distributed variables vLLM's external launcher reads, set while the engine is built.
+
+    The engine is a world of one of its own (its own process group, on a free port of 127.0.0.1), never a rank
+    of the trainer's: a training process of a multi-process run inherits the trainer's MASTER_ADDR / MASTER_PORT,
+    whose store rank 0 already serves."""
     values = {
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": str(local_rank),  # the external launcher's worker runs on cuda:LOCAL_RANK
-        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
     }
     with environment(values):
         yield

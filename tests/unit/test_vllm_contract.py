@@ -240,8 +240,13 @@ def test_kv_cache_below_one_sequence_is_refused_before_the_engine_is_built(lora_
         ("cuda", ["rollout.max_staleness=1", "generator.enable_sleep_mode=true"], "so it cannot sleep"),
         (
             "cpu",
-            ["trainer=ddp", "trainer.devices=2"],
-            "cannot be combined with several training processes yet (trainer.devices x trainer.num_nodes = 2)",
+            ["trainer=ddp", "trainer.devices=2", "generator.engine_process=false"],
+            "cannot be combined with several training processes (trainer.devices x trainer.num_nodes = 2)",
+        ),
+        (
+            "cuda",
+            ["trainer=ddp", "trainer.devices=2", "generator.device=cuda:3"],
+            "generator.device=cuda:3 gives one engine a GPU of its own, but each of the 2 training processes",
         ),
     ],
 )
@@ -266,6 +271,11 @@ def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
     config_check(overlapped)
     assert overlapped.generator.engine_process is True  # its own process by default when rounds overlap
     assert make_cfg(tmp_path, ["generator=vllm"]).generator.engine_process is False
+    ddp = make_cfg(tmp_path, ["generator=vllm", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu"])
+    config_check(ddp)
+    assert ddp.generator.engine_process is True  # one engine beside each training process
+    nodes = make_cfg(tmp_path, ["generator=vllm", "trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2"])
+    assert nodes.generator.engine_process is True
 
 
 def test_installed_platform_reads_the_package_metadata(monkeypatch):
@@ -622,13 +632,24 @@ def test_adapter_sync_in_half_precision_passes_the_cuda_checks(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("device", "trainer_devices", "expected"),
-    [(None, (), 0), (None, (1,), 1), (None, (0, 1), 0), ("cuda:0", (1,), 0), ("cuda:3", (0, 1, 2), 3)],
+    ("device", "trainer_devices", "local_rank", "expected"),
+    [
+        (None, (), 0, 0),
+        (None, (1,), 0, 1),
+        (None, (0, 1), 0, 0),
+        (None, (0, 1), 1, 1),  # DDP: rank 1's engine beside rank 1's trainer
+        (None, (2, 3), 1, 3),
+        ("cuda:0", (1,), 0, 0),
+        ("cuda:3", (0, 1, 2), 0, 3),
+    ],
 )
-def test_engine_placement(device, trainer_devices, expected):
-    """null colocates with the trainer's (first) GPU; cuda:N is a GPU of the engine's own."""
+def test_engine_placement(device, trainer_devices, local_rank, expected, monkeypatch):
+    """null colocates with the GPU of this process's trainer (Lightning's: trainer_devices[LOCAL_RANK]); cuda:N
+    is a GPU of the engine's own."""
     from grpo_lightning.generation.placement import engine_cuda_index
 
+    assert engine_cuda_index(device, trainer_devices, local_rank=local_rank) == expected
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     assert engine_cuda_index(device, trainer_devices) == expected
 
 
