@@ -262,3 +262,9 @@ def strings(value) -> str | None:
         isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value)
     )
     return None if ok else "must be a module name pattern or a list of module names"
+
+
+def list_of_text(value) -> str | None:
+    """A list of strings (possibly empty): URLs, command-line arguments."""
+    ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    return None if ok else "must be a list of strings"

@@ -66,6 +66,9 @@ class Completion:
     """Log-prob of each sampled id under the engine's (temperature-scaled) distribution."""
     finished: bool
     """False when max_new_tokens was reached without EOS (truncated)."""
+    weight_version: int | None = None
+    """The version of the weights that sampled it, where the engine reports one (generator=vllm_server: the pushes
+    made before it was sampled); None: the engine samples the weights the trainer just synced."""
 
 
 @dataclass

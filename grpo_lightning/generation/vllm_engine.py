@@ -48,7 +48,7 @@ from grpo_lightning.generation.vllm_io import (
     process_state_kept,
 )
 from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, VLLMSettings
-from grpo_lightning.generation.vllm_weights import chunked
+from grpo_lightning.generation.vllm_weights import chunked, repack_tied_weights
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class LocalEngine:
         if self.spec.platform == "cpu":
             kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
             self._call(lambda: self.llm.collective_rpc("reload_weights", kwargs=kwargs))
-            self._call(lambda: self.llm.apply_model(_repack_tied_weights))
+            self._call(lambda: self.llm.apply_model(repack_tied_weights))
             return
         for chunk in chunked(weights, PUSH_CHUNK_BYTES):
             self._call(lambda chunk=chunk: self.llm.apply_model(partial(_load_weights, weights=chunk)))
@@ -378,25 +378,6 @@ def _stop(conn, process) -> None:
 
 def _load_weights(model: nn.Module, weights: list) -> None:
     model.load_weights(weights)
-
-
-def _repack_tied_weights(model: nn.Module) -> None:
-    """vLLM's CPU build: repack the layers that share another layer's weight (a tied LM head).
-
-    The reload repacks the layers whose checkpoint names arrived; a tied `lm_head` has none (its weight is
-    `embed_tokens.weight`), so it would keep the GEMM handle packed from the embeddings it was built with and
-    score with stale embeddings after a full fine-tuning push. Re-running its `process_weights_after_loading`
-    packs the current values.
-    """
-    seen: set[int] = set()
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        method = getattr(module, "quant_method", None)
-        if weight is None or method is None:
-            continue
-        if id(weight) in seen:
-            method.process_weights_after_loading(module)
-        seen.add(id(weight))
 
 
 def _parameter_names(model: nn.Module) -> list[str]:

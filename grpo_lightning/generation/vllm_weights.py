@@ -149,3 +149,23 @@ def chunked(weights: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[l
 
 def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def repack_tied_weights(model: nn.Module) -> None:
+    """vLLM's CPU build, after a layerwise reload: repack the layers that share another layer's weight (a tied LM
+    head). Runs inside the engine (`LLM.apply_model`, or a weight-transfer backend in a server's worker).
+
+    The reload repacks the layers whose checkpoint names arrived; a tied `lm_head` has none (its weight is
+    `embed_tokens.weight`), so it would keep the GEMM handle packed from the embeddings it was built with and
+    score with stale embeddings after a full fine-tuning push. Re-running its `process_weights_after_loading`
+    packs the current values.
+    """
+    seen: set[int] = set()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        method = getattr(module, "quant_method", None)
+        if weight is None or method is None:
+            continue
+        if id(weight) in seen:
+            method.process_weights_after_loading(module)
+        seen.add(id(weight))

