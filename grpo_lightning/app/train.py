@@ -90,6 +90,7 @@ class Run:
             return self._fit()
         finally:
             tracking.close(self.trainer.loggers)  # e.g. the W&B run, which would outlive this one in the process
+            self.rollout_loop.generator.close()  # e.g. vLLM servers the run started (a sweep's next job starts its own)
             if self.lock is not None:
                 self.lock.release()
 

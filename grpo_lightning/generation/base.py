@@ -111,6 +111,11 @@ class Generator(Configured, ABC):
             "cannot do yet; set rollout.max_staleness=0 or use generator=hf"
         )
 
+    def close(self) -> None:  # noqa: B027 - a no-op default, not an abstract method
+        """Release what the engine holds outside this process when the run ends (Run.fit): servers it started.
+
+        No-op: an engine in this process (or in a child that ends with it) holds nothing beyond it."""
+
     @contextlib.contextmanager
     def rows_per_call(self, rows: int) -> Iterator[None]:
         """Decode up to `rows` rows per call while the block runs (the evaluator: many short greedy prompts).

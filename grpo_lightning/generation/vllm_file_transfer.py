@@ -15,6 +15,7 @@ its registry. Nothing else of the server changes. This module imports vLLM; the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,5 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: add the backend to vLLM's registry (once per process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
+    with contextlib.suppress(ValueError):  # registered already (the plugin loader may run twice in a process)
         WeightTransferEngineFactory.register_engine(FILE_BACKEND, FileWeightTransferEngine)
-    except ValueError:  # registered already (the plugin loader runs more than once in a process)
-        pass

@@ -50,8 +50,8 @@ from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, S
 from grpo_lightning.generation.vllm_io import engine_model_path, installed_platform
 from grpo_lightning.generation.vllm_server_process import (
     ServerLaunch,
-    free_port,
     ServerProcess,
+    free_port,
     launch_args,
     server_env,
     start_servers,
@@ -66,14 +66,24 @@ from grpo_lightning.generation.vllm_server_weights import (
 )
 from grpo_lightning.generation.vllm_settings import DTYPES, engine_lora_rank
 from grpo_lightning.generation.vllm_weights import is_peft_model, policy_weights
-from grpo_lightning.schema import SEED_MAX, check_settings, choice, integer, list_of_text, number, optional, setting, text
+from grpo_lightning.schema import (
+    SEED_MAX,
+    check_settings,
+    choice,
+    integer,
+    list_of_text,
+    number,
+    optional,
+    setting,
+    text,
+)
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
 
 URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
 """Where the process that started the servers tells the training processes Lightning starts after it (they
-inherit its environment) which URLs to use."""
+inherit its environment) which URLs to use: `<generator.transfer_dir>|<url>,<url>`."""
 TOKENIZER_PROBE = "Natalia sold clips to 48 of her friends in April. 7 x 8 = 56 <|im_end|>"
 """A text both tokenizers must encode alike (the start-up check against another model's server)."""
 
@@ -140,6 +150,8 @@ class VLLMServerGenerator(Generator):
         self.model_path = engine_model_path(model, s.model_path)
         self.transfer_dir = Path(s.transfer_dir).expanduser().resolve()
         self.servers: list[ServerProcess] = []
+        self.launches: list[ServerLaunch] = []
+        """How each started server was launched (a server restarted in place is launched the same way)."""
         self.clients = [ServerClient(url, s.request_timeout_s) for url in self._urls()]
         self.run_id = uuid.uuid4().hex[:8]
         self.version = 0
@@ -219,8 +231,8 @@ class VLLMServerGenerator(Generator):
         s = self.settings
         if s.urls is not None:
             return list(s.urls)
-        inherited = os.environ.get(URLS_ENV)
-        if inherited:
+        owner, _, inherited = os.environ.get(URLS_ENV, "").partition("|")
+        if inherited and owner == str(self.transfer_dir):  # started by this run's first process
             return inherited.split(",")
         rank, processes = rank_and_world()
         if processes > 1 or rank > 0 or os.environ.get("LOCAL_RANK", "0") != "0":
@@ -244,10 +256,12 @@ class VLLMServerGenerator(Generator):
         )
         env = server_env()
         devices = s.server_devices or [None] * s.num_servers
-        launches = [ServerLaunch(self.model_path, args, env, cuda_devices=d) for d in devices]
-        self.servers = start_servers(launches, self.transfer_dir / "logs", s.startup_timeout_s)
+        self.launches = [ServerLaunch(self.model_path, args, env, cuda_devices=d) for d in devices]
+        self.servers = start_servers(self.launches, self.transfer_dir / "logs", s.startup_timeout_s)
         urls = [server.url for server in self.servers]
-        os.environ[URLS_ENV] = ",".join(urls)  # the training processes Lightning starts next inherit it
+        # the training processes Lightning starts next inherit it; keyed by this run's folder, so a later run in this
+        # process (a sweep's next job) starts servers of its own
+        os.environ[URLS_ENV] = f"{self.transfer_dir}|{','.join(urls)}"
         return urls
 
     def _check_server(self, client: ServerClient) -> None:
@@ -267,7 +281,9 @@ class VLLMServerGenerator(Generator):
                 f"the vLLM server at {client.url} has max_model_len {max_len}, below a prompt plus "
                 f"generator.max_new_tokens={self.sampling.max_new_tokens}: serve it with a longer --max-model-len"
             )
-        theirs = client.post("/tokenize", {"model": served["id"], "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
+        theirs = client.post(
+            "/tokenize", {"model": served["id"], "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+        )
         ours = self.tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
         if list(theirs.get("tokens", [])) != list(ours):
             raise ValueError(
@@ -416,9 +432,7 @@ class VLLMServerGenerator(Generator):
             workers = int(client.get("/get_world_size")["world_size"])
             host = urlparse(client.url).hostname or "127.0.0.1"
             address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
-            info = NCCLTrainerInitInfo(
-                rank=0, master_address=address, master_port=free_port(), world_size=1 + workers
-            )
+            info = NCCLTrainerInitInfo(rank=0, master_address=address, master_port=free_port(), world_size=1 + workers)
             self.nccl_engines[client.url] = WeightTransferTrainerFactory.trainer_init(
                 init_info=info, client=client, source=ModuleSource(_MergedPolicy(self.policy))
             )
@@ -440,9 +454,12 @@ class VLLMServerGenerator(Generator):
             self._push(client)
 
     def close(self) -> None:
+        """Stop the servers this process started (they also stop when it exits)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
             server.stop()
+        if self.servers and os.environ.get(URLS_ENV, "").startswith(f"{self.transfer_dir}|"):
+            del os.environ[URLS_ENV]
 
 
 class _MergedPolicy(nn.Module):

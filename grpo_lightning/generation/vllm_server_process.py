@@ -42,18 +42,20 @@ class ServerLaunch:
     cuda_devices: str | None = None
     """CUDA_VISIBLE_DEVICES of the server (None: inherited)."""
     python: str = sys.executable
+    module: str = SERVER_MODULE
 
 
 class ServerProcess:
     """One started server: `url`, its log file, and `stop()`. It dies with the process that started it (Linux
     parent-death signal) and at exit."""
 
-    def __init__(self, launch: ServerLaunch, log_path: Path) -> None:
-        self.port = free_port()
+    def __init__(self, launch: ServerLaunch, log_path: Path, port: int | None = None) -> None:
+        """`port`: where it listens on 127.0.0.1 (None: a free one; a server restarted in place passes its old)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [launch.python, "-m", SERVER_MODULE, "--model", launch.model, "--host", "127.0.0.1"]
+        command = [launch.python, "-m", launch.module, "--model", launch.model, "--host", "127.0.0.1"]
         command += ["--port", str(self.port), *launch.args]
         env = dict(os.environ, **launch.env)
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK"):
@@ -63,8 +65,8 @@ class ServerProcess:
         self.command = command
         with open(log_path, "ab") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent, preexec_fn=_die_with_parent,
-                start_new_session=True,
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent,
+                preexec_fn=_die_with_parent, start_new_session=True,
             )  # fmt: skip
         log.info("started vLLM server pid %d at %s (log: %s)", self.process.pid, self.url, log_path)
         weakref.finalize(self, _terminate, self.process)

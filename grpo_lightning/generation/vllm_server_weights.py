@@ -14,6 +14,7 @@ routes, and a runtime-loaded LoRA adapter. No vLLM import: the training process 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import urllib.error
@@ -57,7 +58,10 @@ class ServerClient:
         except (urllib.error.URLError, OSError, TimeoutError) as err:
             reason = getattr(err, "reason", err)
             raise ServerError(f"{self.url}{path}: no answer ({reason})") from None
-        return json.loads(text) if text else None
+        try:
+            return json.loads(text) if text else None
+        except json.JSONDecodeError:  # some routes answer plain text (`/v1/load_lora_adapter`: "Success: ...")
+            return text
 
     def get(self, path: str, timeout_s: float | None = None) -> Any:
         return self.request("GET", path, timeout_s=timeout_s)
@@ -83,9 +87,7 @@ class ServerClient:
         return self.get("/weight_info").get("weight_version")
 
 
-def push_weight_files(
-    client: ServerClient, weights: Iterable[tuple[str, Tensor]], folder: Path, version: str
-) -> int:
+def push_weight_files(client: ServerClient, weights: Iterable[tuple[str, Tensor]], folder: Path, version: str) -> int:
     """Push (checkpoint name, tensor) pairs through the file backend; returns the bytes sent. A chunk's file is
     deleted once the server has loaded it, and on any error."""
     from safetensors.torch import save_file
@@ -111,10 +113,8 @@ def load_adapter(client: ServerClient, name: str, folder: Path, previous: str | 
     """Load the adapter saved in `folder` under `name` (vLLM's runtime LoRA loading), then unload `previous`."""
     client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
     if previous is not None and previous != name:
-        try:
+        with contextlib.suppress(ServerError):  # a restarted server never had it
             client.post("/v1/unload_lora_adapter", {"lora_name": previous})
-        except ServerError:  # a restarted server never had it
-            pass
 
 
 def loaded_models(client: ServerClient) -> list[str]:

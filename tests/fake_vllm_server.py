@@ -1,0 +1,108 @@
+"""A fake `vllm serve` for the contract tests of generator=vllm_server: the routes the generator calls, on
+127.0.0.1, with every request recorded and answers written by hand. The real server's behaviour is held by
+tests/test_vllm_server.py (vLLM's CPU build); this one makes faults cheap: a server that restarts (forgets its
+weights), never delivers an adapter, answers nothing, or serves another tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+COMPLETION = [11, 12, 13]
+"""Every sample's tokens (no EOS: finish_reason length), each with log-prob -0.5."""
+
+
+class FakeServer:
+    def __init__(self, tokenize, max_model_len: int = 512, model: str = "/models/tiny") -> None:
+        self.tokenize = tokenize
+        self.max_model_len = max_model_len
+        self.model = model
+        self.requests: list[tuple[str, dict | None]] = []
+        self.weight_version: str | None = "default"
+        self.adapters: list[str] = []
+        self.deliver_adapters = True
+        self.answer_as: str | None = None
+        """Answer completions as this model (an adapter the server still holds)."""
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def restart(self) -> None:
+        """What a restarted server holds: the model's own weights, no adapters."""
+        self.weight_version, self.adapters = "default", []
+
+    def paths(self, method: str = "POST") -> list[str]:
+        return [path for path, _ in self.requests if path.startswith(method + " ")]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _answer(self, method: str, path: str, body: dict | None):
+        self.requests.append((f"{method} {path}", body))
+        if path == "/health":
+            return {}
+        if path == "/v1/models":
+            return {
+                "data": [{"id": self.model, "max_model_len": self.max_model_len}] + [{"id": a} for a in self.adapters]
+            }
+        if path == "/tokenize":
+            return {"tokens": self.tokenize(body["prompt"])}
+        if path == "/weight_info":
+            return {"weight_version": self.weight_version}
+        if path == "/finish_weight_update":
+            self.weight_version = body.get("weight_version")
+            return {"message": "Weight update finished"}
+        if path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/reset_prefix_cache"):
+            return {}
+        if path == "/v1/load_lora_adapter":
+            if self.deliver_adapters:
+                self.adapters.append(body["lora_name"])
+            return "Success: LoRA adapter loaded"
+        if path == "/v1/unload_lora_adapter":
+            if body["lora_name"] in self.adapters:
+                self.adapters.remove(body["lora_name"])
+            return "Success"
+        if path == "/v1/completions":
+            if body["model"] not in (self.model, *self.adapters) and self.answer_as is None:
+                return 404, {"error": {"message": f"The model `{body['model']}` does not exist."}}
+            choices = [
+                {
+                    "index": j,
+                    "token_ids": COMPLETION[: body["max_tokens"]],
+                    "logprobs": {"token_logprobs": [-0.5] * min(len(COMPLETION), body["max_tokens"])},
+                    "finish_reason": "length",
+                }
+                for j in reversed(range(body["n"]))  # out of order: the generator sorts by index
+            ]
+            return {"model": self.answer_as or body["model"], "choices": choices}
+        return 404, {"detail": "Not Found"}
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                answer = server._answer(method, self.path, body)
+                code, answer = answer if isinstance(answer, tuple) else (200, answer)
+                data = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._reply("GET")
+
+            def do_POST(self) -> None:
+                self._reply("POST")
+
+        return Handler

@@ -1,0 +1,106 @@
+"""generator=vllm_server against real `vllm serve` servers on 127.0.0.1 (vLLM's CPU build, marker `vllm`): started by
+the generator, full weights pushed through vLLM's weight-transfer protocol (the `grpo_files` backend this package
+registers in vLLM's registry), adapters loaded at runtime, a restarted server given the weights before it samples,
+and two training processes sharing one server.
+
+Truths: the trainer's own log-probs (log_softmax(logits / T) of the HF model, tests/test_vllm.py), stale before a
+push and equal to float32 agreement after it; the single-process run on the same prefixes (each request is seeded
+from its round and prefix, so two processes sample what one samples).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lightning.generation.vllm_server import VLLMServerGenerator
+from grpo_lightning.generation.vllm_server_process import ServerProcess
+from tests.forked_cli import cli_run
+from tests.test_ddp import scalars
+from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _load, _logp_diff, _prompts, _vllm
+
+pytestmark = pytest.mark.vllm
+
+SERVER = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 0.25}
+
+
+def _perturb(policy, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+
+
+def test_started_servers_take_full_pushes_and_a_restarted_one_gets_them_before_it_samples(
+    tmp_path, llama_dir, tokenizer
+):
+    _vllm()
+    policy = _load(llama_dir)
+    gen = VLLMServerGenerator(
+        policy, tokenizer, num_servers=2, transfer_dir=str(tmp_path), max_new_tokens=16, temperature=0.7,
+        num_generations=4, **SERVER,
+    )  # fmt: skip
+    try:
+        prefixes = _prompts(tokenizer) * 2  # four prefixes, two per server
+        assert _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4)) <= LOGP_DIFF_BOUND
+        for server in gen.servers:  # both servers sampled
+            assert "POST /v1/completions" in server.log_path.read_text()
+        _perturb(policy, seed=1)
+        stale = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
+        gen.sync_weights(policy)
+        fresh = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
+        print(f"vllm_server full push: logp_diff_mean {stale:.3g} before, {fresh:.3g} after, {gen.sync_s[-1]:.2f} s")
+        assert fresh <= LOGP_DIFF_BOUND < 0.05 < stale
+        # server 1 restarts in place (same URL): it holds the model's own weights again until it is given them
+        old = gen.servers[1]
+        old.stop()
+        restarted = ServerProcess(gen.launches[1], tmp_path / "restarted.log", port=old.port)
+        gen.servers[1] = restarted
+        restarted.wait_ready(600)
+        after_restart = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
+        assert after_restart <= LOGP_DIFF_BOUND
+        assert "POST /finish_weight_update" in restarted.log_path.read_text()
+    finally:
+        gen.close()
+    time.sleep(1)
+    assert all(not server.alive() for server in gen.servers)  # stopped with the generator
+
+
+def cli(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
+    run_dir.mkdir(parents=True)
+    args = [
+        "generator=vllm_server", "model=local", f"model.source.path={llama_dir}", "trainer.max_epochs=2",
+        "trainer.enable_progress_bar=false", "generator.max_new_tokens=16", "generator.max_model_len=512",
+        "generator.kv_cache_gib=0.25", f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}", "generator.on_stale=abort",
+        "data.prompts_per_round=4", "generator.num_generations=4", "~reward.terms.gsm8k",
+        "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
+        # SGD: the update is linear in the gradient, so one process and two agree to float rounding
+        "optim.optimizer._target_=torch.optim.SGD", "~optim.optimizer.betas", "optim.optimizer.lr=1.0",
+        "eval.num_problems=3", "eval.every_n_rounds=100", "generator.lora_sync=adapter", "model.lora.r=4",
+        "+callbacks.dump._target_=tests.helpers.DumpTrainableParams", f"+callbacks.dump.directory={run_dir}",
+        f"hydra.run.dir={run_dir}", *extra,
+    ]  # fmt: skip
+    result = cli_run(*args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return run_dir
+
+
+def test_two_training_processes_share_one_server_and_train_what_one_process_trains(tmp_path, llama_dir):
+    """Adapters loaded at runtime each round; the server started by rank 0, its URL inherited by rank 1."""
+    _vllm()
+    single = cli(tmp_path / "single", llama_dir)
+    ddp = cli(tmp_path / "ddp", llama_dir, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu")
+    for run in (single, ddp):
+        worst = scalars(run, "rollout/logp_diff_max")
+        assert len(worst) == 2 and max(worst) <= 2 * LOGP_DIFF_BOUND  # every rank sampled its trainer's weights
+    assert scalars(ddp, "train/reward_mean") == pytest.approx(scalars(single, "train/reward_mean"), rel=1e-6)
+    reference, rank0, rank1 = (torch.load(p) for p in (single / "rank0.pt", ddp / "rank0.pt", ddp / "rank1.pt"))
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    for name in reference:
+        torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert any(reference[n].abs().max() > 0 for n in reference if "lora_B" in n)  # it trained
+    assert len(list((ddp / "vllm_server" / "logs").glob("*.log"))) == 1  # one server for both processes

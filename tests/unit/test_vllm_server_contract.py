@@ -1,0 +1,163 @@
+"""generator=vllm_server against a fake `vllm serve` (tests/fake_vllm_server.py): the protocol it speaks, the
+versions it records, and each fault as one line naming the URL or key within a bounded time. The real server:
+tests/test_vllm_server.py (vLLM tier)."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_lightning.generation.vllm_server import VLLMServerGenerator
+from grpo_lightning.generation.vllm_server_process import ServerLaunch, start_servers
+from grpo_lightning.models.lora import LoraSettings, wrap_policy
+from tests.fake_vllm_server import COMPLETION, FakeServer
+
+
+@pytest.fixture
+def servers(tokenizer):
+    made = [FakeServer(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]) for _ in range(2)]
+    yield made
+    for server in made:
+        server.close()
+
+
+@pytest.fixture
+def lora_policy(tiny_model):
+    policy, _ = wrap_policy(copy.deepcopy(tiny_model), LoraSettings(r=4), needs_reference=False)
+    return policy
+
+
+def generator(policy, tokenizer, servers, tmp_path, **keys) -> VLLMServerGenerator:
+    keys = {
+        "urls": [s.url for s in servers],
+        "model_path": "/models/tiny",
+        "transfer_dir": str(tmp_path / "transfer"),
+        "request_timeout_s": 5,
+        "num_generations": 2,
+        "max_new_tokens": 8,
+    } | keys
+    return VLLMServerGenerator(policy, tokenizer, **keys)
+
+
+def test_requests_are_spread_over_the_servers_and_seeded_per_prefix(tmp_path, tiny_model, tokenizer, servers):
+    gen = generator(tiny_model, tokenizer, servers, tmp_path)
+    gen.reseed(7)
+    prefixes = [[1, 2, 3], [4, 5], [1, 2, 3], [6]]
+    out = gen.generate(prefixes, num_samples=2)
+    assert [[c.token_ids for c in group] for group in out] == [[COMPLETION] * 2] * 4
+    assert all(c.logprobs == [-0.5] * 3 and not c.finished for group in out for c in group)
+    bodies = [body for server in servers for path, body in server.requests if path == "POST /v1/completions"]
+    assert len(bodies) == 4 and all(servers[i].paths().count("POST /v1/completions") == 2 for i in (0, 1))
+    seeds = {tuple(b["prompt"]): [] for b in bodies}
+    for body in bodies:
+        seeds[tuple(body["prompt"])].append(body["seed"])
+        assert body["logprobs"] == 0 and body["return_token_ids"] and body["n"] == 2
+    assert len(set(seeds[(1, 2, 3)])) == 2  # the same prefix twice in a round: two streams
+    # the same round on a fresh generator asks the same seeds: they depend on (round, prefix), not on the server
+    again = generator(tiny_model, tokenizer, servers[::-1], tmp_path)
+    again.reseed(7)
+    again.generate(prefixes, num_samples=2)
+    later = [body["seed"] for server in servers for path, body in server.requests if path == "POST /v1/completions"]
+    assert sorted(later[:4] + later[4:]) == sorted([b["seed"] for b in bodies] * 2)
+
+
+def test_a_full_push_runs_the_four_phases_and_a_restarted_server_gets_the_weights_first(
+    tmp_path, tiny_model, tokenizer, servers
+):
+    gen = generator(tiny_model, tokenizer, servers[:1], tmp_path)
+    gen.sync_weights(tiny_model)
+    server = servers[0]
+    phases = [p for p in server.paths() if "weight" in p]
+    assert phases == [
+        "POST /init_weight_transfer_engine", "POST /start_weight_update", "POST /update_weights",
+        "POST /finish_weight_update",
+    ]  # fmt: skip
+    assert server.weight_version == f"{gen.run_id}:1"
+    assert not list((tmp_path / "transfer" / "weights").iterdir())  # each chunk deleted once loaded
+    (completion,) = gen.generate([[1, 2]], num_samples=1)[0]
+    assert completion.weight_version == 1
+    server.restart()
+    server.requests.clear()
+    gen.generate([[1, 2]], num_samples=1)
+    paths = server.paths()
+    assert paths.index("POST /finish_weight_update") < paths.index("POST /v1/completions")
+    assert server.weight_version == f"{gen.run_id}:1"
+
+
+def test_an_adapter_is_loaded_under_its_version_and_an_undelivered_one_is_refused(
+    tmp_path, lora_policy, tokenizer, servers
+):
+    gen = generator(lora_policy, tokenizer, servers[:1], tmp_path, lora_sync="adapter")
+    server = servers[0]
+    gen.sync_weights(lora_policy)
+    gen.sync_weights(lora_policy)
+    assert server.adapters == [f"policy-{gen.run_id}-v2"]  # v1 unloaded once v2 was in
+    (completion,) = gen.generate([[1, 2]], num_samples=1)[0]
+    assert completion.weight_version == 2
+    # an adapter the server accepts but never serves: it answers with the version it still holds
+    server.answer_as = f"policy-{gen.run_id}-v1"
+    gen.sync_weights(lora_policy)
+    server.deliver_adapters = False
+    server.adapters = [server.answer_as]
+    with pytest.raises(ValueError, match=r"sampled with weights of version 1 while the trainer is at 3, older than "
+                       r"rollout.max_staleness=0"):  # fmt: skip
+        gen.generate([[1, 2]], num_samples=1)
+
+
+@pytest.mark.parametrize(
+    ("fault", "words"),
+    [
+        ("unreachable", "does not answer"),
+        ("tokenizer", "whose tokenizer differs from the policy's"),
+        ("max_model_len", "has max_model_len 4, below a prompt plus generator.max_new_tokens=8"),
+    ],
+)
+def test_a_server_that_cannot_serve_the_run_is_refused_in_one_line(
+    tmp_path, tiny_model, tokenizer, servers, fault, words
+):
+    server = servers[0]
+    if fault == "unreachable":
+        server.close()
+    elif fault == "tokenizer":
+        server.tokenize = lambda text: [1, 2, 3]
+    else:
+        server.max_model_len = 4
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        generator(tiny_model, tokenizer, [server], tmp_path)
+    assert words in str(err.value) and server.url in str(err.value) and "\n" not in str(err.value)
+    assert time.monotonic() - start < 10
+
+
+def test_a_server_killed_mid_round_stops_the_run_naming_it(tmp_path, tiny_model, tokenizer, servers):
+    gen = generator(tiny_model, tokenizer, servers[:1], tmp_path)
+    servers[0].close()
+    with pytest.raises(RuntimeError, match=f"the vLLM server at {servers[0].url}.*resumes from its last checkpoint"):
+        gen.generate([[1, 2]], num_samples=1)
+
+
+@pytest.mark.slow  # starts processes
+def test_a_started_server_that_exits_or_never_gets_ready_is_a_bounded_error(tmp_path):
+    exits = ServerLaunch(model="x", args=[], python=sys.executable, module="tests.no_such_module")  # exit 1
+    with pytest.raises(ValueError, match="exited with code 1 before it was ready; its log: .*vllm_server0.log"):
+        start_servers([exits], tmp_path, timeout_s=60)
+    root = str(Path(__file__).resolve().parents[2])
+    hangs = ServerLaunch("x", [], {"PYTHONPATH": root}, python=sys.executable, module="tests.never_ready_server")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"was not ready within generator.startup_timeout_s=2 s"):
+        start_servers([hangs], tmp_path, timeout_s=2)
+    assert time.monotonic() - start < 20
+
+
+def test_the_server_requests_carry_the_sampling_settings(tmp_path, tiny_model, tokenizer, servers):
+    gen = generator(tiny_model, tokenizer, servers[:1], tmp_path, temperature=0.9, top_p=0.8, top_k=5)
+    gen.generate([[3]], num_samples=2, max_new_tokens=2)
+    gen.generate([[3]], num_samples=1, greedy=True)
+    sampled, greedy = (body for path, body in servers[0].requests if path == "POST /v1/completions")
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"], sampled["max_tokens"]) == (0.9, 0.8, 5, 2)
+    assert greedy["temperature"] == 0.0 and greedy["n"] == 1
+    assert set(sampled["stop_token_ids"]) == set(gen.eos_token_ids)
