@@ -124,6 +124,7 @@ def command_args(command: str) -> list[str]:
 # has them. A key found in none of these compositions (nor in the default) fails the test.
 NON_DEFAULT = {
     "generator=vllm": "the vLLM engine's keys: device, memory, sleep mode, weight sync (docs/vllm.md, docs/gpu.md)",
+    "generator=vllm_server": "the vLLM server generator's keys: servers, weight transfer (docs/scaling.md)",
     "variant=storpo": "STORPO's branching keys (docs/algorithm.md)",
     "model=qwen0.5b": "a Hub model's repo_id and revision",
     "model=local": "model.source.path",
