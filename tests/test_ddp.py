@@ -27,6 +27,18 @@ def run(run_dir: Path, devices: int, *extra: str, real_ranks: bool = False) -> d
     """One CLI run; rank 0 forked past its imports (tests/forked_cli.py), and rank 1 too unless `real_ranks`: then
     Lightning starts it as a real process, with a `str` hash seed of its own, as ranks have outside the tests."""
     run_dir.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if real_ranks:
+        env["GRPO_LIGHTNING_TEST_FORKED_RANKS"] = "0"
+    env.pop("HYDRA_FULL_ERROR", None)
+    result = cli_run(*run_overrides(run_dir, devices, *extra), cwd=ROOT, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {"dir": run_dir, "stdout": result.stdout, "stderr": result.stderr}
+
+
+def run_overrides(run_dir: Path, devices: int, *extra: str) -> list[str]:
+    """The runs' shared overrides (`extra` replaces a default override of the same key, which Hydra would keep
+    silently), with `trainer=ddp` on `devices` CPU processes when there are several."""
     overrides = [
         f"hydra.run.dir={run_dir}",
         "model=tiny",
@@ -53,16 +65,8 @@ def run(run_dir: Path, devices: int, *extra: str, real_ranks: bool = False) -> d
     ]
     if devices > 1:
         overrides += ["trainer=ddp", f"trainer.devices={devices}", "trainer.accelerator=cpu"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if real_ranks:
-        env["GRPO_LIGHTNING_TEST_FORKED_RANKS"] = "0"
-    env.pop("HYDRA_FULL_ERROR", None)
-    # `extra` replaces a default override of the same key (Hydra would keep the last one silently)
     replaced = {o.split("=", 1)[0] for o in extra}
-    overrides = [o for o in overrides if o.split("=", 1)[0] not in replaced]
-    result = cli_run(*overrides, *extra, cwd=ROOT, env=env, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {"dir": run_dir, "stdout": result.stdout, "stderr": result.stderr}
+    return [o for o in overrides if o.split("=", 1)[0] not in replaced] + list(extra)
 
 
 def scalars(run_dir: Path, tag: str) -> list[float]:
