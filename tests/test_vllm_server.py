@@ -41,7 +41,7 @@ def test_started_servers_take_full_pushes_and_a_restarted_one_gets_them_before_i
     _vllm()
     policy = _load(llama_dir)
     gen = VLLMServerGenerator(
-        policy, tokenizer, num_servers=2, transfer_dir=str(tmp_path), max_new_tokens=16, temperature=0.7,
+        policy, tokenizer, num_servers=2, log_dir=str(tmp_path), max_new_tokens=16, temperature=0.7,
         num_generations=4, **SERVER,
     )  # fmt: skip
     try:
@@ -103,4 +103,4 @@ def test_two_training_processes_share_one_server_and_train_what_one_process_trai
     for name in reference:
         torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(reference[n].abs().max() > 0 for n in reference if "lora_B" in n)  # it trained
-    assert len(list((ddp / "vllm_server" / "logs").glob("*.log"))) == 1  # one server for both processes
+    assert len(list((ddp / "vllm_server").glob("*.log"))) == 1  # one server for both processes

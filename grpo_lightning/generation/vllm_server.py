@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,7 +67,7 @@ from grpo_lightning.generation.vllm_server_weights import (
     loaded_models,
     push_weight_files,
 )
-from grpo_lightning.generation.vllm_settings import DTYPES, engine_lora_rank
+from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, DTYPES, engine_lora_rank
 from grpo_lightning.generation.vllm_weights import is_peft_model, policy_weights
 from grpo_lightning.schema import (
     SEED_MAX,
@@ -83,7 +86,7 @@ log = logging.getLogger(__name__)
 
 URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
 """Where the process that started the servers tells the training processes Lightning starts after it (they
-inherit its environment) which URLs to use: `<generator.transfer_dir>|<url>,<url>`."""
+inherit its environment) which URLs to use: `<generator.log_dir>|<url>,<url>`."""
 TOKENIZER_PROBE = "Natalia sold clips to 48 of her friends in April. 7 x 8 = 56 <|im_end|>"
 """A text both tokenizers must encode alike (the start-up check against another model's server)."""
 
@@ -104,7 +107,8 @@ class ServerSettings:
     kv_cache_gib: float | None = setting(None, optional(number(above=0)))
     lora_sync: str = setting("merge", choice("merge", "adapter"))
     weight_transfer: str = setting("auto", choice("auto", FILE_BACKEND, "nccl"))
-    transfer_dir: str = setting("vllm_server", text)
+    transfer_dir: str | None = setting(None, optional(text))
+    log_dir: str = setting("vllm_server", text)
     max_staleness: int = setting(0, integer(0))
     concurrency: int = setting(64, integer(1))
     seed: int = setting(0, integer(0, SEED_MAX))
@@ -148,11 +152,12 @@ class VLLMServerGenerator(Generator):
         self.guard = StaleWeightGuard(s.logp_diff_threshold, s.on_stale)
         self.callbacks: list[L.Callback] = []
         self.model_path = engine_model_path(model, s.model_path)
-        self.transfer_dir = Path(s.transfer_dir).expanduser().resolve()
+        self.log_dir = Path(s.log_dir).expanduser().resolve()
         self.servers: list[ServerProcess] = []
         self.launches: list[ServerLaunch] = []
         """How each started server was launched (a server restarted in place is launched the same way)."""
         self.clients = [ServerClient(url, s.request_timeout_s) for url in self._urls()]
+        self.transfer_dir = self._transfer_dir()
         self.run_id = uuid.uuid4().hex[:8]
         self.version = 0
         """Pushes made so far; completions sampled after push n record version n."""
@@ -232,7 +237,7 @@ class VLLMServerGenerator(Generator):
         if s.urls is not None:
             return list(s.urls)
         owner, _, inherited = os.environ.get(URLS_ENV, "").partition("|")
-        if inherited and owner == str(self.transfer_dir):  # started by this run's first process
+        if inherited and owner == str(self.log_dir):  # started by this run's first process
             return inherited.split(",")
         rank, processes = rank_and_world()
         if processes > 1 or rank > 0 or os.environ.get("LOCAL_RANK", "0") != "0":
@@ -251,18 +256,35 @@ class VLLMServerGenerator(Generator):
             cpu=self.cpu,
             weight_transfer=None if s.lora_sync == "adapter" else self.transfer_backend,
             lora_rank=lora_rank,
-            kv_cache_gib=s.kv_cache_gib,
+            kv_cache_gib=CPU_KV_CACHE_GIB if s.kv_cache_gib is None and self.cpu else s.kv_cache_gib,
             extra=s.server_args,
         )
         env = server_env()
         devices = s.server_devices or [None] * s.num_servers
         self.launches = [ServerLaunch(self.model_path, args, env, cuda_devices=d) for d in devices]
-        self.servers = start_servers(self.launches, self.transfer_dir / "logs", s.startup_timeout_s)
+        self.servers = start_servers(self.launches, self.log_dir, s.startup_timeout_s)
         urls = [server.url for server in self.servers]
         # the training processes Lightning starts next inherit it; keyed by this run's folder, so a later run in this
         # process (a sweep's next job) starts servers of its own
-        os.environ[URLS_ENV] = f"{self.transfer_dir}|{','.join(urls)}"
+        os.environ[URLS_ENV] = f"{self.log_dir}|{','.join(urls)}"
         return urls
+
+    def _transfer_dir(self) -> Path:
+        """Where adapters and weight chunks are written for the servers to read: `generator.transfer_dir`, or by
+        default, when every server runs on this machine, a folder of this process's in shared memory (/dev/shm:
+        a chunk is written and read at memory speed), removed when the generator goes."""
+        if self.settings.transfer_dir is not None:
+            return Path(self.settings.transfer_dir).expanduser().resolve()
+        remote = [c.url for c in self.clients if urlparse(c.url).hostname not in ("127.0.0.1", "localhost", "::1")]
+        if remote:
+            raise ValueError(
+                f"generator.transfer_dir is null, but the vLLM server at {remote[0]} runs on another machine: set "
+                "generator.transfer_dir to a folder both machines see (adapters and weight chunks are written there)"
+            )
+        shm = Path("/dev/shm")
+        folder = Path(tempfile.mkdtemp(prefix="grpo_vllm_server_", dir=shm if shm.is_dir() else None))
+        weakref.finalize(self, shutil.rmtree, folder, True)
+        return folder
 
     def _check_server(self, client: ServerClient) -> None:
         """The server serves a model with this tokenizer and room for a round's sequences: one line naming the
@@ -458,7 +480,7 @@ class VLLMServerGenerator(Generator):
         self._pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
             server.stop()
-        if self.servers and os.environ.get(URLS_ENV, "").startswith(f"{self.transfer_dir}|"):
+        if self.servers and os.environ.get(URLS_ENV, "").startswith(f"{self.log_dir}|"):
             del os.environ[URLS_ENV]
 
 

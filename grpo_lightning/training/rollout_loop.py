@@ -263,7 +263,9 @@ class RolloutLoop(L.Callback):
     # ---- one round -----------------------------------------------------------------------------------------
     def produce(self, trainer: L.Trainer, pl_module: L.LightningModule, round_index: int) -> None:
         """Sync, sample, score, gather: the next round's rollouts, installed, and its metrics."""
+        start = time.perf_counter()
         self.generator.sync_weights(pl_module.policy)
+        sync_s = time.perf_counter() - start
         self.generator.reseed(derive_seed(self.seed, "round", round_index))  # engines that seed per prefix (HF)
         start = time.perf_counter()
         release_freed_memory()  # the training phase's freed activations, before generation adds its own
@@ -272,6 +274,7 @@ class RolloutLoop(L.Callback):
         release_freed_memory()  # generation's merged / packed weights and KV cache, before training
         sampled.rollout_s = time.perf_counter() - start
         self.finish(trainer, pl_module, sampled, round_index, staleness=0)
+        self.round_metrics["time/weight_sync_s"] = sync_s  # logged as the mean over ranks
 
     def produce_now(self, trainer: L.Trainer, pl_module: L.LightningModule, round_index: int, snapshot=None) -> None:
         """A round with nothing to overlap (the first, or one a checkpoint does not hold): `produce`; with overlap
