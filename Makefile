@@ -63,8 +63,9 @@ VLLM_BUILT := $(VLLM_CACHE)/vllm-cpu-$(VLLM_KEY)
 # alone; what is left of the tier runs after it. Its output goes to VLLM_TIER_LOG and is printed after the suite's;
 # both exit codes count; Ctrl-C stops both. Measured: benchmarks/README.md, "Test suite".
 VLLM_TIER_LOG ?= .pytest_cache/vllm-tier.log
-# Two workers, a file each: tests/test_vllm.py (one engine shared by its tests) and tests/test_vllm_resume.py (a run
-# extended, killed and resumed through the CLI, a third of the tier's time) side by side.
+# Two workers, whole files each: tests/test_vllm.py (one engine shared by its tests), tests/test_vllm_resume.py (a run
+# extended, killed and resumed through the CLI), tests/test_vllm_ddp.py (an engine beside each of two training
+# processes) and tests/test_vllm_server.py (real `vllm serve` servers).
 VLLM_PARALLEL := -n 2 --dist loadfile
 
 test: install vllm-venv ## Run every test that runs without a GPU: the suite, and beside it the vLLM ones on vLLM's CPU build (what CI runs)

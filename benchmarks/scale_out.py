@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -61,7 +62,9 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict:
     result = subprocess.run([sys.executable, "-m", "grpo_lightning", *overrides], capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
-        raise SystemExit(f"{arm} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        kept = Path(tempfile.gettempdir()) / f"scale_out_failed_{arm}"
+        shutil.copytree(out, kept, dirs_exist_ok=True)  # the run folder, servers' logs included
+        raise SystemExit(f"{arm} failed (run folder kept in {kept}):\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     s = scalars(out)
     later = slice(1, None)
     rollout_s, train_s, sync_s = s["time/rollout_s"][later], s["time/train_s"][later], s["time/weight_sync_s"][later]

@@ -25,6 +25,7 @@ the server: the check that catches an adapter that was never delivered, which ot
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -32,7 +33,6 @@ import socket
 import tempfile
 import threading
 import time
-import uuid
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -158,7 +158,8 @@ class VLLMServerGenerator(Generator):
         """How each started server was launched (a server restarted in place is launched the same way)."""
         self.clients = [ServerClient(url, s.request_timeout_s) for url in self._urls()]
         self.transfer_dir = self._transfer_dir()
-        self.run_id = uuid.uuid4().hex[:8]
+        self.run_id = hashlib.blake2b(str(self.log_dir).encode(), digest_size=4).hexdigest()
+        """Names this run's versions alike on every training process (they share the run folder)."""
         self.version = 0
         """Pushes made so far; completions sampled after push n record version n."""
         self.adapter_name: str | None = None
@@ -461,7 +462,9 @@ class VLLMServerGenerator(Generator):
         self.nccl_engines[client.url].send_weights()
 
     def _ensure_current(self, client: ServerClient) -> None:
-        """A server that does not hold the current version (restarted since the last push) gets it first."""
+        """A server that does not hold the current version (restarted since the last push) gets it from rank 0
+        before rank 0 samples from it; another process that finds it so stops the run (it cannot push without
+        racing rank 0: the run resumes from its last checkpoint, and every round starts with a push)."""
         if self.version == 0:
             return
         try:
@@ -471,9 +474,16 @@ class VLLMServerGenerator(Generator):
                 current = client.weight_version() == self._version_tag()
         except ServerError as err:
             raise RuntimeError(f"generator: the vLLM server at {client.url} does not answer ({err})") from None
-        if not current:
-            log.warning("the vLLM server at %s lacks weights version %d: pushing them first", client.url, self.version)
-            self._push(client)
+        if current:
+            return
+        rank, _ = rank_and_world()
+        if rank != 0:
+            raise RuntimeError(
+                f"generator: the vLLM server at {client.url} lost weights version {self.version} during the round "
+                "(restarted?); the run stops and resumes from its last checkpoint (ckpt_path=<run dir>)"
+            )
+        log.warning("the vLLM server at %s lacks weights version %d: pushing them first", client.url, self.version)
+        self._push(client)
 
     def close(self) -> None:
         """Stop the servers this process started (they also stop when it exits)."""

@@ -161,3 +161,25 @@ def test_the_server_requests_carry_the_sampling_settings(tmp_path, tiny_model, t
     assert (sampled["temperature"], sampled["top_p"], sampled["top_k"], sampled["max_tokens"]) == (0.9, 0.8, 5, 2)
     assert greedy["temperature"] == 0.0 and greedy["n"] == 1
     assert set(sampled["stop_token_ids"]) == set(gen.eos_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["trainer=ddp", "trainer.num_nodes=2", "trainer.devices=1"], "processes of the other nodes cannot find"),
+        (["rollout.max_staleness=1"], "rollout.max_staleness=1 samples the next round beside the trainer"),
+        (["generator.num_servers=2", 'generator.server_devices=["4"]'], "generator.server_devices lists 1 device"),
+        (["generator.urls=[10.0.0.5:8000]"], "generator.urls: '10.0.0.5:8000' is not an http:// or https:// URL"),
+        (["generator.urls=[]"], "generator.urls is empty"),
+        (["generator.weight_transfer=ipc"], "generator.weight_transfer must be one of auto, grpo_files, nccl"),
+        (["generator.concurrency=0"], "generator.concurrency must be >= 1"),
+    ],
+)
+def test_the_config_check_names_the_key_before_anything_starts(tmp_path, overrides, words):
+    from grpo_lightning.app.validation import validate
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, ["generator=vllm_server", *overrides])
+    with pytest.raises(ValueError) as err:
+        validate(cfg, platform=False)  # this machine's vLLM is checked apart (check_platform)
+    assert words in str(err.value) and "\n" not in str(err.value)
