@@ -40,6 +40,22 @@ LOGP_DIFF_BOUND = 1e-3  # float32 engine vs float32 trainer after a sync (measur
 ENGINE = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 0.25, "engine_kwargs": {"enforce_eager": True}}
 
 
+def engine_cli_args(llama_dir) -> list[str]:
+    """What the vLLM tiers' CLI runs share: the test model, a small engine, the stale-weight guard at the float32
+    bound (aborting), and GSM8K's reward taken out (each run adds a dense one)."""
+    return [
+        "model=local",
+        f"model.source.path={llama_dir}",
+        "trainer.enable_progress_bar=false",
+        "generator.max_new_tokens=16",
+        "generator.max_model_len=512",
+        "generator.kv_cache_gib=0.25",
+        f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}",
+        "generator.on_stale=abort",
+        "~reward.terms.gsm8k",
+    ]
+
+
 def _vllm():
     try:
         backend = import_vllm()
@@ -66,17 +82,9 @@ def test_cli_storpo_run_with_adapter_sync(tmp_path, llama_dir):
         "variant=storpo",
         "generator.lora_sync=adapter",
         "model.lora.r=4",  # not a max_lora_rank vLLM allows: the engine gets the rank-8 slot
-        "model=local",
-        f"model.source.path={llama_dir}",
+        *engine_cli_args(llama_dir),
         "trainer.max_epochs=2",
-        "trainer.enable_progress_bar=false",
-        "generator.max_new_tokens=16",
-        "generator.max_model_len=512",
-        "generator.kv_cache_gib=0.25",
         "+generator.engine_kwargs.enforce_eager=true",
-        f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}",
-        "generator.on_stale=abort",
-        "~reward.terms.gsm8k",
         "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
         "optim.optimizer.lr=1e-2",
         "eval.num_problems=4",

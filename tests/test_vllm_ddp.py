@@ -17,7 +17,7 @@ import pytest
 
 from tests.forked_cli import cli_run
 from tests.test_ddp import scalars
-from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _vllm
+from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _vllm, engine_cli_args
 
 pytestmark = pytest.mark.vllm
 
@@ -28,22 +28,14 @@ def ddp_vllm_run(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
     run_dir.mkdir(parents=True)
     args = [
         "generator=vllm",
-        "model=local",
-        f"model.source.path={llama_dir}",
+        *engine_cli_args(llama_dir),
         "trainer=ddp",
         "trainer.devices=2",
         "trainer.accelerator=cpu",
         f"trainer.max_epochs={ROUNDS}",
-        "trainer.enable_progress_bar=false",
-        "generator.max_new_tokens=16",
-        "generator.max_model_len=512",
-        "generator.kv_cache_gib=0.25",
         "+generator.engine_kwargs.enforce_eager=true",
-        f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}",
-        "generator.on_stale=abort",
         f"data.prompts_per_round={PROMPTS}",
         f"generator.num_generations={G}",
-        "~reward.terms.gsm8k",
         "+reward.terms.vowels._target_=tests.helpers.RecordingReward",
         f"+reward.terms.vowels.directory={run_dir}",
         "optim.optimizer.lr=1e-2",

@@ -21,7 +21,7 @@ from grpo_lightning.generation.vllm_server import VLLMServerGenerator
 from grpo_lightning.generation.vllm_server_process import ServerProcess
 from tests.forked_cli import cli_run
 from tests.test_ddp import scalars
-from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _load, _logp_diff, _prompts, _vllm
+from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _load, _logp_diff, _prompts, _vllm, engine_cli_args
 
 pytestmark = pytest.mark.vllm
 
@@ -73,10 +73,8 @@ def test_started_servers_take_full_pushes_and_a_restarted_one_gets_them_before_i
 def cli(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
     run_dir.mkdir(parents=True)
     args = [
-        "generator=vllm_server", "model=local", f"model.source.path={llama_dir}", "trainer.max_epochs=2",
-        "trainer.enable_progress_bar=false", "generator.max_new_tokens=16", "generator.max_model_len=512",
-        "generator.kv_cache_gib=0.25", f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}", "generator.on_stale=abort",
-        "data.prompts_per_round=4", "generator.num_generations=4", "~reward.terms.gsm8k",
+        "generator=vllm_server", *engine_cli_args(llama_dir), "trainer.max_epochs=2",
+        "data.prompts_per_round=4", "generator.num_generations=4",
         "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
         # SGD: the update is linear in the gradient, so one process and two agree to float rounding
         "optim.optimizer._target_=torch.optim.SGD", "~optim.optimizer.betas", "optim.optimizer.lr=1.0",

@@ -254,7 +254,7 @@ def launcher_env(local_rank: int) -> Iterator[None]:
         "WORLD_SIZE": "1",
         "LOCAL_RANK": str(local_rank),  # the external launcher's worker runs on cuda:LOCAL_RANK
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     with environment(values):
         yield
@@ -275,7 +275,8 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port of 127.0.0.1 free now (the engine's own process group, a started server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

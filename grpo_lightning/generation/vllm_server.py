@@ -50,11 +50,10 @@ from transformers import PreTrainedTokenizerBase
 from grpo_lightning.distributed import derive_seed, is_distributed, rank_and_world
 from grpo_lightning.generation.base import Generator, SamplingConfig, eos_token_ids, truncate
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
-from grpo_lightning.generation.vllm_io import engine_model_path, installed_platform
+from grpo_lightning.generation.vllm_io import engine_model_path, free_port, installed_platform
 from grpo_lightning.generation.vllm_server_process import (
     ServerLaunch,
     ServerProcess,
-    free_port,
     launch_args,
     server_env,
     start_servers,

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_lightning.generation.vllm_io import free_port
 from grpo_lightning.generation.vllm_server_weights import ServerClient, ServerError
 
 log = logging.getLogger(__name__)
@@ -146,12 +146,6 @@ def server_env() -> dict[str, str]:
     """The RL routes (`VLLM_SERVER_DEV_MODE`: weight transfer, `/weight_info`, `/reset_prefix_cache`) and runtime
     LoRA loading."""
     return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def last_line(path: Path) -> str:

@@ -10,22 +10,16 @@ itself, straight against stopped after one round and resumed.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from grpo_lightning.generation.vllm_io import free_port
 from tests.test_ddp import ROOT, run, run_overrides, scalars
 
 NODES = ["trainer=ddp", "trainer.num_nodes=2", "trainer.devices=1", "trainer.accelerator=cpu"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_nodes(run_dir: Path, *extra: str) -> Path:
