@@ -8,7 +8,6 @@ small summaries), not from rank 0's share. State that every rank keeps alike and
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -78,15 +77,3 @@ def derive_seed(*parts: int | str) -> int:
     """A 63-bit seed from several integers or strings (stable across processes and Python runs)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def full_parameters(trainer) -> contextlib.AbstractContextManager:
-    """Under FSDP, gather every rank's full parameters for generation (the policy module itself is sharded and
-    cannot run outside the FSDP wrapper); a no-op for every other strategy."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    if not isinstance(trainer.strategy, FSDPStrategy) or trainer.strategy.model is None:
-        return contextlib.nullcontext()
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return FSDP.summon_full_params(trainer.strategy.model, writeback=False, recurse=True)

@@ -12,6 +12,7 @@ from torch import nn
 
 from grpo_lightning.generation.base import Generator, SamplingConfig
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
+from grpo_lightning.sharding import full_tensor
 
 
 class StubGenerator(Generator):
@@ -73,7 +74,8 @@ class DumpTrainableParams(L.Callback):
         self.directory = directory
 
     def on_train_end(self, trainer, pl_module) -> None:
-        params = {n: p.detach().clone() for n, p in pl_module.policy.named_parameters() if p.requires_grad}
+        # trainer=fsdp: each parameter gathered whole (every rank takes part), so ranks dump what DDP ranks dump
+        params = {n: full_tensor(p.detach()).clone() for n, p in pl_module.policy.named_parameters() if p.requires_grad}
         torch.save(params, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
 
 

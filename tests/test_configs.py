@@ -63,7 +63,7 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
     elif group == "trainer" and option == "ddp":
         assert instantiate(node, accelerator="cpu").world_size == 2  # builds; processes start only at fit
     elif group == "trainer" and option == "fsdp":
-        assert type(instantiate(node.strategy)).__name__ == "FSDPStrategy"  # the Trainer itself needs CUDA
+        assert instantiate(node, accelerator="cpu").world_size == 2  # FSDP2 (grpo_lightning/sharding.py) on gloo
     elif group == "trainer" and option != "cpu":
         assert get_class(node._target_) is not None  # a GPU trainer cannot be built on a CPU machine
     elif group == "reward" and option.startswith("reasoning_gym"):  # the task's verifier, given by the record

@@ -39,7 +39,8 @@ def test_tiny_run_on_gpu(tiny_cfg):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_gpu_run(tmp_path, strategy):
-    """trainer=ddp / trainer=fsdp on two GPUs through the CLI (not yet run: no multi-GPU machine so far)."""
+    """trainer=ddp / trainer=fsdp on two GPUs (nccl) through the CLI; tests/test_fsdp.py holds both to each other
+    on the CPU."""
     import os
     import subprocess
     import sys
@@ -51,8 +52,7 @@ def test_two_gpu_run(tmp_path, strategy):
             sys.executable, "-m", "grpo_lightning", f"hydra.run.dir={tmp_path}", f"trainer={strategy}",
             "trainer.devices=2", "model=tiny", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
             "~reward.terms.gsm8k", "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
-            "eval.num_problems=4",
-            "trainer.strategy.auto_wrap_policy.min_num_params=10000" if strategy == "fsdp" else "seed=0",
+            "eval.num_problems=4", "trainer.accelerator=gpu",
         ],
         cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=900,
     )  # fmt: skip

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.app.schema import RunSettings
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
-from grpo_lightning.generation.placement import world_size
+from grpo_lightning.generation.placement import shards_weights, world_size
 from grpo_lightning.rewards.pipeline import check_moved_keys
 from grpo_lightning.schema import (
     ConfigRules,
@@ -156,6 +156,7 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
     if found:
         raise ValueError("; ".join(found))
     check_combinations(cfg)
+    check_strategy(cfg)
     check_overlap(cfg)
     check_reward_fits_data(cfg)
     check_components(cfg)
@@ -225,6 +226,25 @@ def check_reward_fits_data(cfg: DictConfig) -> None:
             )
 
 
+OTHER_SHARDING = ("fsdp", "FSDPStrategy", "ModelParallelStrategy", "DeepSpeed", "deepspeed")
+"""Lightning strategies that shard the model in ways the training forward and the engines do not gather."""
+
+
+def check_strategy(cfg: DictConfig) -> None:
+    """trainer.strategy: a Lightning strategy name (ddp, ...) or trainer=fsdp's; Lightning's other sharding
+    strategies (its FSDP1 `FSDPStrategy`, ModelParallelStrategy with a plan of one's own, DeepSpeed) leave the
+    training forward, sampling and weight pushes reading shards, so they are refused in one line."""
+    strategy = cfg.trainer.get("strategy")
+    if shards_weights(cfg.trainer):
+        return
+    name = strategy.get("_target_", "") if OmegaConf.is_dict(strategy) else str(strategy)
+    if any(other.lower() in name.lower() for other in OTHER_SHARDING):
+        raise ValueError(
+            f"trainer.strategy={name}: this sharding is not supported; use trainer=fsdp (FSDP2 over every process, "
+            "docs/scaling.md) or trainer=ddp"
+        )
+
+
 def check_overlap(cfg: DictConfig) -> None:
     """rollout.max_staleness >= 1 (training/overlap.py): a strategy that lets the engine sample beside the trainer,
     and rounds that take no more optimizer steps than the bound, known from data.* and
@@ -233,7 +253,7 @@ def check_overlap(cfg: DictConfig) -> None:
     if bound is ABSENT or not bound:
         return
     key = f"rollout.max_staleness={bound}"  # what each engine needs for it: its own check_config
-    if "fsdp" in str(cfg.trainer.get("strategy", "")).lower():
+    if shards_weights(cfg.trainer):
         raise ValueError(f"{key}: trainer=fsdp shards the weights the sampler would copy; use trainer=ddp or gpu")
     data, accumulate = cfg.data, cfg.trainer.get("accumulate_grad_batches")
     steps = optimizer_steps_per_round(

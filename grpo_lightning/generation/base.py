@@ -117,6 +117,15 @@ class Generator(Configured, ABC):
         No-op: an engine in this process (or in a child that ends with it) holds nothing beyond it."""
 
     @contextlib.contextmanager
+    def sampling_session(self) -> Iterator[None]:
+        """A block every training process enters together (a round's sampling, an evaluation), around any number
+        of `generate` calls, which may differ between processes.
+
+        No-op: an engine that holds its own weights needs nothing from the other processes while it samples. The
+        HF engine on a sharded policy (trainer=fsdp) gathers the policy for the block (grpo_lightning/sharding.py)."""
+        yield
+
+    @contextlib.contextmanager
     def rows_per_call(self, rows: int) -> Iterator[None]:
         """Decode up to `rows` rows per call while the block runs (the evaluator: many short greedy prompts).
 

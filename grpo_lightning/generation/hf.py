@@ -18,6 +18,7 @@ from torch import nn
 from grpo_lightning.generation.adapters import SwapsAdapters
 from grpo_lightning.generation.hf_engine import HFEngine
 from grpo_lightning.generation.hf_snapshot import SnapshotHFGenerator
+from grpo_lightning.sharding import full_tensor
 
 
 class HFGenerator(HFEngine, SwapsAdapters):
@@ -45,8 +46,9 @@ class HFGenerator(HFEngine, SwapsAdapters):
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        """CPU copies of the policy's trainable parameters (its LoRA adapter), by name."""
-        return {name: p.detach().to("cpu", copy=True) for name, p in self._trainable().items()}
+        """CPU copies of the policy's trainable parameters (its LoRA adapter), by name; full tensors under
+        trainer=fsdp (gathered: every process calls this together)."""
+        return {name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in self._trainable().items()}
 
     @contextlib.contextmanager
     def sampling_from(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:

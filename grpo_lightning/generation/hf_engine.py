@@ -34,6 +34,7 @@ from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Generator, SamplingConfig, eos_token_ids, truncate
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
 from grpo_lightning.schema import boolean, check_settings, integer, setting
+from grpo_lightning.sharding import gathered_for_sampling
 from grpo_lightning.types import Completion
 
 
@@ -117,6 +118,13 @@ class HFEngine(Generator):
     def reseed(self, round_seed: int) -> None:
         """Base of the per-prefix seeds (the rollout loop passes one derived from (seed, round))."""
         self.round_seed = round_seed
+
+    @contextlib.contextmanager
+    def sampling_session(self) -> Iterator[None]:
+        """trainer=fsdp: the policy's shards gathered for the block, so that no decode step needs a collective
+        (ranks decode different numbers of steps); nothing to do for a policy that is not sharded."""
+        with gathered_for_sampling(self.model):
+            yield
 
     @contextlib.contextmanager
     def rows_per_call(self, rows: int) -> Iterator[None]:

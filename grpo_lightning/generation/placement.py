@@ -33,6 +33,16 @@ def trainer_world_size(trainer: DictConfig) -> int:
     return count * int(trainer.get("num_nodes", 1) or 1)
 
 
+SHARDED_STRATEGY = "grpo_lightning.sharding.FullyShardedStrategy"
+"""trainer=fsdp's strategy: FSDP2 over every process (grpo_lightning/sharding.py)."""
+
+
+def shards_weights(trainer: DictConfig) -> bool:
+    """Whether the `trainer` node shards the policy over its processes (trainer=fsdp)."""
+    strategy = trainer.get("strategy")
+    return OmegaConf.is_dict(strategy) and strategy.get("_target_") == SHARDED_STRATEGY
+
+
 def trainer_devices(cfg: DictConfig) -> tuple[int, ...]:
     """The CUDA indices the trainer will train on (trainer.accelerator and trainer.devices); () on the CPU."""
     devices = cfg.trainer.get("devices", 1)

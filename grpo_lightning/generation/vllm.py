@@ -74,10 +74,10 @@ from grpo_lightning.generation.vllm_settings import (
 )
 from grpo_lightning.generation.vllm_weights import (
     check_name_mapping,
-    is_peft_model,
     policy_checkpoint_names,
     policy_weights,
 )
+from grpo_lightning.models.lora import is_peft_model, save_policy
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ class VLLMGenerator(Generator):
     def _save_adapter(self) -> None:
         """lora_sync=adapter: save the adapter; the next requests name it (a new id makes vLLM load it)."""
         folder = self.adapter_dir / f"push{self.pushes}"
-        self.policy.save_pretrained(str(folder))
+        save_policy(self.policy, folder)  # trainer=fsdp: every process gathers the adapter for its own engine
         self.lora_request = (f"policy-{self.pushes}", self.pushes + 1, str(folder))
         shutil.rmtree(self.adapter_dir / f"push{self.pushes - 1}", ignore_errors=True)
 

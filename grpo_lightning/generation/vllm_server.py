@@ -67,7 +67,8 @@ from grpo_lightning.generation.vllm_server_weights import (
     push_weight_files,
 )
 from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, DTYPES, engine_lora_rank
-from grpo_lightning.generation.vllm_weights import is_peft_model, policy_weights
+from grpo_lightning.generation.vllm_weights import drain, policy_weights
+from grpo_lightning.models.lora import is_peft_model, save_policy
 from grpo_lightning.schema import (
     SEED_MAX,
     check_settings,
@@ -79,6 +80,7 @@ from grpo_lightning.schema import (
     setting,
     text,
 )
+from grpo_lightning.sharding import is_sharded
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
@@ -412,10 +414,20 @@ class VLLMServerGenerator(Generator):
             for client in self.clients:
                 self._push(client)
             self.sync_s.append(time.perf_counter() - start)
+        elif is_sharded(self.policy):  # trainer=fsdp: rank 0's pushes gather the policy; every process takes part
+            for _ in self.clients:
+                self._take_part_in_push()
         if is_distributed():
             torch.distributed.barrier()  # no process samples before every server holds the new version
         if self.settings.lora_sync == "adapter":
             self.adapter_name = self._adapter_name(self.version)
+
+    def _take_part_in_push(self) -> None:
+        """What a process that pushes nothing runs while rank 0 pushes to one server: the same gathers."""
+        if self.settings.lora_sync == "adapter":
+            save_policy(self.policy, self.transfer_dir, write=False)
+        else:
+            drain(policy_weights(self.policy, adapted_only=False))
 
     def _adapter_name(self, version: int) -> str:
         return f"policy-{self.run_id}-v{version}"
@@ -425,7 +437,7 @@ class VLLMServerGenerator(Generator):
             try:
                 if self.settings.lora_sync == "adapter":
                     folder = self.transfer_dir / "adapters" / self._adapter_name(self.version)
-                    self.policy.save_pretrained(str(folder))
+                    save_policy(self.policy, folder)
                     load_adapter(client, self._adapter_name(self.version), folder, self.adapter_name)
                 elif self.transfer_backend == FILE_BACKEND:
                     client.init_weight_transfer_engine({})  # no rendezvous: cheap, and a restarted server needs it
@@ -476,7 +488,7 @@ class VLLMServerGenerator(Generator):
         if current:
             return
         rank, _ = rank_and_world()
-        if rank != 0:
+        if rank != 0 or is_sharded(self.policy):  # a sharded policy is pushed by every process together
             raise RuntimeError(
                 f"generator: the vLLM server at {client.url} lost weights version {self.version} during the round "
                 "(restarted?); the run stops and resumes from its last checkpoint (ckpt_path=<run dir>)"

@@ -25,6 +25,8 @@ from collections.abc import Collection, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from grpo_lightning.sharding import gathered_in_pieces, is_sharded
+
 # vLLM fuses these Hugging Face projections into one parameter (its models' `stacked_params_mapping`).
 STACKED_PARAMS = {
     "q_proj": "qkv_proj",
@@ -91,17 +93,30 @@ def policy_weights(policy: nn.Module, adapted_only: bool) -> Iterator[tuple[str,
 
     `adapted_only`: only what LoRA training can change (merged LoRA layers, and parameters trained directly such
     as peft's `modules_to_save`); the engine already holds the rest.
+
+    A sharded policy (trainer=fsdp) is gathered one decoder layer at a time and each tensor copied out, so no
+    process holds a second full copy of the weights; every process must iterate to the end (each gather is a
+    collective), the ones that push nothing as well (`drain`).
     """
     modules = dict(policy.named_modules())
-    for name, param in policy.named_parameters():
-        target = checkpoint_name(name)
-        if target is None:
-            continue
-        layer = _lora_layer_of(name, modules)
-        if layer is not None and name.endswith(".weight"):
-            yield target, merged_weight(layer)
-        elif not adapted_only or param.requires_grad:
-            yield target, param.detach()
+    copy_out = is_sharded(policy)  # a gathered piece is freed when the next one is gathered
+    for piece in gathered_in_pieces(policy):
+        for name, param in piece:
+            target = checkpoint_name(name)
+            if target is None:
+                continue
+            layer = _lora_layer_of(name, modules)
+            if layer is not None and name.endswith(".weight"):
+                yield target, merged_weight(layer)  # a new tensor
+            elif not adapted_only or param.requires_grad:
+                yield target, param.detach().clone() if copy_out else param.detach()
+
+
+def drain(weights: Iterable[tuple[str, Tensor]]) -> None:
+    """Run through `weights` without keeping them: a process that pushes nothing takes part in a sharded
+    policy's gathers (`policy_weights`)."""
+    for _ in weights:
+        pass
 
 
 @torch.no_grad()
@@ -145,10 +160,6 @@ def chunked(weights: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[l
         size += nbytes
     if chunk:
         yield chunk
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def repack_tied_weights(model: nn.Module) -> None:

@@ -8,11 +8,13 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
+from grpo_lightning.models.lora import save_policy
+
 log = logging.getLogger(__name__)
 
 
 class SavePolicy(L.Callback):
-    """At the end of training, save the policy with `save_pretrained` (rank 0 only).
+    """At the end of training, save the policy with `save_pretrained` (rank 0 writes).
 
     With LoRA this writes a PEFT adapter folder, loadable with `PeftModel.from_pretrained(base, folder)`;
     with full fine-tuning, a complete model folder. The tokenizer is saved beside it.
@@ -24,9 +26,12 @@ class SavePolicy(L.Callback):
         self.tokenizer = tokenizer
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero or pl_module.diverged:  # never save blown-up weights
+        if pl_module.diverged:  # never save blown-up weights (every rank knows it)
             return
-        pl_module.policy.save_pretrained(self.directory)
+        # trainer=fsdp: every process takes part in gathering the tensors rank 0 writes
+        save_policy(pl_module.policy, self.directory, write=trainer.is_global_zero)
+        if not trainer.is_global_zero:
+            return
         self.tokenizer.save_pretrained(self.directory)
         log.info("policy saved to %s", self.directory)
 

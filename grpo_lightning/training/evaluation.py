@@ -228,6 +228,7 @@ class Evaluator(Configured, L.Callback):
         prefixes = [p.prompt_ids for p in mine]
         with (
             torch.random.fork_rng(),
+            self.generator.sampling_session(),
             self.generator.rows_per_call(self.settings.batch_size),
         ):  # never moves the training RNG
             greedy = [c[0] for c in self.generator.generate(prefixes, 1, self.settings.max_new_tokens, greedy=True)]

@@ -139,6 +139,7 @@ class GameEvaluator(Evaluator):
 
         with (
             torch.random.fork_rng(),
+            self.generator.sampling_session(),
             self.generator.rows_per_call(self.settings.batch_size),
         ):  # never moves training's RNG
             torch.manual_seed(self.settings.seed)

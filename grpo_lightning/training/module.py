@@ -42,12 +42,14 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from grpo_lightning.accel import ForwardSettings
 from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, completion_logprobs_with_entropy
 from grpo_lightning.accel.entropy_terms import EntropyTerms
 from grpo_lightning.algorithm.losses import GRPOLoss
 from grpo_lightning.schema import check_settings, choice, integer, number, setting
+from grpo_lightning.sharding import call_as_forward, is_sharded, shard_module, sharded_norm
 from grpo_lightning.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,16 @@ class GRPOModule(L.LightningModule):
         self.run_info = dict(run_info or {})
         self.fixed_settings = dict(fixed_settings or {})
 
+    def configure_model(self) -> None:
+        """trainer=fsdp: shard the policy (and a full reference) over the processes (grpo_lightning/sharding.py). Every
+        other strategy sets no device mesh, and the modules stay as they are."""
+        mesh = self.device_mesh
+        if mesh is None or is_sharded(self.policy):
+            return
+        shard_module(self.policy, mesh["data_parallel"])
+        if self.reference is not None:
+            shard_module(self.reference, mesh["data_parallel"])
+
     # ---- log-probs -----------------------------------------------------------------------------------------
     def policy_forward(
         self, model: nn.Module, batch: RolloutBatch, with_logits: bool = False
@@ -136,7 +148,9 @@ class GRPOModule(L.LightningModule):
         `grpo_lightning.accel.completion_forward`.
         """
         levers = self.forward_settings
-        return completion_logits_and_logprobs(
+        return call_as_forward(  # trainer=fsdp: the root's parameters gathered around it (grpo_lightning/sharding.py)
+            model,
+            completion_logits_and_logprobs,
             model,
             batch,
             self.temperature,
@@ -177,7 +191,9 @@ class GRPOModule(L.LightningModule):
         if self.entropy_observer is None:
             _, logp = self.policy_forward(self.policy, batch)  # [B, C]
         else:  # a probe reads the entropies of this forward's own logits; the log-probs are bitwise the same
-            logp, terms = completion_logprobs_with_entropy(
+            logp, terms = call_as_forward(
+                self.policy,
+                completion_logprobs_with_entropy,
                 self.policy,
                 batch,
                 self.temperature,
@@ -334,7 +350,10 @@ class GRPOModule(L.LightningModule):
 
 
 def grad_norm(grads: list[Tensor]) -> float:
-    """Global L2 norm of the gradients (inf/nan when any entry is); 0.0 when there are none."""
+    """Global L2 norm of the gradients (inf/nan when any entry is); 0.0 when there are none. FSDP shards
+    (trainer=fsdp): the norm over every process's shards (grpo_lightning/sharding.py)."""
     if not grads:
         return 0.0
+    if all(isinstance(g, DTensor) for g in grads):
+        return sharded_norm(grads)
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))

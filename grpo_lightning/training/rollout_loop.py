@@ -45,7 +45,7 @@ import torch
 from grpo_lightning.accel.heap_trim import release_freed_memory
 from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, credited_tokens, round_metrics
 from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.distributed import derive_seed, full_parameters, gather_objects, rank_and_world
+from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
 from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.training import tracking
 from grpo_lightning.training.overlap import BackgroundSampling, RolloutSettings, background_sampling, staleness_problem
@@ -269,7 +269,7 @@ class RolloutLoop(L.Callback):
         self.generator.reseed(derive_seed(self.seed, "round", round_index))  # engines that seed per prefix (HF)
         start = time.perf_counter()
         release_freed_memory()  # the training phase's freed activations, before generation adds its own
-        with full_parameters(trainer):  # FSDP: sample from gathered weights
+        with self.generator.sampling_session():  # trainer=fsdp: the HF engine samples from the gathered policy
             sampled = self.sampler.sample(self.generator, round_index, self.prompt_cursor)
         release_freed_memory()  # generation's merged / packed weights and KV cache, before training
         sampled.rollout_s = time.perf_counter() - start
