@@ -188,9 +188,7 @@ def full_tensor(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_state_dict(
-    module: nn.Module, trainable_only: bool = False, every_rank: bool | None = None
-) -> dict[str, Tensor]:
+def full_state_dict(module: nn.Module, trainable_only: bool = False, keep: bool | None = None) -> dict[str, Tensor]:
     """`module.state_dict()` as full CPU tensors, gathered one tensor at a time, kept on rank 0 (`keep=None`) or
     on the processes that pass `keep=True` (each process takes part in every gather; one that keeps nothing
     gets {}). `trainable_only`: the parameters that train, no buffers. A tensor shared by two names (a
