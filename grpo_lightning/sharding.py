@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -207,6 +208,22 @@ def full_state_dict(module: nn.Module, trainable_only: bool = False, keep: bool 
         if keep:
             state[name] = gathered[id(tensor)]
     return state
+
+
+def save_policy(policy: nn.Module, directory: str | Path, write: bool = True) -> None:
+    """`policy.save_pretrained(directory)`: a peft adapter folder with LoRA, a whole model folder otherwise.
+
+    A sharded policy (trainer=fsdp) is gathered first, one tensor at a time: every process calls this together,
+    and those with `write=False` only take part in the gathers. Where only some parameters train (LoRA), only
+    those are gathered: an adapter folder holds nothing else."""
+    if not is_sharded(policy):
+        if write:
+            policy.save_pretrained(str(directory))
+        return
+    some_frozen = any(not p.requires_grad for p in policy.parameters())
+    state = full_state_dict(policy, trainable_only=some_frozen, keep=write)
+    if write:
+        policy.save_pretrained(str(directory), state_dict=state)
 
 
 def sharded_norm(tensors: list[DTensor]) -> float:

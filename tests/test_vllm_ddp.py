@@ -42,8 +42,9 @@ def ddp_vllm_run(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
         "eval.num_problems=3",  # ranks score 2 and 1 problems, each with its own engine
         f"eval.every_n_rounds={ROUNDS}",
         f"hydra.run.dir={run_dir}",
-        *extra,
     ]
+    replaced = {o.split("=", 1)[0] for o in extra}  # `extra` replaces a default of the same key
+    args = [o for o in args if o.split("=", 1)[0] not in replaced] + list(extra)
     result = cli_run(*args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return run_dir
@@ -76,3 +77,15 @@ def test_every_rank_samples_its_share_with_an_engine_that_takes_every_push(tmp_p
         assert scalars(run_dir, "rollout/staleness") == [0.0, 1.0, 1.0]
     metrics = json.loads((run_dir / "final_metrics.json").read_text())
     assert "eval/gsm8k_accuracy" in metrics  # scored by both ranks' engines after the last push
+
+
+def test_sharded_full_fine_tuning_pushes_every_layer_to_each_rank_engine(tmp_path, llama_dir):
+    """trainer=fsdp, full fine-tuning: each rank's engine takes the whole policy, gathered one decoder layer at a
+    time by both processes together (grpo_lightning/sharding.py); it samples what the trainer then scores."""
+    _vllm()
+    run_dir = ddp_vllm_run(tmp_path / "run", llama_dir, "trainer=fsdp", "model.lora.enabled=false",
+                           "optim.optimizer.lr=1e-3")  # fmt: skip
+    worst = scalars(run_dir, "rollout/logp_diff_max")
+    print(f"trainer=fsdp, 2 ranks, vLLM engine each: rollout/logp_diff_max {worst}")
+    assert len(worst) == ROUNDS and max(worst) <= 2 * LOGP_DIFF_BOUND
+    assert max(scalars(run_dir, "train/grad_norm")) > 0  # the weights moved, so each later round needed the push

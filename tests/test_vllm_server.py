@@ -102,3 +102,17 @@ def test_two_training_processes_share_one_server_and_train_what_one_process_trai
         torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(reference[n].abs().max() > 0 for n in reference if "lora_B" in n)  # it trained
     assert len(list((ddp / "vllm_server").glob("*.log"))) == 1  # one server for both processes
+
+
+def test_sharded_training_pushes_merged_weights_gathered_layer_by_layer(tmp_path, llama_dir):
+    """trainer=fsdp on 2 processes, lora_sync=merge: rank 0 pushes the LoRA-merged weights, gathered one decoder
+    layer at a time with rank 1 taking part in every gather; the shared server samples from them every round."""
+    _vllm()
+    run = cli(tmp_path / "fsdp", llama_dir, "trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu",
+              "generator.lora_sync=merge")  # fmt: skip
+    worst = scalars(run, "rollout/logp_diff_max")
+    print(f"trainer=fsdp, one server, merged pushes: rollout/logp_diff_max {worst}")
+    assert len(worst) == 2 and max(worst) <= 2 * LOGP_DIFF_BOUND
+    rank0, rank1 = torch.load(run / "rank0.pt"), torch.load(run / "rank1.pt")
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert any(rank0[n].abs().max() > 0 for n in rank0 if "lora_B" in n)  # it trained: round 1 needed the push

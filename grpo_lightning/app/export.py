@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from grpo_lightning.models.lora import is_peft_model
+from grpo_lightning.generation.vllm_weights import is_peft_model
 from grpo_lightning.models.sources import ModelSource
 from grpo_lightning.variants.base import GRPOVariant, variant_name
 

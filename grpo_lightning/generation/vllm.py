@@ -74,10 +74,11 @@ from grpo_lightning.generation.vllm_settings import (
 )
 from grpo_lightning.generation.vllm_weights import (
     check_name_mapping,
+    is_peft_model,
     policy_checkpoint_names,
     policy_weights,
 )
-from grpo_lightning.models.lora import is_peft_model, save_policy
+from grpo_lightning.sharding import save_policy
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from torch import nn
 
 from grpo_lightning.generation.base import SamplingConfig, truncate
 from grpo_lightning.generation.vllm_settings import VLLMSettings, effective_kv_cache_gib, engine_lora_rank
-from grpo_lightning.models.lora import is_peft_model
+from grpo_lightning.generation.vllm_weights import is_peft_model
 from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.types import Completion
 

@@ -67,8 +67,7 @@ from grpo_lightning.generation.vllm_server_weights import (
     push_weight_files,
 )
 from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, DTYPES, engine_lora_rank
-from grpo_lightning.generation.vllm_weights import drain, policy_weights
-from grpo_lightning.models.lora import is_peft_model, save_policy
+from grpo_lightning.generation.vllm_weights import drain, is_peft_model, policy_weights
 from grpo_lightning.schema import (
     SEED_MAX,
     check_settings,
@@ -80,7 +79,7 @@ from grpo_lightning.schema import (
     setting,
     text,
 )
-from grpo_lightning.sharding import is_sharded
+from grpo_lightning.sharding import is_sharded, save_policy
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)

@@ -162,6 +162,10 @@ def chunked(weights: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[l
         yield chunk
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
 def repack_tied_weights(model: nn.Module) -> None:
     """vLLM's CPU build, after a layerwise reload: repack the layers that share another layer's weight (a tied LM
     head). Runs inside the engine (`LLM.apply_model`, or a weight-transfer backend in a server's worker).

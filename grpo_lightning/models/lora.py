@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from grpo_lightning.schema import boolean, check_settings, integer, number, setting, strings
-from grpo_lightning.sharding import full_state_dict, is_sharded
 
 
 @dataclass
@@ -29,26 +27,6 @@ class LoraSettings:
 
     def __post_init__(self) -> None:
         check_settings(self, "model.lora")
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    """Whether `model` is a peft model (LoRA adapters over a base)."""
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
-def save_policy(policy: nn.Module, directory: str | Path, write: bool = True) -> None:
-    """`policy.save_pretrained(directory)`: a peft adapter folder with LoRA, a whole model folder otherwise.
-
-    A sharded policy (trainer=fsdp) is gathered first, one tensor at a time (grpo_lightning/sharding.py): every
-    process calls this together, and those with `write=False` only take part in the gathers. With LoRA only the
-    trainable tensors are gathered (the adapter is all a peft folder holds)."""
-    if not is_sharded(policy):
-        if write:
-            policy.save_pretrained(str(directory))
-        return
-    state = full_state_dict(policy, trainable_only=is_peft_model(policy), keep=write)
-    if write:
-        policy.save_pretrained(str(directory), state_dict=state)
 
 
 def wrap_policy(model: nn.Module, lora: LoraSettings, needs_reference: bool) -> tuple[nn.Module, nn.Module | None]:

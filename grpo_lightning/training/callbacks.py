@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
-from grpo_lightning.models.lora import save_policy
+from grpo_lightning.sharding import save_policy
 
 log = logging.getLogger(__name__)
 
