@@ -77,3 +77,13 @@ def derive_seed(*parts: int | str) -> int:
     """A 63-bit seed from several integers or strings (stable across processes and Python runs)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+"""What a collective raises when another process of the run is gone (gloo's TCP pairs, NCCL's watchdog)."""
+
+
+def lost_a_process(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another training process died (killed, out of memory):
+    gloo notices a closed connection at once; NCCL after its timeout."""
+    return isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and any(s in str(err) for s in PEER_LOST))

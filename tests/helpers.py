@@ -3,6 +3,7 @@ and builders."""
 
 import copy
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -141,3 +142,15 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
+
+
+class KillRank(L.Callback):
+    """Kills process `rank` with SIGKILL when round `at_round` starts training (a training process lost to the
+    machine: tests/test_ddp.py's fault test)."""
+
+    def __init__(self, rank: int, at_round: int) -> None:
+        self.rank, self.at_round = rank, at_round
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == self.rank and trainer.current_epoch == self.at_round:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -8,6 +8,7 @@ callback), and a hand count of every reward both processes computed (a recording
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,31 @@ def test_ddp_resume_continues_exactly(tmp_path):
     assert "resuming from" in resumed["stdout"]
     a = torch.load(straight["dir"] / "rank1.pt")
     b = torch.load(resumed["dir"] / "rank1.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_killed_training_process_stops_the_run_in_bounded_time_and_it_resumes_exactly(tmp_path):
+    """Rank 1 SIGKILLed as round 2 starts (after round 1's checkpoint): rank 0 stops within seconds with one error
+    line and the resume command (gloo sees the closed connection at its next collective), and the resumed run
+    equals 3 rounds straight, bitwise."""
+    common = ["generator.seed_per_prefix=false", "loss=grpo", "trainer.max_epochs=3"]
+    straight = run(tmp_path / "straight", 2, *common)
+    killed_dir = tmp_path / "killed"
+    killed_dir.mkdir()
+    kill = ["+callbacks.kill._target_=tests.helpers.KillRank", "+callbacks.kill.rank=1", "+callbacks.kill.at_round=2"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    start = time.monotonic()
+    result = cli_run(*run_overrides(killed_dir, 2, *common, *kill), cwd=ROOT, env=env, timeout=300)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "another training process is gone" in errors[0], result.stderr[-3000:]
+    assert f"ckpt_path={killed_dir.resolve() / 'checkpoints' / 'last.ckpt'}" in result.stderr
+    print(f"rank 1 killed: rank 0 stopped {elapsed:.0f} s after the run started")
+    resumed = run(tmp_path / "resumed", 2, *common, f"ckpt_path={killed_dir}")
+    a, b = torch.load(straight["dir"] / "rank1.pt"), torch.load(resumed["dir"] / "rank1.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 

@@ -31,6 +31,7 @@ from grpo_lightning.app.summary import render as render_summary
 from grpo_lightning.app.summary import summary_metrics
 from grpo_lightning.app.validation import check_fresh_or_resume, check_platform, validate
 from grpo_lightning.data.datamodule import RolloutDataModule
+from grpo_lightning.distributed import lost_a_process
 from grpo_lightning.errors import RunInterrupted, TrainingStopped
 from grpo_lightning.generation.placement import trainer_devices, world_size
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
@@ -98,8 +99,19 @@ class Run:
         tracking.log_hparams(self.trainer.loggers, OmegaConf.to_container(self.cfg, resolve=True))
         if self.ckpt_path is not None:
             rank_zero_print(f"resuming from {self.ckpt_path}")
-        self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=self.ckpt_path, weights_only=False)
         output_dir = Path(self.cfg.paths.output_dir).resolve()
+        last = output_dir / "checkpoints" / "last.ckpt"
+        try:
+            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=self.ckpt_path, weights_only=False)
+        except RuntimeError as err:
+            if self.trainer.world_size == 1 or not lost_a_process(err):
+                raise
+            reason = str(err).strip().splitlines()[0][:200]
+            resume = last if last.is_file() else "<none yet: start again>"
+            raise TrainingStopped(
+                f"training stopped: another training process is gone ({reason})\n"
+                f"resume: python -m grpo_lightning <same overrides> ckpt_path={resume}"
+            ) from None
         if self.trainer.is_global_zero:  # where each tracker keeps the run, and how to open it
             for line in tracking.describe(self.trainer.loggers):
                 print(line)
@@ -115,7 +127,6 @@ class Run:
             if isinstance(saver, SavePolicy):
                 export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.source,
                               self.rollout_loop.variant)  # fmt: skip
-        last = output_dir / "checkpoints" / "last.ckpt"
         if self.module.diverged:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
         if self.module.stop_reason is not None:
