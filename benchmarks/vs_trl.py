@@ -97,6 +97,18 @@ LOSSES = {
     "dapo": {"loss_type": "dapo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.28},
     "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
     "cispo": {"loss_type": "cispo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 5.0},
+    "sapo": {"loss_type": "sapo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.2},
+    "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
+    "vespo": {"loss_type": "vespo", "importance_sampling_level": "token", "epsilon_low": 0.2, "epsilon_high": 0.2},
+    # grpo with TRL's entropy bonus (loss.entropy_coef), on the grpo preset
+    "grpo_entropy": {
+        "preset": "grpo",
+        "loss_type": "grpo",
+        "importance_sampling_level": "token",
+        "epsilon_low": 0.2,
+        "epsilon_high": 0.2,
+        "entropy_coef": 0.05,
+    },
 }
 
 
@@ -110,6 +122,18 @@ class Pin:
     our_value: Any
     trl: str | None
     trl_value: Any
+
+
+LOSS_TYPE_SETTINGS = {  # the loss types' own settings: (our key, TRL's field, the value both are given)
+    "sapo": [("loss.sapo.temperature_pos", "sapo_temperature_pos", 1.0),
+             ("loss.sapo.temperature_neg", "sapo_temperature_neg", 1.05)],
+    "vespo": [("loss.vespo.k_pos", "vespo_k_pos", 2.0), ("loss.vespo.lambda_pos", "vespo_lambda_pos", 3.0),
+              ("loss.vespo.k_neg", "vespo_k_neg", 3.0), ("loss.vespo.lambda_neg", "vespo_lambda_neg", 2.0)],
+}  # fmt: skip
+
+
+def loss_type_pins(loss: str) -> list[Pin]:
+    return [Pin(f"{loss}: {trl}", ours, value, trl, value) for ours, trl, value in LOSS_TYPE_SETTINGS.get(loss, [])]
 
 
 def pins(
@@ -143,13 +167,16 @@ def pins(
         Pin("top-k (0: off)", "generator.top_k", 0, "top_k", 0),
         Pin("min-p (ours: none)", None, None, "min_p", None),
         Pin("repetition penalty (ours: none)", None, None, "repetition_penalty", 1.0),
-        Pin("loss preset", "loss", loss, None, None),
+        Pin("loss preset", "loss", spec.get("preset", loss), None, None),
         Pin("loss type", "loss.loss_type", spec["loss_type"], "loss_type", spec["loss_type"]),
         Pin("ratio level (GSPO: sequence)", "loss.importance_sampling_level", spec["importance_sampling_level"],
             "importance_sampling_level", spec["importance_sampling_level"]),
         Pin("clip epsilon low", "loss.epsilon_low", spec["epsilon_low"], "epsilon", spec["epsilon_low"]),
         Pin("clip epsilon high (cispo: the weight's cap)", "loss.epsilon_high", spec["epsilon_high"],
             "epsilon_high", spec["epsilon_high"]),
+        *loss_type_pins(loss),
+        Pin("entropy bonus coefficient", "loss.entropy_coef", spec.get("entropy_coef", 0.0), "entropy_coef",
+            spec.get("entropy_coef", 0.0)),
         Pin("dr_grpo's constant (TRL: max_completion_length)", "loss.max_completion_length", max_new, None, None),
         Pin("KL weight beta", "loss.beta", BETA, "beta", BETA),
         Pin("KL times the ratio (ours: never)", None, None, "use_bias_correction_kl", False),
@@ -501,6 +528,7 @@ def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
 
+    from grpo_lightning.algorithm.losses import aggregate
     from grpo_lightning.training.module import GRPOModule, LRSchedule
 
     pinned = check_pins(name)
@@ -529,13 +557,14 @@ def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
     module = GRPOModule(
         policy, None, instantiate(cfg.loss), None, LRSchedule(), 1, temperature=cfg.generator.temperature
     )
-    _, logp = module.policy_forward(policy, batch)
+    logp, terms = module.step_forward(batch)  # entropies too when the loss has an entropy bonus
     old = off_policy(logp, batch.completion_mask)
     mask = batch.completion_mask
     ref = module.reference_logprobs(batch)
     out = module.loss_fn(logp, old, ref, batch.advantages, mask, num_tokens_in_step=float(mask.sum()))
+    loss = out.loss - module.entropy_bonus(batch, terms)[0] if module.loss_fn.entropy_coef else out.loss
     policy.zero_grad()
-    out.loss.backward()
+    loss.backward()
     ours_grad = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
     policy.zero_grad()
 
@@ -563,7 +592,7 @@ def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
     grad_scale = max(float(g.abs().max()) for g in ours_grad.values())
     ref_diff = float(((inputs["ref_per_token_logps"] - ref).abs() * mask).max())
     result = {
-        "loss_ours": float(out.loss.detach()),
+        "loss_ours": float(loss.detach()),
         "loss_trl": float(trl_loss.detach()),
         "kl_ours": float(out.kl_mean),
         "kl_trl": trainer._metrics["train"]["kl"][-1],
@@ -574,9 +603,14 @@ def check_one(name: str, rows, folder: str, tokenizer, batch_of) -> dict:
         "num_tensors": len(ours_grad),
         "same_params": sorted(ours_grad) == sorted(trl_grad),
     }
+    # A float32 difference of a token's term reaches the loss times that token's weight in the aggregation: the loss
+    # of a per-token loss of 1 everywhere sums those weights (1 for the means; a sequence's length for luspo's sums).
+    reach = float(aggregate(torch.ones_like(mask), mask, module.loss_fn.loss_type, module.loss_fn.max_completion_length,
+                            float(mask.sum())))  # fmt: skip
+    result["loss_tolerance"] = 1e-5 * max(1.0, abs(result["loss_trl"])) * max(1.0, reach)
     result["agree"] = (
         result["same_params"]
-        and abs(result["loss_ours"] - result["loss_trl"]) <= 1e-5 * max(1.0, abs(result["loss_trl"]))
+        and abs(result["loss_ours"] - result["loss_trl"]) <= result["loss_tolerance"]
         and grad_diff <= 1e-4 * grad_scale
     )
     return result

@@ -132,7 +132,7 @@ class RolloutBatch:
     token_advantages: Tensor | None = None  # [B, C] float32 per-token advantages (0 on padding); None: `advantages`
     old_logprobs: Tensor | None = None  # [B, C] float32, policy log-probs before the round's first update
     num_tokens_in_step: float = 0.0
-    """Trained tokens in the whole optimizer step this micro-batch belongs to (for loss.type=dapo)."""
+    """Trained tokens in the whole optimizer step this micro-batch belongs to (step-normalised loss types)."""
 
     @property
     def completion_ids(self) -> Tensor:  # [B, C]
@@ -175,4 +175,4 @@ class Round:
     """Whole advantage groups each, in group order; with `old_logprobs` when several optimizer steps use them."""
     schedule: tuple[RolloutBatch, ...]
     """What the data loader serves: `num_iterations` passes over the micro-batches, each entry carrying the
-    trained-token count of its optimizer step over all ranks (`num_tokens_in_step`, for `dapo`)."""
+    trained-token count of its optimizer step over all ranks (`num_tokens_in_step`, for step-normalised loss types)."""

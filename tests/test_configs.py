@@ -23,7 +23,7 @@ OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for opti
 
 
 def test_expected_groups_exist():
-    assert GROUPS["loss"] == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "grpo_clip_higher", "gspo"]
+    assert GROUPS["loss"] == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "grpo_clip_higher", "gspo", "luspo", "sapo", "vespo"]
     assert GROUPS["model"] == [
         "local",
         "qwen0.5b",

@@ -126,6 +126,8 @@ NON_DEFAULT = {
     "generator=vllm": "the vLLM engine's keys: device, memory, sleep mode, weight sync (docs/vllm.md, docs/gpu.md)",
     "generator=vllm_server": "the vLLM server generator's keys: servers, weight transfer (docs/scaling.md)",
     "variant=storpo": "STORPO's branching keys (docs/algorithm.md)",
+    "loss=sapo": "SAPO's gate temperatures (docs/algorithm.md)",
+    "loss=vespo": "VESPO's sequence-weight shape (docs/algorithm.md)",
     "model=qwen0.5b": "a Hub model's repo_id and revision",
     "model=local": "model.source.path",
     "model=tiny": "the random test model's shape and its tokenizer source",
@@ -359,14 +361,14 @@ def test_changing_a_default_changes_the_rendered_table(tmp_path, reference):
     text = grpo.read_text()
     assert "\nbeta: 0.0 " in text
     grpo.write_text(text.replace("\nbeta: 0.0 ", "\nbeta: 0.5 ").replace("k3 KL weight", "weight of the k3 KL"))
-    (conf / "loss" / "mine.yaml").write_text("# My loss.\n_target_: x.Y   # a class\nloss_type: grpo   # the type\n")
+    (conf / "loss" / "zz_mine.yaml").write_text("# My loss.\n_target_: x.Y   # a class\nloss_type: grpo   # the type\n")
     after = config_reference.Reference(conf, link_dir=PAGE.parent).regions()
     assert {name for name, text in reference.regions_text.items() if after[name] != text} == {"groups", "loss"}
     beta = next(line for line in after["loss"].splitlines() if line.startswith("| `loss.beta` |"))
     assert beta.startswith("| `loss.beta` | `0.5` | `0.04` |") and "weight of the k3 KL" in beta, beta
     header = next(line for line in after["loss"].splitlines() if line.startswith("| key |"))
-    assert "- `loss=mine`: My loss." in after["loss"] and header.endswith("| `mine` | meaning |"), header
-    assert "`mine`" in next(line for line in after["groups"].splitlines() if line.startswith("| `loss` |"))
+    assert "- `loss=zz_mine`: My loss." in after["loss"] and header.endswith("| `zz_mine` | meaning |"), header
+    assert "`zz_mine`" in next(line for line in after["groups"].splitlines() if line.startswith("| `loss` |"))
     # the command line's check reports it
     assert config_reference.main(["--check", "--conf-dir", str(conf), "--page", str(PAGE)]) == 1
 
@@ -499,6 +501,26 @@ def check_pairs(variants_module, tmp_path):
     assert pairs_cls(num_generations=3).group().rollouts == 3
 
 
+def check_loss_type():
+    """The page's loss type, by its import path, on a hand example: on-policy (ratio 1) its gradient is -A_i / (n_i B)
+    on each trained token, and off-policy its value is -mean_i(mean_t r_it) A_i (no clip: a ratio of 3 counts)."""
+    import torch
+
+    from grpo_lightning.algorithm.losses import GRPOLoss
+
+    loss_fn = GRPOLoss(loss_type="my_pkg.losses.Unclipped")
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.7]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    logp = old.clone().requires_grad_(True)
+    loss_fn(logp, old, None, adv, mask).loss.backward()
+    expected = torch.tensor([[-1 / 6] * 3, [1 / 2, 1 / 2, 0.0]])
+    torch.testing.assert_close(logp.grad, expected)
+    ratios = torch.tensor([[3.0, 1.0, 1.0], [1.0, 0.5, 1.0]])
+    value = loss_fn(old + ratios.log(), old, None, adv, mask).loss.item()
+    assert value == pytest.approx((-(3 + 1 + 1) / 3 * 1 + (1 + 0.5) / 2 * 2) / 2, rel=1e-6)
+
+
 def check_callbacks(callbacks_module, capsys):
     from grpo_lightning.types import Rollout
 
@@ -566,10 +588,11 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
     import grpo_lightning.models.sources as sources
 
     page, written = my_pkg
-    assert {p.name for p in written} == {"variants.py", "callbacks.py", "pairs.yaml"}
+    assert {p.name for p in written} == {"variants.py", "callbacks.py", "losses.py", "pairs.yaml"}
     check_declared_keys(importlib.import_module("my_pkg.variants"), tmp_path)
     check_pairs(importlib.import_module("my_pkg.variants"), tmp_path)
     check_callbacks(importlib.import_module("my_pkg.callbacks"), capsys)
+    check_loss_type()
 
     folder = tmp_path / "saved"  # shaped like save_pretrained's output (LocalSource checks it), a tiny Llama
     folder.mkdir()

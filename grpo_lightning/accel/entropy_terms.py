@@ -102,3 +102,12 @@ class EntropyTerms:
     anchor: Tensor
     anchor_grad: Tensor
     head_grads: list[tuple[nn.Parameter, Tensor]]
+
+    def gradient_surrogate(self) -> Tensor:  # []
+        """A scalar whose gradient with respect to the trainable parameters is that of sum_t w_t H_t (its value
+        means nothing): `anchor` against its gradient, plus a trainable head's direct terms. The entropy bonus
+        (`loss.entropy_coef`) backpropagates through it."""
+        total = (self.anchor * self.anchor_grad.to(self.anchor.dtype)).sum()
+        for param, grad in self.head_grads:
+            total = total + (param * grad.to(param.dtype)).sum()
+        return total

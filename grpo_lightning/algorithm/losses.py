@@ -5,17 +5,9 @@ Sources, and why each matters here:
 * DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), GRPO: the per-token objective is the PPO clipped
   surrogate on a group-relative advantage `A_i`, minus `beta` times the k3 estimator of KL(pi || pi_ref),
   `exp(ref - logp) - (ref - logp) - 1`, which is unbiased and always >= 0.
-* TRL `GRPOTrainer` (`loss_type` and `epsilon_low` / `epsilon_high` semantics): `grpo` averages each
-  sequence over its own length and then over sequences (longer answers get less weight per token); `bnpo`
-  averages over all trained tokens of the micro-batch. We keep TRL's names so configs transfer.
-* Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): dividing by the sequence length biases training toward
-  long wrong answers, so `dr_grpo` divides the token sum by the CONSTANT `N_seq * max_completion_length`.
-* DAPO (Yu et al. 2025, arXiv 2503.14476): token-level normalisation over the whole batch, plus the
-  decoupled, asymmetric clip range (`epsilon_high > epsilon_low`, "clip-higher").
-* TRL issue #3021: with gradient accumulation, normalising each micro-batch by its own token count is not
-  the token mean of the full batch. `dapo` therefore divides by `num_tokens_in_step`, the trained-token
-  count of the whole optimizer step (all micro-batches, all ranks), so the micro-batch losses sum to the
-  full-batch loss.
+* TRL `GRPOTrainer` (`loss_type` and `epsilon_low` / `epsilon_high` semantics): we keep TRL's names so configs
+  transfer. What differs between the types (aggregation, clip rule, step normalisation, sample unit) is each
+  type's own, in `loss_types.py`; this module keeps what they share.
 * GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071): a sequence-level ratio
   `s_i = exp(mean_t (logp - logp_old))`, clipped per completion (`importance_sampling_level: sequence`, TRL's
   name). With one advantage per completion this is also GSPO-token's value and gradient; the paper's clip range
@@ -24,10 +16,6 @@ Sources, and why each matters here:
   every token, each token's gradient weighted by its own advantage (the paper's section 4.3).
 * Advantages are one per completion (`[B]`, every trained token weighs by it) or one per token (`[B, T]`); a
   per-token tensor whose rows are constant gives the scalar path's loss and gradients.
-* CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv
-  2506.13585): `-sg(min(rho, epsilon_high)) * A * logp`. The IS weight is clipped, not the update, so every token
-  keeps a gradient (PPO's clip zeroes those outside the range). As in TRL, `epsilon_high` is the cap of the
-  weight itself (ScaleRL, arXiv 2510.13786: 5.0), and the token sum is divided like `dapo`'s.
 * The rollout correction (`rollout_correction.py`) multiplies the policy-gradient term, never the KL term.
 
 Pure tensor code: imports only torch and the standard library (no Lightning, no Hydra).
@@ -40,13 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_lightning.algorithm.loss_types import LossType, PolicyInputs, SapoSettings, VespoSettings, loss_type_problem
+from grpo_lightning.algorithm.loss_types import loss_type as get_loss_type
 from grpo_lightning.algorithm.rollout_correction import CorrectionWeights, RolloutCorrection
 from grpo_lightning.schema import check_settings, choice, integer, number, setting
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IS_LEVELS = ("token", "sequence")
-STEP_NORMALISED = ("dapo", "cispo")
-"""Loss types divided by the trained tokens of the whole optimizer step (TRL: `num_items_in_batch`)."""
 
 
 def selective_log_softmax(
@@ -99,28 +86,15 @@ def aggregate(
     max_completion_length: int,
     num_tokens_in_step: float | int | None = None,
 ) -> Tensor:  # []
-    """Reduce a per-token loss to a scalar according to `loss_type` (see the module docstring).
+    """Reduce a per-token loss to a scalar the way `loss_type` does (`loss_types.py`).
 
-    `num_tokens_in_step` (dapo only, required there) is the trained-token count of the whole optimizer step;
-    it is clamped to >= 1 so a step without trained tokens gives a zero loss instead of NaN.
+    `num_tokens_in_step` (step-normalised types only, required there) is the trained-token count of the whole
+    optimizer step; a step without trained tokens gives a zero loss instead of NaN.
     """
     weights = mask.to(per_token_loss.dtype)
     # torch.where, not a product, so a non-finite value at an untrained position cannot leak in as NaN.
     token_sum = torch.where(mask != 0, per_token_loss * weights, 0.0)
-    if loss_type == "grpo":
-        return (token_sum.sum(-1) / weights.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return token_sum.sum() / weights.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return token_sum.sum() / (per_token_loss.shape[0] * max_completion_length)
-    if loss_type in STEP_NORMALISED:
-        if num_tokens_in_step is None:
-            raise ValueError(f"loss_type {loss_type!r} needs num_tokens_in_step (trained tokens in the step)")
-        num_tokens = float(num_tokens_in_step)
-        if not num_tokens >= 0:
-            raise ValueError(f"num_tokens_in_step must be >= 0 (got {num_tokens_in_step!r})")
-        return token_sum.sum() / max(num_tokens, 1.0)
-    raise ValueError(f"loss.loss_type must be one of {', '.join(LOSS_TYPES)} (got {loss_type!r})")
+    return get_loss_type(loss_type).aggregate(token_sum, weights, max_completion_length, num_tokens_in_step)
 
 
 @dataclass(frozen=True)
@@ -131,7 +105,7 @@ class LossOutput:
     kl_mean: Tensor  # [] masked token mean of k3 KL (0 when beta == 0 / no reference)
     clip_ratio: Tensor  # [] fraction of masked tokens (completions at sequence level) where clipping was active
     clip_ratio_low: Tensor  # [] fraction with ratio < 1 - epsilon_low and A < 0
-    clip_ratio_high: Tensor  # [] fraction with ratio > 1 + epsilon_high (cispo: > epsilon_high) and A > 0
+    clip_ratio_high: Tensor  # [] fraction above the loss type's upper clip with A > 0 (`LossType.clip_masks`)
     num_tokens: Tensor  # [] masked (trained) token count
     correction: CorrectionWeights | None = None
     """The rollout correction's weights and metrics; None when it is off."""
@@ -160,21 +134,25 @@ def _check_inputs(
 class GRPOLoss:
     """Clipped-surrogate GRPO loss with k3 KL; `__call__` maps one micro-batch's log-probs to `LossOutput`."""
 
-    loss_type: str = setting("grpo", choice(*LOSS_TYPES))
+    loss_type: str = setting("grpo", loss_type_problem)
     beta: float = setting(0.0, number(low=0))
     epsilon_low: float = setting(0.2, number(low=0, below=1))
     epsilon_high: float = setting(0.2, number(low=0))
     max_completion_length: int = setting(256, integer(1))
     importance_sampling_level: str = setting("token", choice(*IS_LEVELS))
     rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
+    entropy_coef: float = setting(0.0, number())
+    sapo: SapoSettings = setting(factory=SapoSettings)
+    vespo: VespoSettings = setting(factory=VespoSettings)
 
     def __post_init__(self) -> None:
         check_settings(self, "loss")
-        if self.loss_type == "cispo" and self.epsilon_high < 1:
-            raise ValueError(
-                f"loss.epsilon_high must be >= 1 for loss_type cispo, where it caps the IS weight itself (TRL's "
-                f"convention; ScaleRL: 5.0) (got {self.epsilon_high!r})"
-            )
+        self.kind.check(self)
+
+    @property
+    def kind(self) -> LossType:
+        """The registered loss type `loss_type` names (`loss_types.py`)."""
+        return get_loss_type(self.loss_type)
 
     def describe(self) -> str:
         """One line for the run's plan: the loss type, its ratio level, beta, the clip range, the rollout correction."""
@@ -184,6 +162,13 @@ class GRPOLoss:
         clip = f"epsilon {self.epsilon_low}/{self.epsilon_high}"
         return f"{self.loss_type}{level} (beta={self.beta}, {clip}; {correction})"
 
+    def entropy_bonus(self, entropy_mean: Tensor, gradient_surrogate: Tensor) -> Tensor:  # []
+        """The term the training step subtracts from the loss (TRL's `entropy_coef`): `entropy_coef` times the
+        micro-batch's token-mean entropy of the temperature-scaled policy, whatever the loss type's aggregation.
+        `entropy_mean` gives its value, `gradient_surrogate` (a scalar whose gradient is that of the mean) its
+        gradient."""
+        return self.entropy_coef * (entropy_mean.detach() + gradient_surrogate - gradient_surrogate.detach())
+
     @property
     def needs_reference(self) -> bool:
         """Whether reference-model log-probs are needed (beta > 0)."""
@@ -191,32 +176,18 @@ class GRPOLoss:
 
     @property
     def step_weighting(self) -> str:
-        """How the optimizer step's gradient weighs micro-batches: "micro_batch" (Lightning's mean over them) or
-        "sample" (`dapo`, `cispo`: the step is the mean over all its completions' tokens, see `step_loss`)."""
-        return "sample" if self.loss_type in STEP_NORMALISED else "micro_batch"
+        """How the optimizer step's gradient weighs micro-batches (the loss type's, `LossType.step_weighting`)."""
+        return self.kind.step_weighting
 
     def step_loss(self, loss: Tensor, accumulate_grad_batches: int, world_size: int) -> Tensor:  # []
-        """The micro-batch loss to backpropagate under Lightning's accumulation and DDP's gradient mean.
-
-        Lightning divides each loss by `accumulate_grad_batches` and DDP averages gradients over ranks: right for
-        a mean of per-micro-batch losses (`grpo`, `bnpo`, `dr_grpo`, as TRL does), but `dapo` and `cispo` are
-        already normalised by the token count of the whole step (all micro-batches, all ranks), so both are undone.
-        """
-        if self.loss_type in STEP_NORMALISED:
-            return loss * accumulate_grad_batches * world_size
-        return loss
+        """The micro-batch loss to backpropagate under Lightning's accumulation and DDP's gradient mean
+        (`LossType.step_loss`)."""
+        return self.kind.step_loss(loss, accumulate_grad_batches, world_size)
 
     def sample_weights(self, mask: Tensor) -> Tensor:  # mask [B, C] -> [B]
-        """Weight of each completion in a micro-batch's loss, in the loss type's sample unit (GNS probe, ESS).
-
-        `grpo` (token means), `dr_grpo` (token sums / max length) and `dapo` / `cispo` (token sums / the step's
-        mean length) average one value per completion with equal weights, every row counted (a row without trained
-        tokens contributes 0, and the loss still divides by it); `bnpo`'s token mean weighs each completion's
-        token mean by its trained tokens. See `grpo_lightning.probes.gns`.
-        """
-        if self.loss_type == "bnpo":
-            return mask.sum(-1).float()
-        return torch.ones(mask.shape[0], device=mask.device)
+        """Weight of each completion in a micro-batch's loss, in the loss type's sample unit (GNS probe, ESS;
+        `LossType.sample_weights`, grpo_lightning.probes.gns)."""
+        return self.kind.sample_weights(mask)
 
     def __call__(
         self,
@@ -246,11 +217,8 @@ class GRPOLoss:
             adv = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
         old = torch.where(keep, old_logp.to(logp.dtype), 0.0)
         ratio = self.ratio(logp, old, weights, per_token_sequence=per_token_adv)  # [B, T] or [B, 1]
-        if self.loss_type == "cispo":
-            per_token = -torch.clamp(ratio, max=self.epsilon_high).detach() * adv * logp
-        else:
-            clipped = torch.clamp(ratio, 1.0 - self.epsilon_low, 1.0 + self.epsilon_high)
-            per_token = -torch.minimum(ratio * adv, clipped * adv)
+        inputs = PolicyInputs(ratio=ratio, adv=adv, logp=logp, log_ratio=logp - old, weights=weights)
+        per_token = self.kind.policy_term(inputs, self)
         correction = self.rollout_correction.weights(old_logp, gen_logp, mask) if correcting else None
         if correction is not None:  # the policy-gradient term only, never the KL term (rollout_correction.py)
             per_token = per_token * correction.weight.to(logp.dtype)
@@ -297,11 +265,8 @@ class GRPOLoss:
         weights: Tensor,  # [B, T]
     ) -> tuple[Tensor, Tensor]:  # ([], [])
         """Fractions of trained tokens (of completions, at sequence level) where clipping was active, below and
-        above (TRL's `clip_ratio/low_mean`, `high_mean`; cispo: the weight capped at `epsilon_high`, A > 0)."""
-        if self.loss_type == "cispo":
-            low, high = torch.zeros_like(ratio, dtype=torch.bool), (ratio > self.epsilon_high) & (adv > 0)
-        else:
-            low, high = (ratio < 1.0 - self.epsilon_low) & (adv < 0), (ratio > 1.0 + self.epsilon_high) & (adv > 0)
+        above (TRL's `clip_ratio/low_mean`, `high_mean`; each loss type's rule, `LossType.clip_masks`)."""
+        low, high = self.kind.clip_masks(ratio, adv, self.epsilon_low, self.epsilon_high)
         if ratio.shape[1] == 1:  # one value per completion: every completion counts, as in TRL
             return low.to(weights.dtype).mean(), high.to(weights.dtype).mean()
         return _masked_mean(low.to(weights.dtype), weights), _masked_mean(high.to(weights.dtype), weights)

@@ -39,8 +39,9 @@ class ProbedModule(Protocol):
     """The sampling temperature the training forward divides the logits by."""
     forward_settings: ForwardSettings
     step_weighting: Literal["micro_batch", "sample"]
-    """How the optimizer step weighs micro-batches: `micro_batch` (Lightning's mean over micro-batches: grpo,
-    bnpo, dr_grpo) or `sample` (each micro-batch by its share of the step's samples: dapo)."""
+    """How the optimizer step weighs micro-batches: `micro_batch` (Lightning's mean over micro-batches:
+    mean-normalised loss types) or `sample` (each micro-batch by its share of the step's samples: step-normalised
+    types; `LossType.step_weighting`)."""
     entropy_observer: Callable[[Tensor, EntropyTerms, RolloutBatch], None] | None
     """Set by the entropy probe: called by the training step with each micro-batch's entropies."""
     entropy_grad: bool

@@ -28,11 +28,9 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.algorithm.advantages import SCALE_REWARDS, group_advantages
+from grpo_lightning.algorithm.loss_types import loss_type as loss_type_of
 from grpo_lightning.rewards.base import Transform
 from grpo_lightning.types import TurnRecord
-
-# The advantage scaling each objective is defined with (`scale: auto`): Dr. GRPO drops the std division.
-LOSS_SCALE_REWARDS = {"grpo": "group", "bnpo": "group", "dr_grpo": "none", "dapo": "group"}
 
 
 def _finite(name: str, value, allow_none: bool = False) -> None:
@@ -141,7 +139,7 @@ class GroupNormalize(Transform):
     """Group-relative advantage (`grpo_lightning.algorithm.advantages.group_advantages`): centre on the group mean, then
     divide by the group std (`group`), the batch std (`batch`) or nothing (`none`, Dr. GRPO).
 
-    `auto` takes the scaling the loss is defined with: `none` for loss=dr_grpo, `group` for the others.
+    `auto` takes the scaling the loss type is defined with (`LossType.advantage_scale`).
     """
 
     baseline = "group"
@@ -157,7 +155,7 @@ class GroupNormalize(Transform):
     def bind(self, loss_type: str | None = None, max_new_tokens: int | None = None) -> None:
         """Resolve `auto` once the loss is known (the pipeline builder calls this)."""
         if self.scale == "auto":
-            self.scale = LOSS_SCALE_REWARDS.get(loss_type or "grpo", "group")
+            self.scale = loss_type_of(loss_type).advantage_scale if loss_type else "group"  # e.g. Dr. GRPO: none
 
     def describe_settings(self) -> str:
         return f"scale={self.scale}"

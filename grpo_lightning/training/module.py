@@ -2,7 +2,7 @@
 
 One training step is one micro-batch of whole advantage groups; Lightning accumulates `accumulate_grad_batches`
 of them per optimizer step and divides each loss by that count; what that means per loss type is the loss's
-business (`GRPOLoss.step_loss`: `dapo` undoes it, TRL issue #3021).
+business (`LossType.step_loss`: a step-normalised type undoes it, TRL issue #3021).
 
 Old log-probs: when one optimizer step consumes a round, old_logp = logp.detach() (ratio 1, gradient intact);
 otherwise the rollout loop stores policy log-probs computed once before the round's first update
@@ -187,23 +187,40 @@ class GRPOModule(L.LightningModule):
         return self.loss_fn.step_weighting
 
     # ---- training ------------------------------------------------------------------------------------------
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        if self.entropy_observer is None:
-            _, logp = self.policy_forward(self.policy, batch)  # [B, C]
-        else:  # a probe reads the entropies of this forward's own logits; the log-probs are bitwise the same
-            logp, terms = call_as_forward(
-                self.policy,
-                completion_logprobs_with_entropy,
-                self.policy,
-                batch,
-                self.temperature,
-                batch.completion_mask,
-                self.forward_settings.share_prefix,
-                self.forward_settings.logits_chunk_tokens,
-                self.forward_settings.runs_by_length,
-                with_grad=self.entropy_grad,
-            )
+    def step_forward(self, batch: RolloutBatch) -> tuple[Tensor, EntropyTerms | None]:  # [B, C], terms
+        """The training step's forward: completion log-probs [B, C], and the token entropies of the same logits
+        when a probe observes them or the entropy bonus needs them (None otherwise; the log-probs are bitwise the
+        same either way)."""
+        bonus = self.loss_fn.entropy_coef != 0
+        if self.entropy_observer is None and not bonus:
+            return self.policy_forward(self.policy, batch)[1], None
+        logp, terms = call_as_forward(
+            self.policy,
+            completion_logprobs_with_entropy,
+            self.policy,
+            batch,
+            self.temperature,
+            batch.completion_mask,
+            self.forward_settings.share_prefix,
+            self.forward_settings.logits_chunk_tokens,
+            self.forward_settings.runs_by_length,
+            with_grad=self.entropy_grad or bonus,
+        )
+        if self.entropy_observer is not None:
             self.entropy_observer(logp, terms, batch)
+        return logp, terms
+
+    def entropy_bonus(self, batch: RolloutBatch, terms: EntropyTerms) -> tuple[Tensor, Tensor]:  # [], []
+        """(the term the step subtracts from its loss, the micro-batch's token-mean entropy): `loss.entropy_coef`
+        times the token-mean entropy of the temperature-scaled policy over the micro-batch's trained tokens, as TRL
+        adds it whatever the loss type (`GRPOLoss.entropy_bonus`)."""
+        mask = batch.completion_mask
+        tokens = mask.sum().clamp(min=1)
+        entropy_mean = (terms.entropy * mask).sum().float() / tokens
+        return self.loss_fn.entropy_bonus(entropy_mean, terms.gradient_surrogate() / tokens), entropy_mean
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        logp, terms = self.step_forward(batch)  # [B, C]
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         self.last_old_logprobs = old_logp  # [B, C] the rollout loop compares the unscored ones with the generator's
         ref_logp = self.reference_logprobs(batch)
@@ -212,6 +229,10 @@ class GRPOModule(L.LightningModule):
         out = self.loss_fn(logp, old_logp, ref_logp, advantages, mask, batch.num_tokens_in_step, gen_logp)
         loss = self.loss_fn.step_loss(out.loss, self.trainer.accumulate_grad_batches, self.trainer.world_size)
         b = len(batch)
+        if self.loss_fn.entropy_coef != 0:  # after step_loss: a micro-batch mean whatever the loss type
+            bonus, entropy_mean = self.entropy_bonus(batch, terms)
+            loss = loss - bonus
+            self.log("train/entropy", entropy_mean, on_step=False, on_epoch=True, batch_size=b, sync_dist=True)
         metrics = {
             "train/loss": loss.detach(),
             "train/kl": out.kl_mean,

@@ -50,7 +50,7 @@ def step_schedule(micro_batches: list[RolloutBatch], order: list[int], accumulat
         [sum(float(micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
         dtype=torch.float64,
     )
-    tokens = sum_across_ranks(local).tolist()  # dapo: the whole step, all ranks (docs/algorithm.md)
+    tokens = sum_across_ranks(local).tolist()  # step-normalised loss types: the whole step, all ranks
     return [
         dataclasses.replace(micro_batches[i], num_tokens_in_step=n)
         for step, n in zip(steps, tokens, strict=True)

@@ -148,3 +148,35 @@ def test_length_runs_hand_cases():
     assert length_runs([128, 121, 128, 84], 32) == [([3], 84), ([1, 0, 2], 128)]  # 84 + 3*128 + 64 < 4*128 + 32
     assert length_runs([5, 5, 5], 32) == [([0, 1, 2], 5)]
     assert length_runs([1, 100], 1000) == [([0, 1], 100)]  # a call costs more than the padding it saves
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        {"share_prefix": False, "chunk_tokens": None, "by_length": False},
+        {"share_prefix": True, "chunk_tokens": 7, "by_length": True},
+    ],
+    ids=["plain", "levers"],
+)
+def test_entropy_bonus_gradient_equals_autograd_of_the_token_mean_entropy(policy, tokenizer, levers):
+    """`EntropyTerms.gradient_surrogate` (what `loss.entropy_coef` backpropagates through): its gradient equals
+    autograd's of the masked token-mean entropy, computed in float64 from the plain path's full logits."""
+    from grpo_lightning.accel.completion_forward import completion_logprobs_with_entropy
+
+    batch, temperature = make_batch(tokenizer.pad_token_id), 0.7
+    mask = batch.completion_mask
+    policy.zero_grad()
+    logits, _ = completion_logits_and_logprobs(policy, batch, temperature, **PLAIN)  # [B, C, V], already / T
+    log_p = torch.log_softmax(logits.double(), -1)
+    entropy = -(log_p.exp() * log_p).sum(-1)  # [B, C]
+    ((entropy * mask).sum() / mask.sum()).backward()
+    truth = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad()
+    _, terms = completion_logprobs_with_entropy(policy, batch, temperature, mask, **levers, with_grad=True)
+    (terms.gradient_surrogate() / mask.sum()).backward()
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+    assert grads.keys() == truth.keys() and len(grads) > 0
+    for name, g in grads.items():
+        torch.testing.assert_close(g, truth[name], rtol=1e-4, atol=1e-9, msg=name)
+    real = mask.bool()
+    torch.testing.assert_close(terms.entropy[real], entropy.detach()[real], rtol=1e-6, atol=1e-8)

@@ -312,7 +312,7 @@ def test_aggregate_hand_values() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"loss_type": "foo"}, "loss.loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo (got 'foo')"),
+        ({"loss_type": "foo"}, "loss.loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, or the import path of a LossType subclass (got 'foo')"),
         ({"beta": -1.0}, "loss.beta must be >= 0 (got -1.0)"),
         ({"beta": float("nan")}, "loss.beta must be a finite number (got nan)"),
         ({"epsilon_low": 1.0}, "loss.epsilon_low must be < 1 (got 1.0)"),
@@ -342,3 +342,67 @@ def test_call_validation() -> None:
         GRPOLoss(beta=0.1)(**{**inputs, "advantages": torch.zeros(3)})
     with pytest.raises(ValueError, match="mask"):
         GRPOLoss(beta=0.1)(**{**inputs, "mask": torch.ones(2, 2)})
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _new_type_expected(loss_type: str) -> tuple[float, list[list[float]]]:
+    """(loss, d loss / d logp) of the hand example, written out per token from the formulas (TRL 1.16's sapo, luspo,
+    vespo); the KL term's gradient is beta * (1 - e^(ref - logp))."""
+    adv, mask = [1.0, -2.0], [[1, 1, 1], [1, 1, 0]]
+    logp = [[o + math.log(r) for o, r in zip(orow, rrow, strict=True)] for orow, rrow in zip(OLD, RATIOS, strict=True)]
+    kl_grad = [[BETA * (1 - math.exp(d)) for d in row] for row in DELTAS]
+    terms, grads = [[0.0] * 3 for _ in range(2)], [[0.0] * 3 for _ in range(2)]
+    for i in range(2):
+        w = math.prod(RATIOS[i][j] for j in range(3) if mask[i][j])  # VESPO: exp of the summed log-ratios
+        k, lam = (2.0, 3.0) if adv[i] >= 0 else (3.0, 2.0)
+        phi = math.exp(lam + k * math.log(w) - lam * w)
+        for j in range(3):
+            if not mask[i][j]:
+                continue
+            r, a = RATIOS[i][j], adv[i]
+            if loss_type == "sapo":
+                tau = 1.0 if a > 0 else 1.05
+                s = _sigmoid(tau * (r - 1))
+                terms[i][j], grads[i][j] = -4 / tau * s * a, -4 * s * (1 - s) * r * a
+            elif loss_type == "luspo":
+                clipped = min(max(r, 0.8), 1.2)
+                terms[i][j] = -min(r * a, clipped * a)
+                grads[i][j] = -r * a if r * a <= clipped * a else 0.0
+            else:  # vespo
+                terms[i][j], grads[i][j] = -phi * a * logp[i][j], -phi * a
+            terms[i][j] += BETA * KL[i][j]
+            grads[i][j] += kl_grad[i][j]
+    if loss_type == "sapo":  # grpo's aggregation
+        lengths = [sum(row) for row in mask]
+        loss = sum(sum(terms[i]) / lengths[i] for i in range(2)) / 2
+        grads = [[g / lengths[i] / 2 for g in grads[i]] for i in range(2)]
+    elif loss_type == "luspo":  # each sequence's token sum, mean over sequences
+        loss = sum(sum(row) for row in terms) / 2
+        grads = [[g / 2 for g in row] for row in grads]
+    else:  # dapo's: the step's 10 trained tokens
+        loss = sum(sum(row) for row in terms) / 10
+        grads = [[g / 10 for g in row] for row in grads]
+    return loss, grads
+
+
+@pytest.mark.parametrize("loss_type", ["sapo", "luspo", "vespo"])
+def test_hand_example_of_the_gated_and_sequence_weighted_types(loss_type: str) -> None:
+    loss_fn = GRPOLoss(loss_type=loss_type, beta=BETA, max_completion_length=4)
+    inputs = _hand_inputs()
+    out = loss_fn(**inputs, num_tokens_in_step=10)
+    out.loss.backward()
+    loss, grads = _new_type_expected(loss_type)
+    assert out.loss.item() == pytest.approx(loss, rel=1e-5)
+    torch.testing.assert_close(inputs["logp"].grad, torch.tensor(grads), rtol=1e-5, atol=1e-7)
+    if loss_type != "luspo":
+        assert out.clip_ratio.item() == 0.0  # no clip
+
+
+def test_vespo_refuses_a_separate_rollout_correction() -> None:
+    from grpo_lightning.algorithm.rollout_correction import RolloutCorrection
+
+    with pytest.raises(ValueError, match="loss.rollout_correction.enabled=true with loss_type vespo"):
+        GRPOLoss(loss_type="vespo", rollout_correction=RolloutCorrection(enabled=True))
