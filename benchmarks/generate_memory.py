@@ -47,7 +47,7 @@ def main() -> None:
     model, tokenizer = ArchitectureSource(architecture=args.model).load(getattr(torch, args.dtype))
     policy, _ = wrap_policy(model, LoraSettings(), needs_reference=False)
     settings = GenerationSettings(merge_lora=args.merge == "true")
-    engine = HFGenerator(policy, tokenizer, num_generations=args.rows // 2, max_new_tokens=args.new_tokens,
+    engine = HFGenerator(policy, tokenizer, max_new_tokens=args.new_tokens,
                          batch_size=args.rows, generation_settings=settings)  # fmt: skip
     prefix = list(range(100, 300))
     print(f"{args.model} {args.dtype}, merge_lora={args.merge}, {args.rows} rows x {args.new_tokens} tokens, "

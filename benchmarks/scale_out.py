@@ -54,7 +54,7 @@ def run_arm(arm: str, args: argparse.Namespace, out: Path) -> dict:
     overrides = [
         *ENGINE[engine], *SYNC[sync][engine], *PROCESSES[int(n)],
         f"trainer.max_epochs={args.rounds}", f"data.prompts_per_round={args.prompts}",
-        f"generator.num_generations={args.generations}", f"generator.max_new_tokens={args.max_new_tokens}",
+        f"variant.num_generations={args.generations}", f"generator.max_new_tokens={args.max_new_tokens}",
         "eval.enabled=false", "data.dynamic_sampling.enabled=false", "trainer.enable_progress_bar=false",
         f"hydra.run.dir={out}", *args.override,
     ]  # fmt: skip
@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=ARMS)
     parser.add_argument("--prompts", type=int, default=4, help="data.prompts_per_round")
-    parser.add_argument("--generations", type=int, default=4, help="generator.num_generations")
+    parser.add_argument("--generations", type=int, default=4, help="variant.num_generations")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=4, help="trainer.max_epochs (medians skip round 0)")
     parser.add_argument("--override", nargs="*", default=[], help="more CLI overrides, for every arm")

@@ -40,7 +40,6 @@ from grpo_lightning.app.analysis import EvalPoint, RunData, band, eval_points, r
 from grpo_lightning.app.jobs import Job, compose, run_jobs, value, wall_seconds
 
 PINNED = {
-    "generator.num_generations": 8,  # G: GRPO's group size, and STORPO's for a prompt it samples plainly
     "generator.temperature": 0.7,
     "generator.top_p": 1.0,
     "generator.top_k": 0,
@@ -64,7 +63,10 @@ PINNED = {
     "eval.seed": 1234,
 }
 """Settings every arm gets, set explicitly (the budget and eval.every_n_rounds come from the options)."""
+GRPO_PINNED = {"variant.num_generations": 8}
+"""GRPO's group size G (the variant owns it)."""
 STORPO_PINNED = {
+    "variant.fallback_generations": 8,  # the group of a prompt STORPO samples plainly: GRPO's G
     "variant.trees": 2,
     "variant.completions_per_step": 2,
     "variant.min_steps": 2,
@@ -104,8 +106,7 @@ def arm_overrides(experiment: str, arm: str, shared: dict[str, object], extra: l
     """A run's overrides, seed aside: the recipe, the shared pins, the arm's variant and pins, then `extra`."""
     own = dict(ARMS[arm])
     variant = own.pop("variant")
-    if variant == "storpo":
-        own = {**STORPO_PINNED, **own}
+    own = {**(STORPO_PINNED if variant == "storpo" else GRPO_PINNED), **own}
     pins = [f"{k}={hydra_value(v)}" for k, v in {**shared, **own}.items()]
     return [f"experiment={experiment}", f"variant={variant}", *pins, *extra]
 
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     check_equal(configs, list(shared))
-    settings = settings_table(configs, [*shared, *STORPO_KEYS])
+    settings = settings_table(configs, [*shared, *GRPO_PINNED, *STORPO_KEYS])
     header = f"experiment={args.experiment}, seeds {args.seeds}, extra overrides {args.overrides}\n\n{settings}"
     print(header, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

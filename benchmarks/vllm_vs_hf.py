@@ -62,7 +62,7 @@ def run_engine(name: str, args: argparse.Namespace, out: Path) -> dict:
         *(VLLM_COMMON if name.startswith("vllm") else []),
         f"trainer.max_epochs={args.rounds}",
         f"data.prompts_per_round={args.prompts}",
-        f"generator.num_generations={args.generations}",
+        f"variant.num_generations={args.generations}",
         f"generator.max_new_tokens={args.max_new_tokens}",
         f"generator.temperature={args.temperature}",
         "eval.enabled=false",
@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
     parser.add_argument("--prompts", type=int, default=4, help="data.prompts_per_round")
-    parser.add_argument("--generations", type=int, default=4, help="generator.num_generations")
+    parser.add_argument("--generations", type=int, default=4, help="variant.num_generations")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7, help="generator.temperature, every engine")
     parser.add_argument("--rounds", type=int, default=2, help="trainer.max_epochs (medians skip round 0)")

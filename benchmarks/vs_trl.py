@@ -152,7 +152,7 @@ def pins(
         Pin("optimizer steps", "trainer.max_epochs", steps, "max_steps", steps),
         Pin("prompts per optimizer step (TRL: batch x accumulation / G)", "data.prompts_per_round",
             prompts, None, None),
-        Pin("completions per prompt (G)", "generator.num_generations", group, "num_generations", group),
+        Pin("completions per prompt (G)", "variant.num_generations", group, "num_generations", group),
         Pin("completions per micro-batch (ours: whole groups)", "data.groups_per_micro_batch", micro // group,
             "per_device_train_batch_size", micro),
         Pin("micro-batches per optimizer step (ours: the whole round)", "trainer.accumulate_grad_batches", None,

@@ -107,9 +107,9 @@ CONFIG_MISTAKES = [
     ("unknown group option", ["loss=foo"], ["Could not find 'loss/foo'"]),
     ("unknown key", ["generator.num_generation=4"], ["generator.num_generation"]),
     ("missing required key", ["model=local"], ["model.source.path", "Missing mandatory value"]),
-    ("wrong type (int)", ["generator.num_generations=four"], ["generator.num_generations must be an integer"]),
+    ("wrong type (int)", ["variant.num_generations=four"], ["variant.num_generations must be an integer"]),
     ("wrong type (lr)", ["optim.optimizer.lr=fast"], ["optim.optimizer.lr must be a finite number", "'fast'"]),
-    ("group size < 2", ["generator.num_generations=1"], ["generator.num_generations must be >= 2"]),
+    ("group size < 2", ["variant.num_generations=1"], ["variant.num_generations must be >= 2"]),
     ("pass@k samples without k", ["eval.num_samples=4"], ["eval.num_samples=4 samples completions", "eval.pass_k"]),
     ("game reward on gsm8k", ["reward=selfplay_role"], ["use data=games variant=selfplay"]),
     ("games played by grpo", ["data=games", "reward=selfplay"], ["variant=grpo", "add variant=selfplay"]),
@@ -268,7 +268,7 @@ def test_checkpoint_of_another_model(tmp_path):
     ("overrides", "words", "code"),
     [
         (["loss=foo"], "Could not find 'loss/foo'", 1),  # Hydra's own composition error
-        (["generator.num_generations=1"], "generator.num_generations must be >= 2", 2),
+        (["variant.num_generations=1"], "variant.num_generations must be >= 2", 2),
         (
             ["data.dataset.source=path", "data.dataset.path=/nope.jsonl", "eval.enabled=false"],
             "file not found: /nope.jsonl",
@@ -287,7 +287,7 @@ def test_real_cli_exit_codes(tmp_path, overrides, words, code):
 def test_full_error_env_shows_the_traceback(tmp_path):
     env = dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONPATH=str(ROOT))
     result = cli_run(
-        "dry_run=true", f"hydra.run.dir={tmp_path}/run", "generator.num_generations=1", cwd=tmp_path, env=env
+        "dry_run=true", f"hydra.run.dir={tmp_path}/run", "variant.num_generations=1", cwd=tmp_path, env=env
     )
     assert result.returncode != 0 and "Traceback" in result.stderr
 
@@ -300,6 +300,7 @@ def test_full_error_env_shows_the_traceback(tmp_path):
         ("variant.scale_rewards=none", "reward.group_transforms.normalize.scale"),
         ("forward.share_prefix=false", "perf.forward.share_prefix"),
         ("generator.custom_decode=false", "perf.generate.custom_decode"),
+        ("generator.num_generations=4", "variant.num_generations"),
     ],
 )
 def test_cli_names_the_new_key_of_an_old_override(tmp_path, override, new_key):

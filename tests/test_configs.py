@@ -18,12 +18,23 @@ GPU_PERF = (  # perf=gpu, written out: checkpointed layers and a chunked head; g
     ),
     GenerationSettings(merge_lora=False, packed_weights=False),
 )  # fmt: skip
-SAMPLING_KEYS = ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k")
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k")
 OPTIONS = [(group, option) for group, options in sorted(GROUPS.items()) for option in options]
 
 
 def test_expected_groups_exist():
-    assert GROUPS["loss"] == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "grpo_clip_higher", "gspo", "luspo", "sapo", "vespo"]
+    assert GROUPS["loss"] == [
+        "bnpo",
+        "cispo",
+        "dapo",
+        "dr_grpo",
+        "grpo",
+        "grpo_clip_higher",
+        "gspo",
+        "luspo",
+        "sapo",
+        "vespo",
+    ]
     assert GROUPS["model"] == [
         "local",
         "qwen0.5b",

@@ -56,7 +56,7 @@ def run_overrides(run_dir: Path, devices: int, *extra: str) -> list[str]:
         "~optim.optimizer.betas",
         "optim.optimizer.lr=1.0",
         f"data.prompts_per_round={PROMPTS}",
-        f"generator.num_generations={G}",
+        f"variant.num_generations={G}",
         "eval.num_problems=3",  # not a multiple of 2: ranks score 2 and 1 problems
         "eval.every_n_rounds=100",
         "+callbacks.dump._target_=tests.helpers.DumpTrainableParams",
@@ -227,7 +227,7 @@ def test_storpo_under_two_ranks_equals_one_process(tmp_path, advantage):
         f"variant.advantage={advantage}",
         "generator.max_new_tokens=16",
         "data.prompts_per_round=2",  # with seed 0, one rank branches no continuation in the last third
-        "generator.num_generations=8",
+        "variant.num_generations=8",
     ]
     single, ddp = run(tmp_path / "single", 1, *extra), run(tmp_path / "ddp", 2, *extra)
     rank0, rank1 = torch.load(ddp["dir"] / "rank0.pt"), torch.load(ddp["dir"] / "rank1.pt")

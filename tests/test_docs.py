@@ -444,7 +444,7 @@ class ScriptedGenerator:
     def __init__(self, script: dict[tuple[int, ...], list[list[int]]]):
         from grpo_lightning.generation.base import SamplingConfig
 
-        self.sampling = SamplingConfig(num_generations=2, max_new_tokens=8)
+        self.sampling = SamplingConfig(max_new_tokens=8)
         self.script = script
         self.calls = []
 

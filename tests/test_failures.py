@@ -94,11 +94,11 @@ def test_resume_applies_a_new_schedule(finished_run):
     [
         (["seed=1"], ["seed 0 -> 1"]),
         (["loss=dapo"], ["loss.loss_type 'grpo' -> 'dapo'", "loss.epsilon_high 0.2 -> 0.28"]),
-        (["generator.num_generations=3"], ["generator.num_generations 8 -> 3"]),
+        (["variant.num_generations=3"], ["variant.num_generations 8 -> 3"]),
         (["data.prompts_per_round=4"], ["data.prompts_per_round 2 -> 4"]),
         (["model.lora.r=4"], ["model.lora.r 8 -> 4"]),
         (["model.lora.target_modules=[q_proj]"], ["model.lora.target_modules"]),
-        (["seed=2", "generator.num_generations=2"], ["seed 0 -> 2", "generator.num_generations 8 -> 2"]),
+        (["seed=2", "variant.num_generations=2"], ["seed 0 -> 2", "variant.num_generations 8 -> 2"]),
     ],
     ids=["seed", "loss", "G", "prompts_per_round", "lora r", "lora targets", "two at once"],
 )

@@ -232,7 +232,7 @@ def test_cuda_graph_engine_follows_the_weights_between_calls(tiny_model, tokeniz
 
     def rollouts(graphs: bool):
         levers = GenerationSettings(cuda_graphs=graphs, merge_lora=merge_lora)
-        engine = HFGenerator(policy, tokenizer, num_generations=4, max_new_tokens=24, temperature=0.9,
+        engine = HFGenerator(policy, tokenizer, max_new_tokens=24, temperature=0.9,
                              generation_settings=levers)  # fmt: skip
         torch.manual_seed(7)
         groups = engine.generate(prompts, 4, max_new_tokens=[24, 9, 17])  # STORPO-like budgets per prefix

@@ -75,7 +75,7 @@ BASE = [
     f"trainer.max_epochs={ROUNDS}",
     "trainer.enable_progress_bar=false",
     "generator.max_new_tokens=12",
-    "generator.num_generations=8",
+    "variant.num_generations=8",
     "data.prompts_per_round=2",
     "data.groups_per_micro_batch=2",
     "~reward.terms.vowels",

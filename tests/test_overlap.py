@@ -110,7 +110,6 @@ def test_round_k_plus_1_is_sampled_from_the_weights_round_k_started_training_wit
         plain = HFGenerator(
             policy,
             loop.tokenizer,
-            num_generations=cfg.generator.num_generations,
             max_new_tokens=cfg.generator.max_new_tokens,
             temperature=cfg.generator.temperature,
             seed_per_prefix=True,

@@ -107,7 +107,7 @@ def session_engine(llama_dir, tokenizer):
 
     _vllm()
     policy, _ = wrap_policy(_load(llama_dir), LoraSettings(r=8, alpha=16), needs_reference=False)
-    gen = VLLMGenerator(policy, tokenizer, num_generations=4, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, **ENGINE)
+    gen = VLLMGenerator(policy, tokenizer, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, **ENGINE)
     pristine = [(name, t.clone()) for name, t in policy_weights(policy, adapted_only=False)]
     return policy, gen, pristine
 
@@ -360,7 +360,7 @@ def test_full_finetune_push_reaches_every_parameter(engine, shared_backend, llam
     with torch.no_grad():
         for param in model.parameters():  # embeddings and norms too: a LoRA push never sends those
             param.mul_(1.1)
-    gen = VLLMGenerator(model, tokenizer, num_generations=4, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, **ENGINE)
+    gen = VLLMGenerator(model, tokenizer, max_new_tokens=MAX_NEW, temperature=TEMPERATURE, **ENGINE)
     gen.sync_weights(model)
     prefixes = _prompts(tokenizer)
     assert _logp_diff(model, prefixes, gen.generate(prefixes, 4)) <= LOGP_DIFF_BOUND

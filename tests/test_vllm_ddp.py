@@ -35,7 +35,7 @@ def ddp_vllm_run(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
         f"trainer.max_epochs={ROUNDS}",
         "+generator.engine_kwargs.enforce_eager=true",
         f"data.prompts_per_round={PROMPTS}",
-        f"generator.num_generations={G}",
+        f"variant.num_generations={G}",
         "+reward.terms.vowels._target_=tests.helpers.RecordingReward",
         f"+reward.terms.vowels.directory={run_dir}",
         "optim.optimizer.lr=1e-2",

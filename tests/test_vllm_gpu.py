@@ -116,7 +116,6 @@ def setup(qwen_dir, tokenizer):
     gen = VLLMGenerator(
         policy,
         tokenizer,
-        num_generations=4,
         max_new_tokens=24,
         temperature=TEMPERATURE,
         dtype="float32",

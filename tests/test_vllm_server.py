@@ -42,7 +42,7 @@ def test_started_servers_take_full_pushes_and_a_restarted_one_gets_them_before_i
     policy = _load(llama_dir)
     gen = VLLMServerGenerator(
         policy, tokenizer, num_servers=2, log_dir=str(tmp_path), max_new_tokens=16, temperature=0.7,
-        num_generations=4, **SERVER,
+        **SERVER,
     )  # fmt: skip
     try:
         prefixes = _prompts(tokenizer) * 2  # four prefixes, two per server
@@ -74,7 +74,7 @@ def cli(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
     run_dir.mkdir(parents=True)
     args = [
         "generator=vllm_server", *engine_cli_args(llama_dir), "trainer.max_epochs=2",
-        "data.prompts_per_round=4", "generator.num_generations=4",
+        "data.prompts_per_round=4", "variant.num_generations=4",
         "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
         # SGD: the update is linear in the gradient, so one process and two agree to float rounding
         "optim.optimizer._target_=torch.optim.SGD", "~optim.optimizer.betas", "optim.optimizer.lr=1.0",

@@ -199,7 +199,7 @@ class RunShape:
     """perf.forward.activation_checkpointing: each decoder layer keeps its input only and is recomputed."""
     merged_lora: bool = False
     """The HF engine samples a LoRA policy through merged copies of the targeted weights (perf.generate.merge_lora)."""
-    group_key: str = "generator.num_generations"
+    group_key: str = "variant.num_generations"
     """The config keys that set the group's size (the variant's), named where the estimate asks to lower them."""
     samples_per_prefix: int = 1
     """The most sequences a generate call samples from one prefix (the variant's): the engine's fewest rows."""

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 ABSENT = object()
 WIRED = re.compile(r"\$\{[\w.]+\}")
-"""An interpolation that only refers to another key (`${generator.num_generations}`), not a resolver's."""
+"""An interpolation that only refers to another key (`${generator.max_new_tokens}`), not a resolver's."""
 
 
 # ---- every declared key ------------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> lis
         except OmegaConfBaseException:  # an interpolation that resolves only in a Hydra run (${hydra:...})
             continue
         if OmegaConf.is_interpolation(node, key) and WIRED.fullmatch(str(node._get_node(key)._value())):
-            continue  # a node or a key wired from elsewhere (variant.num_generations: ${generator.num_generations}):
+            continue  # a node or a key wired from elsewhere (loss.max_completion_length: ${generator.max_new_tokens}):
             # checked, and named, where it is written
         if isinstance(value, DictConfig) and key not in mappings:
             children[key] = value

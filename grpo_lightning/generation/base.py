@@ -35,9 +35,9 @@ LOW_TEMPERATURE = 0.1
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Sampling parameters shared by every engine (config group `generator`)."""
+    """Sampling parameters shared by every engine (config group `generator`). How many completions a prefix gets is
+    the caller's (`generate(prefixes, num_samples, ...)`): the variant owns the group's size."""
 
-    num_generations: int = setting(8, integer(2))
     max_new_tokens: int = setting(96, integer(1))
     temperature: float = setting(0.7, number(above=0))
     top_p: float = setting(1.0, number(above=0, high=1))

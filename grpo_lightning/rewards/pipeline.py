@@ -59,6 +59,10 @@ MOVED_KEYS = {
     ),
     "loss.scale_rewards": "reward.group_transforms.normalize.scale (group | batch | none | auto; docs/rewards.md)",
     "variant.scale_rewards": "reward.group_transforms.normalize.scale (group | batch | none | auto; docs/rewards.md)",
+    "generator.num_generations": (
+        "variant.num_generations (the variant owns its group; variant=storpo: variant.trees and "
+        "variant.fallback_generations, self-play: variant.games_per_group)"
+    ),
     # the speed levers: one perf group (perf=cpu_fast | plain; docs/performance.md)
     **{
         f"{old}.{name}": f"perf.{new}.{name} (perf=cpu_fast | plain; docs/performance.md)"

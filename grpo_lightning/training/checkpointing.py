@@ -148,7 +148,7 @@ FIXED_ON_RESUME = (
     "trainer.accumulate_grad_batches",
 )
 """Keys a resume may not change, beside the keys that set the variant's group size (`GroupShape.keys`: G is
-`generator.num_generations` for variant=grpo, unused by self-play): the checkpoint's weights, optimizer state,
+`variant.num_generations` for variant=grpo): the checkpoint's weights, optimizer state,
 pending rollouts and RNG streams were made with them (model and LoRA shape: the weights; seed, data, variant and
 its group: the rollouts and the prompt order;
 loss: the objective those weights were trained on; optimizer class and steps per round: the optimizer state and

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GRPOSettings:
-    """`variant=grpo`: the group size, wired from `generator.num_generations` (TRL's name for it) in conf/."""
+    """`variant=grpo`: the group size G (TRL's `num_generations`), owned here: the engine samples what it is asked."""
 
     num_generations: int = setting(8, integer(2))
 
@@ -34,7 +34,7 @@ class BaselineGRPO(GRPOVariant):
         return GroupShape(
             rollouts=g,
             samples=f"{g} completions",
-            keys=("generator.num_generations",),
+            keys=("variant.num_generations",),
             samples_per_prefix=g,
             shared_prompt=True,
         )

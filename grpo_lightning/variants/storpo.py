@@ -67,7 +67,7 @@ class STORPOSettings:
     completions_per_step: int = setting(2, integer(1))
     min_steps: int = setting(2, integer(1))
     max_steps: int = setting(2, integer(1))
-    fallback_generations: int = setting(4, integer(2))
+    fallback_generations: int = setting(8, integer(2))
     step_rule: str = setting(
         "uncertainty",
         choice(*STEP_RULES),

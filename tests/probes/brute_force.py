@@ -32,7 +32,7 @@ class UnequalLengths:
 
 
 PINNED_SHAPE = (
-    "generator.num_generations=4",
+    "variant.num_generations=4",
     "data.prompts_per_round=4",
     "data.dynamic_sampling.enabled=false",
     "generator.temperature=1.0",

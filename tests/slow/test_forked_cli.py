@@ -31,7 +31,7 @@ def _env(**values: str) -> dict[str, str]:
     "args",
     [
         ("--cfg", "job", "loss=dr_grpo"),  # Hydra's own flags: the composed config on stdout
-        ("dry_run=true", "generator.num_generations=1"),  # a config mistake: exit 2, one line, no traceback
+        ("dry_run=true", "variant.num_generations=1"),  # a config mistake: exit 2, one line, no traceback
         ("dry_run=true", "loss=foo"),  # Hydra's own composition error: exit 1
     ],
     ids=["cfg job", "config mistake", "composition error"],
@@ -47,10 +47,10 @@ def test_a_forked_run_prints_and_exits_as_the_real_process(tmp_path, args):
 
 def test_a_forked_run_reads_its_own_environment_and_working_directory(tmp_path):
     """HYDRA_FULL_ERROR given to this run only, and a relative run directory under this run's cwd."""
-    args = ("dry_run=true", "generator.num_generations=1", "hydra.run.dir=rel")
+    args = ("dry_run=true", "variant.num_generations=1", "hydra.run.dir=rel")
     forked = cli_run(*args, cwd=tmp_path, env=_env(HYDRA_FULL_ERROR="1"))
     assert forked.returncode == 1 and "Traceback" in forked.stderr  # the full error, as the real CLI prints it
-    assert cli_run(*args, cwd=tmp_path, env=_env()).stderr.startswith("error: generator.num_generations")
+    assert cli_run(*args, cwd=tmp_path, env=_env()).stderr.startswith("error: variant.num_generations")
     assert not (ROOT / "rel").exists()
 
 

@@ -23,7 +23,7 @@ from grpo_lightning.models.sources import PackagedGGUFSource, RandomSource
 torch.set_num_threads(1)
 rows, new_tokens = int(sys.argv[1]), int(sys.argv[2])
 model, tokenizer = RandomSource(tokenizer_source=PackagedGGUFSource()).load(torch.float32)
-engine = HFGenerator(model, tokenizer, num_generations=rows, max_new_tokens=new_tokens, batch_size=16)
+engine = HFGenerator(model, tokenizer, max_new_tokens=new_tokens, batch_size=16)
 prefix = tokenizer("What is 2 + 2?", add_special_tokens=False)["input_ids"]
 def status(field):
     line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))

@@ -1,6 +1,6 @@
 """benchmarks/vs_trl.py --check --tiny: each of the nine loss types (and grpo with the entropy bonus) equals TRL's
-GRPOTrainer on one shared batch (the loss and every LoRA gradient), on the random tiny model. TRL is the benchmark-only `bench` extra: skipped without
-it."""
+GRPOTrainer on one shared batch (the loss and every LoRA gradient), on the random tiny model. TRL is the
+benchmark-only `bench` extra: skipped without it."""
 
 from __future__ import annotations
 

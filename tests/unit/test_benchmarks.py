@@ -42,7 +42,7 @@ def test_the_overlap_benchmark_modes_differ_in_the_overlap_only(engine):
     assert differing == {"rollout.max_staleness", "rollout.sampler_threads"}
     assert [value(configs[m], "rollout.max_staleness") for m in modes] == [0, 1]
     for cfg in configs.values():  # by hand, the pins the comparison rests on
-        assert value(cfg, "generator.num_generations") == 8 and value(cfg, "generator.max_new_tokens") == 96
+        assert value(cfg, "variant.num_generations") == 8 and value(cfg, "generator.max_new_tokens") == 96
         assert value(cfg, "generator.temperature") == 0.7 and value(cfg, "data.dynamic_sampling.enabled") is False
         assert value(cfg, "optim.optimizer.lr") == 0 and value(cfg, "trainer.max_epochs") == 4
         assert value(cfg, "generator._target_").endswith("VLLMGenerator" if engine == "vllm" else "HFGenerator")
@@ -58,7 +58,8 @@ def test_every_arm_gets_the_same_pinned_settings(experiment):
     configs = {a: compose(variants.arm_overrides(experiment, a, shared, [])) for a in variants.ARMS}
     for name, cfg in configs.items():
         # by hand, the settings the comparison rests on (the recipe sets some of them otherwise, e.g. eval problems)
-        assert value(cfg, "generator.num_generations") == 8, name
+        group = "variant.fallback_generations" if name.startswith("storpo") else "variant.num_generations"
+        assert value(cfg, group) == 8, name  # G, and STORPO's for a prompt it samples plainly
         assert value(cfg, "generator.temperature") == 0.7, name
         assert value(cfg, "generator.max_new_tokens") == 48, name
         assert value(cfg, "data.prompts_per_round") == 16, name
@@ -103,9 +104,9 @@ def test_extra_overrides_reach_every_arm_and_the_printed_settings():
 
 def test_check_equal_refuses_a_setting_that_differs():
     configs = {"grpo": compose(["experiment=learn_cpu", "variant=grpo"])}
-    configs["storpo"] = compose(["experiment=learn_cpu", "variant=storpo", "generator.num_generations=4"])
-    with pytest.raises(SystemExit, match="generator.num_generations differs"):
-        variants.check_equal(configs, ["generator.num_generations"])
+    configs["storpo"] = compose(["experiment=learn_cpu", "variant=storpo", "generator.temperature=0.9"])
+    with pytest.raises(SystemExit, match="generator.temperature differs"):
+        variants.check_equal(configs, ["generator.temperature"])
 
 
 def leaves(node, prefix=""):
@@ -401,7 +402,8 @@ def test_variants_tables_by_hand(tmp_path, capsys):
     assert "grpo_seed0: finished before, reading it" in capsys.readouterr().out
     text = (tmp_path / "variants.md").read_text()
     assert "| `max_tokens_generated` | `5000` | `5000` |" in text  # the settings, as composed
-    assert "| `generator.num_generations` | `8` | `8` |" in text
+    assert "| `variant.num_generations` | `8` | `null` |" in text  # each variant's own group key
+    assert "| `variant.fallback_generations` | `null` | `8` |" in text
     assert "| `variant.advantage` | `null` | `tree` |" in text
     rows = [line for line in text.splitlines() if line.startswith(("| grpo", "| storpo"))]
     assert rows == [

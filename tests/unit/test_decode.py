@@ -89,7 +89,6 @@ def test_loop_with_warpers_samples_what_generate_samples(policy, tokenizer, top_
         gen = HFGenerator(
             policy,
             tokenizer,
-            num_generations=3,
             max_new_tokens=10,
             temperature=0.8,
             top_k=top_k,
@@ -140,7 +139,7 @@ def test_the_hf_engine_samples_inside_the_attention_choice(tiny_model, tokenizer
         return contextlib.nullcontext()
 
     monkeypatch.setattr(hf, "attention_backends_for_decoding", recording)
-    HFGenerator(tiny_model, tokenizer, num_generations=2, max_new_tokens=3).generate([[1, 2, 3]], 2)
+    HFGenerator(tiny_model, tokenizer, max_new_tokens=3).generate([[1, 2, 3]], 2)
     assert devices == [torch.device("cpu")]
 
 

@@ -26,7 +26,7 @@ def policy(tiny_model):
 def sample(policy, tokenizer, greedy=False, **levers):
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 2 + 2?", "Hi", "A longer prompt with more words")]
     settings = GenerationSettings(**levers)
-    gen = HFGenerator(policy, tokenizer, num_generations=3, max_new_tokens=12, temperature=0.7, batch_size=9,
+    gen = HFGenerator(policy, tokenizer, max_new_tokens=12, temperature=0.7, batch_size=9,
                       generation_settings=settings)  # fmt: skip
     torch.manual_seed(0)
     return gen.generate(prompts, 1 if greedy else 3, greedy=greedy)

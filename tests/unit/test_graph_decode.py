@@ -125,7 +125,7 @@ def test_the_cuda_graphs_key_does_nothing_on_a_cpu(tiny_model, tokenizer):
     out = []
     for graphs in (True, False):
         levers = GenerationSettings(cuda_graphs=graphs)
-        engine = HFGenerator(tiny_model, tokenizer, num_generations=4, max_new_tokens=12, generation_settings=levers)
+        engine = HFGenerator(tiny_model, tokenizer, max_new_tokens=12, generation_settings=levers)
         torch.manual_seed(5)
         out.append([[(c.token_ids, c.logprobs) for c in group] for group in engine.generate(prompts, 4)])
     assert out[0] == out[1]

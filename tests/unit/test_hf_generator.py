@@ -30,7 +30,6 @@ def test_left_pad():
 @pytest.mark.parametrize(
     ("key", "kwargs"),
     [
-        ("num_generations", {"num_generations": 1}),
         ("max_new_tokens", {"max_new_tokens": 0}),
         ("temperature", {"temperature": 0.0}),
         ("top_p", {"top_p": 1.5}),
@@ -45,7 +44,7 @@ def test_sampling_config_names_the_bad_key(key, kwargs):
 def test_generated_logprobs_equal_a_full_forward(tiny_model, tokenizer):
     """The log-probs generate reports equal those of one forward over prompt + completion (no cache)."""
     torch.manual_seed(0)
-    gen = HFGenerator(tiny_model, tokenizer, num_generations=3, max_new_tokens=12, temperature=0.7)
+    gen = HFGenerator(tiny_model, tokenizer, max_new_tokens=12, temperature=0.7)
     prompts = [tokenizer("What is 2 + 2?")["input_ids"], tokenizer("Hi")["input_ids"]]
     samples = gen.generate(prompts, num_samples=3)
     assert [len(s) for s in samples] == [3, 3]
@@ -63,7 +62,7 @@ def test_generated_logprobs_equal_a_full_forward(tiny_model, tokenizer):
 
 
 def test_generation_stops_at_eos_and_marks_truncation(tiny_model, tokenizer):
-    gen = HFGenerator(tiny_model, tokenizer, num_generations=2, max_new_tokens=4)
+    gen = HFGenerator(tiny_model, tokenizer, max_new_tokens=4)
     samples = gen.generate([tokenizer("abc")["input_ids"]], num_samples=2, max_new_tokens=4)
     for c in samples[0]:
         eos_positions = [i for i, t in enumerate(c.token_ids) if t in gen.eos_token_ids]
@@ -73,7 +72,7 @@ def test_generation_stops_at_eos_and_marks_truncation(tiny_model, tokenizer):
 
 
 def test_per_prefix_budgets_cap_each_prefix(tiny_model, tokenizer):
-    gen = HFGenerator(tiny_model, tokenizer, num_generations=2, max_new_tokens=10, batch_size=2)
+    gen = HFGenerator(tiny_model, tokenizer, max_new_tokens=10, batch_size=2)
     prompts = [tokenizer("one")["input_ids"], tokenizer("two two")["input_ids"], tokenizer("three")["input_ids"]]
     samples = gen.generate(prompts, num_samples=2, max_new_tokens=[3, 7, 1])
     for budget, completions in zip([3, 7, 1], samples, strict=True):
@@ -94,7 +93,7 @@ def test_auto_batch_size_samples_sixteen_rows_a_call_on_a_cpu(tiny_model, tokeni
     number 16 does; a number is kept. Counted at the call the decode makes."""
     calls = []
     for batch_size, expected in (("auto", 16), (16, 16), (8, 8)):
-        gen = HFGenerator(tiny_model, tokenizer, num_generations=8, max_new_tokens=2, batch_size=batch_size)
+        gen = HFGenerator(tiny_model, tokenizer, max_new_tokens=2, batch_size=batch_size)
         real = gen._generate_chunk
         monkeypatch.setattr(gen, "_generate_chunk", lambda p, *a, real=real: calls.append(len(p)) or real(p, *a))
         assert gen.rows_per_call_now() == expected

@@ -312,7 +312,11 @@ def test_aggregate_hand_values() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"loss_type": "foo"}, "loss.loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, or the import path of a LossType subclass (got 'foo')"),
+        (
+            {"loss_type": "foo"},
+            "loss.loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, or the import path "
+            "of a LossType subclass (got 'foo')",
+        ),
         ({"beta": -1.0}, "loss.beta must be >= 0 (got -1.0)"),
         ({"beta": float("nan")}, "loss.beta must be a finite number (got nan)"),
         ({"epsilon_low": 1.0}, "loss.epsilon_low must be < 1 (got 1.0)"),

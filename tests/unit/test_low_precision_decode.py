@@ -39,7 +39,7 @@ def prompts(tokenizer) -> list[list[int]]:
 def engine(model, tokenizer, seed_per_prefix: bool = False, **levers) -> HFGenerator:
     settings = GenerationSettings(**levers)
     return HFGenerator(
-        model, tokenizer, num_generations=3, max_new_tokens=12, temperature=TEMPERATURE, batch_size=6,
+        model, tokenizer, max_new_tokens=12, temperature=TEMPERATURE, batch_size=6,
         seed_per_prefix=seed_per_prefix, generation_settings=settings,
     )  # fmt: skip
 

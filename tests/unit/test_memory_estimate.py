@@ -143,18 +143,18 @@ def test_the_streams_counted_follow_the_config(tmp_path, overrides, streams):
 
 def test_the_decode_rows_are_the_group_at_least():
     """A call never splits one prompt's G samples: G rows whatever generator.batch_size says, so a huge group is
-    counted (and refused) by its decode step's [G, vocab] logits, naming generator.num_generations."""
+    counted (and refused) by its decode step's [G, vocab] logits, naming variant.num_generations."""
     # overlap: both phases listed
     run = _run(group_size=1000, samples_per_prefix=1000, hf_batch_rows=1000, overlap=True)
     kv = 1000 * 15 * 2 * 2 * 4 * 4
     assert _terms(estimate(SHAPE, run).cpu)["generation"] == kv + 1000 * 50 * 4 * 7
     (term,) = [t for t in estimate(SHAPE, run).cpu if t.name == "generation"]
-    assert term.key == "generator.num_generations"
+    assert term.key == "variant.num_generations"
 
 
 def test_refusal_names_the_key_of_the_largest_term():
     result = estimate(SHAPE, _run(group_size=100_000))
-    with pytest.raises(ValueError, match=r"of CPU RAM .* activations alone take .*: lower generator.num_generations"):
+    with pytest.raises(ValueError, match=r"of CPU RAM .* activations alone take .*: lower variant.num_generations"):
         check_fits(result, cpu_bytes=GIB)
     grouped = estimate(SHAPE, _run(groups_per_micro_batch=100_000))
     with pytest.raises(ValueError, match="lower data.groups_per_micro_batch"):
@@ -168,7 +168,7 @@ def test_refusal_names_the_key_of_the_largest_term():
 def test_gpu_refusal_only_when_a_gpu_size_is_given():
     result = estimate(SHAPE, _run(trainer_on_gpu=True, group_size=100_000))
     check_fits(result, cpu_bytes=64 * GIB)  # no GPU visible: the GPU estimate is printed, not checked
-    with pytest.raises(ValueError, match=r"of GPU memory .*generator.num_generations"):
+    with pytest.raises(ValueError, match=r"of GPU memory .*variant.num_generations"):
         check_fits(result, cpu_bytes=64 * GIB, gpu_bytes=GIB)
 
 
@@ -181,10 +181,10 @@ def test_a_group_that_cannot_fit_is_refused_before_anything_loads(tmp_path, monk
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(models.RandomSource, "load", never)
-    result = cli("model=tiny", "generator.num_generations=100000", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    result = cli("model=tiny", "variant.num_generations=100000", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert "GiB of CPU RAM" in line and "lower generator.num_generations" in line
+    assert "GiB of CPU RAM" in line and "lower variant.num_generations" in line
 
 
 def test_the_plan_prints_the_estimate(tmp_path):
@@ -284,7 +284,7 @@ def test_the_7b_plan_with_long_completions_fits_a_gpu_with_trainer_gpu(tmp_path)
     from grpo_lightning.models.architectures import known_config
     from tests.conftest import make_cfg
 
-    overrides = ["trainer=gpu", "model.dtype=bfloat16", "generator.num_generations=8", "data.prompts_per_round=8",
+    overrides = ["trainer=gpu", "model.dtype=bfloat16", "variant.num_generations=8", "data.prompts_per_round=8",
                  "generator.max_new_tokens=2048"]  # fmt: skip
     config = known_config("Qwen/Qwen2.5-7B-Instruct")
     shape = model_shape(config, lora_r=16, target_modules="all-linear")

@@ -27,9 +27,7 @@ def policy(tiny_model):
 
 
 def engine(policy, tokenizer, seed_per_prefix: bool) -> HFGenerator:
-    return HFGenerator(
-        policy, tokenizer, num_generations=3, max_new_tokens=10, batch_size=6, seed_per_prefix=seed_per_prefix
-    )
+    return HFGenerator(policy, tokenizer, max_new_tokens=10, batch_size=6, seed_per_prefix=seed_per_prefix)
 
 
 def prefixes(tokenizer) -> list[list[int]]:

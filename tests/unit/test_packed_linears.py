@@ -105,7 +105,7 @@ def test_generation_with_auto_packed_weights_is_identical(tiny_model, tokenizer,
     results = []
     for mode in (False, "auto"):
         levers = GenerationSettings(custom_decode=custom_decode, packed_weights=mode)
-        gen = HFGenerator(policy, tokenizer, num_generations=4, max_new_tokens=12, generation_settings=levers)
+        gen = HFGenerator(policy, tokenizer, max_new_tokens=12, generation_settings=levers)
         torch.manual_seed(0)
         results.append(gen.generate(prompts, 4))
     for plain_group, packed_group in zip(*results, strict=True):

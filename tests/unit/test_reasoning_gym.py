@@ -207,7 +207,7 @@ def test_learn_arith_composes_and_dry_runs(tmp_path, capsys):
     assert (cfg.data.dataset.task, cfg.data.dataset.answer_format) == ("basic_arithmetic", "boxed")
     assert cfg.data.dataset.task_config == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     assert (cfg.data.prompts_per_round, cfg.trainer.max_epochs) == (16, 25)
-    assert (cfg.generator.num_generations, cfg.generator.temperature, cfg.generator.max_new_tokens) == (8, 0.7, 48)
+    assert (cfg.variant.num_generations, cfg.generator.temperature, cfg.generator.max_new_tokens) == (8, 0.7, 48)
     assert (cfg.loss.beta, cfg.loss.epsilon_high, cfg.optim.optimizer.lr) == (0.0, 0.28, 5e-4)
     assert cfg.data.dynamic_sampling.enabled and cfg.eval.num_problems == 128
     assert dry_run(tmp_path / "run", ["experiment=learn_arith"]) == pytest.approx(1.0)  # right; format weight 0

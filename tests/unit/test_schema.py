@@ -41,7 +41,6 @@ KEYS = [
     "generator.batch_size",
     "generator.logp_diff_threshold",
     "generator.max_new_tokens",
-    "generator.num_generations",
     "generator.on_stale",
     "generator.seed_per_prefix",
     "generator.temperature",

@@ -515,7 +515,7 @@ def test_a_kuhn_evaluation_reports_the_chips_won_around_their_exact_expectation(
 # ---- the HF engine's adapter swaps -------------------------------------------------------------------------------
 def test_sampling_from_swaps_and_restores_bit_for_bit(tiny_model, tokenizer):
     policy = lora_policy_with_random_adapters(tiny_model)
-    engine = HFGenerator(policy, tokenizer, num_generations=2, max_new_tokens=6)
+    engine = HFGenerator(policy, tokenizer, max_new_tokens=6)
     own = engine.adapter_weights()
     prefix = tokenizer("Tic tac toe?", add_special_tokens=False)["input_ids"]
 

@@ -20,19 +20,24 @@ from grpo_lightning.variants.selfplay import SelfPlay
 from grpo_lightning.variants.storpo import STORPO, STORPOSettings
 from tests.conftest import make_cfg
 
-GRPO = ["variant=grpo", "generator.num_generations=6"]
-STORPO_RUN = ["variant=storpo", "variant.completions_per_step=3", "variant.max_steps=2", "generator.num_generations=5"]
+GRPO = ["variant=grpo", "variant.num_generations=6"]
+STORPO_RUN = [
+    "variant=storpo",
+    "variant.completions_per_step=3",
+    "variant.max_steps=2",
+    "variant.fallback_generations=5",
+]
 SELFPLAY = ["experiment=selfplay_tictactoe", "variant.games_per_group=3", "variant.max_turns=9"]
 
 
 def test_each_variant_says_its_group():
     assert BaselineGRPO(num_generations=6).group() == GroupShape(
-        rollouts=6, samples="6 completions", keys=("generator.num_generations",), samples_per_prefix=6,
+        rollouts=6, samples="6 completions", keys=("variant.num_generations",), samples_per_prefix=6,
         shared_prompt=True,
     )  # fmt: skip
     storpo = STORPO(trees=2, completions_per_step=3, max_steps=2, fallback_generations=5).group()
     assert (storpo.rollouts, storpo.samples_per_prefix, storpo.shared_prompt) == (2 * (1 + 3 * 2), 3, True)
-    assert "variant.trees" in storpo.keys and "generator.num_generations" not in storpo.keys
+    assert "variant.trees" in storpo.keys and "variant.num_generations" not in storpo.keys
     plain_heavy = STORPO(trees=1, completions_per_step=1, max_steps=2, fallback_generations=8).group()
     assert (plain_heavy.rollouts, plain_heavy.samples_per_prefix) == (8, 7)  # plainly: the larger group
     selfplay = SelfPlay(games_per_group=3, max_turns=9).group()
@@ -69,7 +74,7 @@ def test_a_variant_takes_its_settings_object_or_its_keys():
 @pytest.mark.parametrize(
     ("overrides", "variant", "rollouts", "key", "prefix_rows", "shared"),
     [
-        (GRPO, BaselineGRPO(num_generations=6), 6, "generator.num_generations", 6, True),
+        (GRPO, BaselineGRPO(num_generations=6), 6, "variant.num_generations", 6, True),
         (STORPO_RUN, STORPO(trees=2, completions_per_step=3, max_steps=2, fallback_generations=5), 14,
          "variant.trees or variant.completions_per_step or variant.max_steps or variant.fallback_generations", 3,
          True),
@@ -108,16 +113,14 @@ def test_a_resume_fixes_the_keys_of_the_variants_group(tmp_path):
 
     grpo = BaselineGRPO(num_generations=6)
     path, settings = checkpoint(GRPO, grpo)
-    assert settings["generator.num_generations"] == 6
-    changed = fixed_settings(make_cfg(tmp_path, [*GRPO, "generator.num_generations=4"]), grpo.group().keys)
-    with pytest.raises(ValueError, match="generator.num_generations 6 -> 4"):
+    assert settings["variant.num_generations"] == 6
+    changed = fixed_settings(make_cfg(tmp_path, [*GRPO, "variant.num_generations=4"]), grpo.group().keys)
+    with pytest.raises(ValueError, match="variant.num_generations 6 -> 4"):
         check_resume_settings(path, changed, grpo.group().keys)
 
     selfplay = SelfPlay(games_per_group=3, max_turns=9)
     path, settings = checkpoint(SELFPLAY, selfplay)
-    assert "generator.num_generations" not in settings and settings["variant.games_per_group"] == 3
-    unused = fixed_settings(make_cfg(tmp_path, [*SELFPLAY, "generator.num_generations=4"]), selfplay.group().keys)
-    check_resume_settings(path, unused, selfplay.group().keys)  # G is not self-play's group: a resume may change it
+    assert "variant.num_generations" not in settings and settings["variant.games_per_group"] == 3
     with pytest.raises(ValueError, match="variant.games_per_group 3 -> 5"):
         more = fixed_settings(make_cfg(tmp_path, [*SELFPLAY, "variant.games_per_group=5"]), selfplay.group().keys)
         check_resume_settings(path, more, selfplay.group().keys)

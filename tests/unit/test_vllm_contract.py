@@ -62,7 +62,7 @@ def backend(tokenizer):
 
 
 def make_generator(policy, tokenizer, backend, **kwargs) -> VLLMGenerator:
-    defaults = {"model_path": "/models/tiny", "num_generations": 2, "max_new_tokens": 4}
+    defaults = {"model_path": "/models/tiny", "max_new_tokens": 4}
     return VLLMGenerator(policy, tokenizer, backend=backend, **(defaults | kwargs))
 
 
@@ -335,7 +335,7 @@ def test_engine_model_path(tiny_model, lora_policy):
 def test_sampling_kwargs():
     from grpo_lightning.generation.base import SamplingConfig
 
-    sampling = SamplingConfig(num_generations=4, max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20)
+    sampling = SamplingConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20)
     assert sampling_kwargs(sampling, 4, 10, False, [2, 7]) == {
         "n": 4,
         "max_tokens": 10,

@@ -80,7 +80,7 @@ def policy(tiny_model):
 
 def generator(policy, tokenizer, backend, engine_process: bool) -> VLLMGenerator:
     return VLLMGenerator(
-        policy, tokenizer, model_path="/models/tiny", num_generations=2, max_new_tokens=4, backend=backend,
+        policy, tokenizer, model_path="/models/tiny", max_new_tokens=4, backend=backend,
         engine_process=engine_process,
     )  # fmt: skip
 

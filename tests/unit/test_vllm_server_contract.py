@@ -37,7 +37,6 @@ def generator(policy, tokenizer, servers, tmp_path, **keys) -> VLLMServerGenerat
         "model_path": "/models/tiny",
         "transfer_dir": str(tmp_path / "transfer"),
         "request_timeout_s": 5,
-        "num_generations": 2,
         "max_new_tokens": 8,
     } | keys
     return VLLMServerGenerator(policy, tokenizer, **keys)
