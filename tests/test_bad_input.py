@@ -429,6 +429,12 @@ VALIDATION_MISTAKES = [
         ["seed=abc", "model.lora.r=abc", "data.prompts_per_round=-2"],
         ["seed must be", "model.lora.r must be", "data.prompts_per_round must be >= 1"],
     ),
+    # a key nothing takes, in any node and at the top level, named with the closest key that exists
+    ("optimizer key", ["+optim.optimizer.momentum=0.9"], ["optim.optimizer.momentum is not a key", "betas, "]),
+    ("LoRA key", ["+model.lora.rank=4"], ["model.lora.rank is not a key of model.lora", "target_modules"]),
+    ("top-level typo", ["+max_token_generated=100"], ["did you mean max_tokens_generated?"]),
+    ("variant typo", ["variant=storpo", "+variant.tress=3"], ["variant.tress", "did you mean variant.trees?"]),
+    ("reward term key", ["+reward.terms.gsm8k.wieght=2"], ["did you mean reward.terms.gsm8k.weight?"]),
     ("games without self-play", [*SELFPLAY, "variant=grpo"], ["data=games is played by variant=selfplay"]),
     ("self-play without games", ["variant=selfplay"], ["variant=selfplay plays games: choose data=games"]),
     ("self-play on vllm", [*SELFPLAY, "generator=vllm"], ["generator=vllm cannot do yet", "generator=hf"]),

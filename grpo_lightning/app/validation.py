@@ -13,7 +13,10 @@ joined with "; "). Values that are legal but probably not meant (a near-zero tem
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -27,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from grpo_lightning.app.schema import RunSettings
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.generation.placement import shards_weights, world_size
-from grpo_lightning.rewards.pipeline import check_moved_keys
+from grpo_lightning.rewards.pipeline import TERM_KEYS, check_moved_keys
 from grpo_lightning.schema import (
     ConfigRules,
     declared,
@@ -61,13 +64,22 @@ def lookup(cfg: DictConfig, key: str):
 def check_rules(cfg: DictConfig) -> list[str]:
     """Every declared key of the composed config against its rule (grpo_lightning/schema.py): the top level and
     third-party nodes by `RunSettings` (app/schema.py), every node with a `_target_` by its target's settings. A
-    key no declaration knows is left to the constructor it is passed to (build() names it)."""
+    key nothing takes is `check_unknown_keys`'s."""
     return node_problems(cfg, "", (RunSettings,))
 
 
-def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> list[str]:
+def check_unknown_keys(cfg: DictConfig) -> None:
+    """Every key of the composed config that nothing takes (`unknown_keys`), in one ValueError. Run after the checks
+    of combinations, whose messages say more when a recipe's keys sit under another option (self-play's keys
+    under variant=grpo)."""
+    found = node_problems(cfg, "", (RunSettings,), unknown=True)
+    if found:
+        raise ValueError("; ".join(found))
+
+
+def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...], unknown: bool = False) -> list[str]:
     """The problems of one node (at dotted `path`) and of the nodes below it, `schemas` declaring its keys unless
-    its own `_target_` names a declaration."""
+    its own `_target_` names a declaration: the declared keys' rules, or with `unknown` the keys nothing takes."""
     target = node.get("_target_") if "_target_" in node else None
     if isinstance(target, str):
         schemas = target_schemas(target) or schemas
@@ -87,11 +99,71 @@ def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...]) -> lis
             children[key] = value
         else:
             values[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    found = [problem for schema in schemas for problem in problems(values, schema, path)]
+    if unknown:
+        found = unknown_keys(node, path, schemas, target)
+    else:
+        found = [problem for schema in schemas for problem in problems(values, schema, path)]
     for key, child in children.items():
         child_path = f"{path}.{key}" if path else key
-        found += node_problems(child, child_path, tuple(s for s in [nested_schema(schemas, key)] if s))
+        found += node_problems(child, child_path, tuple(s for s in [nested_schema(schemas, key)] if s), unknown)
     return found
+
+
+def unknown_keys(node: DictConfig, path: str, schemas: tuple[type, ...], target: Any) -> list[str]:
+    """Keys of `node` that nothing takes, each named with the closest key that exists (`+model.lora.rank=4`: did
+    you mean model.lora.r?), before anything is built: the keys a node's `_target_` accepts (its parameters, or
+    its declared settings when it takes `**keys`), the declared keys of a node without one, and at the top level
+    the run's own keys and nodes. A target that passes unknown keys on (`**kwargs`, undeclared) accepts any."""
+    known = accepted_keys(node, path, schemas, target)
+    if known is None:
+        return []
+    found = []
+    for key in node:
+        if not isinstance(key, str) or key.startswith("_") or key in known:
+            continue
+        child = node._get_node(key)
+        if path and isinstance(child, DictConfig) and "_target_" in child:  # a component of its own, built by it
+            continue
+        where = f"{path}.{key}" if path else key
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        if close:
+            hint = f"; did you mean {path + '.' if path else ''}{close[0]}?"
+        else:
+            shown = sorted(known)
+            hint = f" (it takes {', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''})" if path else ""
+        found.append(f"{where} is not a key of {path or 'the config'}{hint}")
+    return found
+
+
+def accepted_keys(node: DictConfig, path: str, schemas: tuple[type, ...], target: Any) -> set[str] | None:
+    """The keys `node` may hold (see `unknown_keys`); None when any key is accepted."""
+    names = {name for schema in schemas for name in declared(schema)}
+    if path.startswith("reward.terms.") and path.count(".") == 2:
+        names |= TERM_KEYS
+    if not path:
+        return names | top_level_nodes()
+    if isinstance(target, str):
+        built = import_target(target)
+        if built is None:
+            return None  # build() names the target that does not import
+        try:
+            parameters = inspect.signature(built).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        if takes_any and not names:
+            return None
+        return names | {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return names or None
+
+
+@functools.cache
+def top_level_nodes() -> frozenset[str]:
+    """The top-level nodes a run's config may hold: conf/config.yaml's own keys, its config groups, Hydra's."""
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    own = OmegaConf.load(conf / "config.yaml")
+    groups = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    return frozenset({str(k) for k in own} | groups | {"hydra"})
 
 
 def values_with_mappings(schemas: tuple[type, ...]) -> set[str]:
@@ -160,6 +232,7 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
     check_overlap(cfg)
     check_reward_fits_data(cfg)
     check_components(cfg)
+    check_unknown_keys(cfg)
     target = cfg.optim.optimizer.get("_target_")
     if target_class(target) is None:
         raise ValueError(f"optim.optimizer._target_: cannot import {target!r}")

@@ -49,6 +49,8 @@ from grpo_lightning.schema import import_target
 logger = logging.getLogger(__name__)
 
 PLACES = ("terms", "transforms", "step_transforms", "group_transforms")
+TERM_KEYS = frozenset({"weight"})
+"""Keys of a `reward.terms.<name>` node the pipeline takes itself, beside what the term's `_target_` takes."""
 RESERVED_TERM_NAMES = ("total",)
 
 # Old keys, with the new key to use instead (a one-line error names it).
