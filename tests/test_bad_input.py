@@ -225,6 +225,15 @@ def test_data_file_not_found(tmp_path):
     assert_clean_failure(result, "data.dataset.path: file not found: /nope.jsonl", code=2)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_named_pipe_as_data_is_refused_without_waiting_for_a_writer(tmp_path, suffix):
+    pipe = tmp_path / f"data{suffix}"
+    os.mkfifo(pipe)
+    args = ["dry_run=true", f"hydra.run.dir={tmp_path}/run", "data.dataset.source=path", f"data.dataset.path={pipe}"]
+    result = cli(*args, "eval.enabled=false", cwd=tmp_path)  # reading the pipe would block: the test would hang
+    assert_clean_failure(result, f"data.dataset.path: {pipe} is not a regular file", code=2)
+
+
 # ---- mistakes found while loading (real runs) --------------------------------------------------------------------
 def test_gguf_package_absent(tmp_path):
     result = cli(f"hydra.run.dir={tmp_path}/run", "model.source.package=llm_not_installed", cwd=tmp_path)

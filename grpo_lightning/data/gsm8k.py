@@ -273,6 +273,9 @@ def path_format(path: Path, key: str) -> str:
         )
     if not path.exists():
         raise ValueError(f"{key}: file not found: {path}")
+    if not path.is_file():  # reading a named pipe would wait for a writer forever
+        raise ValueError(f"{key}: {path} is not a regular file (a pipe, socket or device); give a .jsonl or "
+                         ".parquet file or a folder written by save_to_disk")  # fmt: skip
     kind = FILE_FORMATS.get(path.suffix.lower())
     if kind is None:
         raise ValueError(

@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from grpo_lightning.errors import RunInterrupted
@@ -252,15 +252,7 @@ class PackagedGGUFSource(ModelSource):
         target = self.converted_dir()
         if (target / "config.json").is_file():
             return target
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            lock = FileLock(str(target) + ".lock")
-            lock.acquire()
-        except OSError as err:
-            raise ValueError(
-                f"paths.cache_dir: cannot write the converted model into {target.parent} ({err.strerror}); set "
-                "paths.cache_dir or GRPO_LIGHTNING_CACHE to a writable directory"
-            ) from None
+        lock = acquire_conversion_lock(target)
         try:
             if not (target / "config.json").is_file():  # another process may have finished meanwhile
                 for stale in target.parent.glob(f"{target.name}.tmp-*"):  # a killed conversion's leftovers
@@ -291,6 +283,40 @@ class PackagedGGUFSource(ModelSource):
         plain.load_state_dict(gguf_model.state_dict())
         plain.generation_config = gguf_model.generation_config
         return plain, tokenizer
+
+
+CONVERSION_LOCK_TIMEOUT_S = 900
+"""How long a process waits for another one converting the same model (the embedded one takes well under a
+minute) before it stops naming the lock."""
+
+
+def acquire_conversion_lock(target: Path) -> FileLock:
+    """The lock beside the converted folder `target`, held: a process that finds another converting waits (saying
+    so) at most CONVERSION_LOCK_TIMEOUT_S; a cache it cannot write, or a lock never released, is one error naming
+    `paths.cache_dir` and the path. (filelock retries forever on a lock file it may not create.)"""
+    fix = "set paths.cache_dir or GRPO_LIGHTNING_CACHE to a writable directory"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"paths.cache_dir: cannot create {target.parent} ({err.strerror}); {fix}") from None
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"paths.cache_dir: {target.parent} is not writable; {fix}")
+    lock = FileLock(str(target) + ".lock")
+    try:
+        lock.acquire(timeout=1)
+        return lock
+    except Timeout:
+        log.info("waiting for %s: another process is converting this model", lock.lock_file)
+    except OSError as err:
+        raise ValueError(f"paths.cache_dir: cannot lock {lock.lock_file} ({err.strerror}); {fix}") from None
+    try:
+        lock.acquire(timeout=CONVERSION_LOCK_TIMEOUT_S)
+    except Timeout:
+        raise ValueError(
+            f"paths.cache_dir: {lock.lock_file} stayed locked for {CONVERSION_LOCK_TIMEOUT_S} s: another process "
+            f"holds it, or {target.parent} cannot be written; if no process converts this model, {fix}"
+        ) from None
+    return lock
 
 
 @contextmanager
