@@ -161,7 +161,33 @@ def uninterrupted(tmp_path_factory):
         rounds[name] = round_seconds(root / name / "checkpoints" / "last.ckpt", proc)
         finish(proc)
         states[name] = final_state(root / name)
-    return {"states": states, "round_s": rounds}
+    return {"states": states, "round_s": rounds, "root": root}
+
+
+def test_a_finished_run_resumed_writes_its_policy_and_final_evaluation_again(tmp_path, uninterrupted):
+    """A run stopped after its last checkpoint (here: its policy folder and final metrics removed, as a SIGKILL
+    during the export leaves it), resumed: no round is left, and the policy and the final evaluation's metrics are
+    written from the checkpoint, equal to the uninterrupted run's; resumed again, the same."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    done = uninterrupted["root"] / "grpo"  # the uninterrupted run
+    run_dir = tmp_path / "run"
+    shutil.copytree(done, run_dir)
+    shutil.rmtree(run_dir / "policy")
+    (run_dir / "final_metrics.json").unlink()
+    expected = json.loads((done / "final_metrics.json").read_text())
+    for _ in range(2):
+        out = finish(start(run_dir, *args("grpo"), f"ckpt_path={run_dir}"))
+        assert "no round left" in out
+        saved = load_file(run_dir / "policy" / "adapter_model.safetensors")
+        original = load_file(done / "policy" / "adapter_model.safetensors")
+        assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in saved)
+        metrics = json.loads((run_dir / "final_metrics.json").read_text())
+        evaluation = {k: v for k, v in expected.items() if k.startswith("eval/")}
+        assert evaluation and {k: metrics[k] for k in evaluation} == evaluation
 
 
 @pytest.mark.parametrize("setup", SETUPS)

@@ -112,6 +112,8 @@ class Run:
                 f"training stopped: another training process is gone ({reason})\n"
                 f"resume: python -m grpo_lightning <same overrides> ckpt_path={resume}"
             ) from None
+        if self.ckpt_path is not None and self.rollout_loop.rounds_trained == 0:
+            self.finish_a_finished_run()
         if self.trainer.is_global_zero:  # where each tracker keeps the run, and how to open it
             for line in tracking.describe(self.trainer.loggers):
                 print(line)
@@ -139,6 +141,18 @@ class Run:
                 f"resume: python -m grpo_lightning <same overrides> ckpt_path={last}",
             )
         return metrics
+
+    def finish_a_finished_run(self) -> None:
+        """A resumed checkpoint with no round left (a finished run, or one stopped after its last checkpoint):
+        Lightning runs no round and no end-of-training hook, so what follows the last round is done here, the same
+        way again: the policy saved from the restored weights, and the final metrics from the evaluation the
+        checkpoint holds (the last round's evaluation runs before its checkpoint is written)."""
+        saver = self.callbacks.get("save_policy")
+        if isinstance(saver, SavePolicy):
+            saver.on_train_end(self.trainer, self.module)
+        if self.evaluator is not None and self.evaluator.history and not self.evaluator.final_metrics:
+            self.evaluator.final_metrics = dict(self.evaluator.history[-1][1])
+        rank_zero_print("the checkpoint had no round left: the policy and final metrics are written from it")
 
     @property
     def rollout_loop(self) -> RolloutLoop:

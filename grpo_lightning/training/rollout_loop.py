@@ -99,6 +99,8 @@ class RolloutLoop(L.Callback):
         self.prompt_cursor = 0
         """Dynamic sampling: the prompt stream position of the next unused prompt."""
         self.history: list[tuple[int, float, float]] = []
+        self.rounds_trained = 0
+        """Rounds this process trained in this fit (0 for a resumed run that had none left)."""
         """(round, train/reward_mean, rollout/format_rate) of every round produced so far (run summary)."""
         self.round_metrics: dict[str, float] = {}
         self.tokens_generated_total = 0.0
@@ -187,6 +189,7 @@ class RolloutLoop(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The end of a round, in order: its timing and log-prob agreement, the stop check, the next round's
         rollouts, the evaluation. Checkpoints follow (Lightning runs them after every other callback)."""
+        self.rounds_trained += 1
         train_s = time.perf_counter() - self._train_start
         pl_module.log("time/train_s", train_s, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
         agreement = self.agreement.metrics()
