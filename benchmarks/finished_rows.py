@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def timed_call(engine, ids: torch.Tensor, mask: torch.Tensor, compact: bool):  # [n, L] x 2
+def timed_call(engine, ids: torch.Tensor, mask: torch.Tensor, group: int, compact: bool):  # [n, L] x 2
     """One call of the decode loop on a round's prompts (prefill shared, untimed): its seconds, its tokens
     [n * G, T] and the batch sizes it was cut to."""
     from grpo_lightning.accel.decode_loop import new_cache, sample_loop
@@ -36,7 +36,7 @@ def timed_call(engine, ids: torch.Tensor, mask: torch.Tensor, compact: bool):  #
 
     sampling, model = engine.sampling, engine.model
     cache = new_cache(model, ids.shape[1] + sampling.max_new_tokens)
-    rows, row_mask, cache = shared_prefill(model, ids, mask, sampling.num_generations, cache)
+    rows, row_mask, cache = shared_prefill(model, ids, mask, group, cache)
     cuts, select = [], cache.batch_select_indices
     cache.batch_select_indices = lambda keep: (cuts.append(len(keep)), select(keep))
     rng = torch.Generator().manual_seed(0)
@@ -75,7 +75,7 @@ def main() -> None:
     datamodule = run.datamodule
     datamodule.setup("fit")
     prompts = [p.prompt_ids for p in datamodule.prompts_for_round(0, engine.tokenizer)]
-    g, budget = engine.sampling.num_generations, engine.sampling.max_new_tokens
+    g, budget = run.cfg.variant.num_generations, engine.sampling.max_new_tokens
     ids, mask = left_pad(prompts, engine.tokenizer.pad_token_id)
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     print(f"{len(prompts)} prompts x {g} samples x {budget} new tokens, T={engine.sampling.temperature}, "
@@ -85,7 +85,7 @@ def main() -> None:
     with merged_lora(model), torch.inference_mode():
         for _ in range(args.rounds):
             for compact in (True, False):
-                seconds, tokens, cuts = timed_call(engine, ids, mask, compact)
+                seconds, tokens, cuts = timed_call(engine, ids, mask, g, compact)
                 if compact not in results or seconds < results[compact][0]:
                     results[compact] = (seconds, tokens, cuts)
     (fast, tokens, cuts), (slow, full_tokens, _) = results[True], results[False]

@@ -682,10 +682,10 @@ def check(losses: list[str], tiny: bool = False) -> dict:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append(Prompt(prompt_ids=ids, answer=row["answer"], question="", problem_index=gid))
         g = cfg.generator
-        sampling = {key: g[key] for key in ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k")}
+        sampling = {key: g[key] for key in ("max_new_tokens", "temperature", "top_p", "top_k")}
         generator = HFGenerator(policy, tokenizer, **sampling)
         torch.manual_seed(0)
-        rollouts = BaselineGRPO(num_generations=g.num_generations).generate_rollouts(
+        rollouts = BaselineGRPO(num_generations=cfg.variant.num_generations).generate_rollouts(
             generator,
             prompts,
             pipeline_from_function(lambda t, a: 0.1 if "#" in t else len(t) % 7 / 7.0),  # dense: non-zero advantages

@@ -44,5 +44,6 @@ def test_three_systems_at_a_fixed_length(tmp_path, full):
     for name, r in results.items():
         (tmp_path / f"{name}.json").write_text(json.dumps({name: r}))
     merged = vs_trl(*options, "--merge", *(str(tmp_path / f"{n}.json") for n in systems))
-    table = proc.stdout[proc.stdout.index("\ntiny, 2 steps") :]
+    caption = proc.stdout.rindex("\n", 0, proc.stdout.index(": tiny, "))  # the line "<device (flags)>: tiny, ..."
+    table = proc.stdout[caption:]
     assert merged.stdout.strip() == table.strip()
