@@ -19,8 +19,8 @@ Three places read parameters outside a module's own `forward`, and each is made 
 - weights pushed to an inference engine are gathered one decoder layer at a time (`gathered_in_pieces`), so a
   push never holds a second full copy of the weights.
 
-Checkpoints hold the trainable parameters only, gathered piece by piece into one file on rank 0 (a resume may
-use any number of processes; `FullyShardedStrategy.lightning_module_state_dict`).
+Checkpoints hold the trainable parameters only, gathered one tensor at a time into one file on rank 0, and are
+restored before the rollout loop samples the resumed round (`FullyShardedStrategy`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ FORWARD_METHOD = "grpo_sharded_call"
 class FullyShardedStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy as plain FSDP2: one data-parallel dimension over every process (Lightning's
     default would make the processes of a node a tensor-parallel group), and checkpoints as one file of full
-    tensors (`save_distributed_checkpoint=False`), so a run resumes with any strategy or number of processes."""
+    tensors (`save_distributed_checkpoint=False`), in the layout a DDP checkpoint has (optimizer state keyed by
+    parameter index)."""
 
     def __init__(self, process_group_backend: str | None = None, **kwargs: Any) -> None:
         super().__init__(

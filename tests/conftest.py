@@ -153,12 +153,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=order)  # stable: each file's tests stay together, in their order
 
 
+def group_size_for_variant(overrides: list[str]) -> list[str]:
+    """Shared test overrides set G as `variant.num_generations` (variant=grpo's); for a STORPO run the same G is its
+    plainly sampled group, `variant.fallback_generations` (each variant owns its group's keys)."""
+    if "variant=storpo" not in overrides:
+        return list(overrides)
+    return [o.replace("variant.num_generations=", "variant.fallback_generations=", 1) for o in overrides]
+
+
 def make_cfg(output_dir: Path, overrides: list[str] | None = None) -> DictConfig:
     """Compose `grpo_lightning/conf/config.yaml` with overrides, as the CLI would, writing into `output_dir`."""
     import grpo_lightning  # noqa: F401 - registers the config's resolvers (hf_decode_dtype), as the CLI does
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra.compose(config_name="config", overrides=list(overrides or []))  # cached: tests/compose_cache.py
+        cfg = hydra.compose(config_name="config", overrides=group_size_for_variant(overrides or []))  # cached
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
     return cfg

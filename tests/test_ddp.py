@@ -15,6 +15,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.conftest import group_size_for_variant
 from tests.forked_cli import ENABLED as FORKED_CLI
 from tests.forked_cli import cli_run
 
@@ -67,7 +68,7 @@ def run_overrides(run_dir: Path, devices: int, *extra: str) -> list[str]:
     if devices > 1:
         overrides += ["trainer=ddp", f"trainer.devices={devices}", "trainer.accelerator=cpu"]
     replaced = {o.split("=", 1)[0] for o in extra}
-    return [o for o in overrides if o.split("=", 1)[0] not in replaced] + list(extra)
+    return group_size_for_variant([o for o in overrides if o.split("=", 1)[0] not in replaced] + list(extra))
 
 
 def scalars(run_dir: Path, tag: str) -> list[float]:
@@ -227,7 +228,7 @@ def test_storpo_under_two_ranks_equals_one_process(tmp_path, advantage):
         f"variant.advantage={advantage}",
         "generator.max_new_tokens=16",
         "data.prompts_per_round=2",  # with seed 0, one rank branches no continuation in the last third
-        "variant.num_generations=8",
+        "variant.num_generations=8",  # G (STORPO's plainly sampled group: tests/conftest.py group_size_for_variant)
     ]
     single, ddp = run(tmp_path / "single", 1, *extra), run(tmp_path / "ddp", 2, *extra)
     rank0, rank1 = torch.load(ddp["dir"] / "rank0.pt"), torch.load(ddp["dir"] / "rank1.pt")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import group_size_for_variant
 from tests.forked_cli import cli_run
 from tests.test_ddp import scalars
 from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _vllm, engine_cli_args
@@ -44,7 +45,7 @@ def ddp_vllm_run(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
         f"hydra.run.dir={run_dir}",
     ]
     replaced = {o.split("=", 1)[0] for o in extra}  # `extra` replaces a default of the same key
-    args = [o for o in args if o.split("=", 1)[0] not in replaced] + list(extra)
+    args = group_size_for_variant([o for o in args if o.split("=", 1)[0] not in replaced] + list(extra))
     result = cli_run(*args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return run_dir

@@ -114,7 +114,7 @@ def unknown_keys(node: DictConfig, path: str, schemas: tuple[type, ...], target:
     you mean model.lora.r?), before anything is built: the keys a node's `_target_` accepts (its parameters, or
     its declared settings when it takes `**keys`), the declared keys of a node without one, and at the top level
     the run's own keys and nodes. A target that passes unknown keys on (`**kwargs`, undeclared) accepts any."""
-    known = accepted_keys(node, path, schemas, target)
+    known = accepted_keys(path, schemas, target)
     if known is None:
         return []
     found = []
@@ -135,7 +135,7 @@ def unknown_keys(node: DictConfig, path: str, schemas: tuple[type, ...], target:
     return found
 
 
-def accepted_keys(node: DictConfig, path: str, schemas: tuple[type, ...], target: Any) -> set[str] | None:
+def accepted_keys(path: str, schemas: tuple[type, ...], target: Any) -> set[str] | None:
     """The keys `node` may hold (see `unknown_keys`); None when any key is accepted."""
     names = {name for schema in schemas for name in declared(schema)}
     if path.startswith("reward.terms.") and path.count(".") == 2:
