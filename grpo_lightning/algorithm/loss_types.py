@@ -21,6 +21,7 @@ Pure tensor code: imports only torch and the standard library.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from abc import ABC, abstractmethod
@@ -49,10 +50,6 @@ def register_loss_type(name: str) -> Callable[[type[LossType]], type[LossType]]:
     return add
 
 
-def loss_type_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
 def loss_type(name: str) -> LossType:
     """The loss type `name`: a registered name, or the import path of a `LossType` subclass of one's own
     (`loss.loss_type=my_pkg.losses.MyType`, docs/extending.md); one line naming the key otherwise."""
@@ -61,7 +58,13 @@ def loss_type(name: str) -> LossType:
     problem = loss_type_problem(name)
     if problem is not None:
         raise ValueError(f"loss.loss_type {problem} (got {name!r})")
-    module, _, attribute = name.rpartition(".")
+    return _imported(name)
+
+
+@functools.cache
+def _imported(path: str) -> LossType:
+    """One instance of a loss type of one's own per import path (loss types hold no state)."""
+    module, _, attribute = path.rpartition(".")
     return getattr(importlib.import_module(module), attribute)()
 
 
