@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, time_to_target
-from grpo_lightning.app.jobs import Job, compose, run_jobs, wall_seconds
+from grpo_lightning.studies.analysis import EvalPoint, band, eval_points, read_run, time_to_target
+from grpo_lightning.studies.jobs import Job, compose, run_jobs, wall_seconds
 
 ARMS = {
     "trained": (),

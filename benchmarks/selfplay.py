@@ -42,8 +42,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_lightning.app.analysis import read_run
-from grpo_lightning.app.jobs import Job, compose, finished, run_jobs, wall_seconds
+from grpo_lightning.studies.analysis import read_run
+from grpo_lightning.studies.jobs import Job, compose, finished, run_jobs, wall_seconds
 
 WIN = "eval/win_rate_vs_random"
 WIN_FIRST = "eval/win_rate_vs_random_first"

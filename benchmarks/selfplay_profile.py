@@ -33,7 +33,7 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from grpo_lightning.app.jobs import compose
+from grpo_lightning.studies.jobs import compose
 
 SHORT = ("trainer.max_epochs=2", "eval.at_start=true", "eval.every_n_rounds=2", "checkpoint.every_n_rounds=2")
 """The default run: two rounds, an evaluation before the first and after the last, one checkpoint."""

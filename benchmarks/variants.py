@@ -36,8 +36,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from grpo_lightning.app.analysis import EvalPoint, RunData, band, eval_points, read_run, tokens_to_target
-from grpo_lightning.app.jobs import Job, compose, run_jobs, value, wall_seconds
+from grpo_lightning.studies.analysis import EvalPoint, RunData, band, eval_points, read_run, tokens_to_target
+from grpo_lightning.studies.jobs import Job, compose, run_jobs, value, wall_seconds
 
 PINNED = {
     "generator.temperature": 0.7,

@@ -11,7 +11,7 @@ A settings dataclass declares its keys with `setting(default, rule)`. The same d
 - docs/configuration.md, whose tables list the declared keys with their values in conf/.
 
 A key's meaning is written once, where users set it: the comment on its line in grpo_lightning/conf/ (the reference
-page is generated from those comments, app/config_reference.py). The default config states the declared defaults
+page is generated from those comments, config_docs/reference.py). The default config states the declared defaults
 (tests/unit/test_schema.py fails where they differ).
 
 `configures(cls, *schemas)` names the declarations of a class that is not ours (Lightning's loggers) or not a class

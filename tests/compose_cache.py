@@ -3,7 +3,7 @@
 Composing the config costs about 0.1-0.2 s (Hydra builds the defaults tree from ~30 YAML files and merges them);
 copying a composed config costs a few ms. `install()` (tests/conftest.py, before any test module is imported)
 replaces `hydra.compose`, so the tests' own composes (`make_cfg`, the in-process `cli()` of
-tests/test_bad_input.py) and the package's (`app/config_reference.py`, `app/jobs.compose`, the benchmarks) alike
+tests/test_bad_input.py) and the package's (`config_docs/reference.py`, `studies/jobs.compose`, the benchmarks) alike
 go through it.
 
 How: Hydra composes in two steps. The overrides that choose config group options (`model=tiny`, `loss=dapo`,

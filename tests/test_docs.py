@@ -1,6 +1,6 @@
 """The docs against the code: generated config tables, runnable examples, and every config key they name.
 
-- docs/configuration.md's key tables are generated from the config files (grpo_lightning/app/config_reference.py);
+- docs/configuration.md's key tables are generated from the config files (grpo_lightning/config_docs/reference.py);
   the page must match what the config renders to, and every key shown must have a meaning (a yaml comment).
 - docs/extending.md's code is written out as the package `my_pkg` and run; its commands are composed and dry-run
   as the CLI would (validation, data, reward, variant, plan; no model is loaded).
@@ -23,7 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from grpo_lightning.app import config_reference, yaml_comments
+from grpo_lightning.config_docs import reference as config_reference, yaml_comments
 from grpo_lightning.rewards.pipeline import MOVED_KEYS, check_moved_overrides
 from tests.conftest import CONF_DIR, ROOT, make_cfg
 
@@ -343,7 +343,7 @@ def test_configuration_page_matches_the_config(reference):
              or f"{config_reference.marker(name)}\n{text}\n{config_reference.END}" not in page]  # fmt: skip
     assert not stale and config_reference.update_page(page, reference.regions_text) == page, (
         f"docs/configuration.md differs from the config in: {', '.join(stale) or 'the page'}. Run "
-        "`python -m grpo_lightning.app.config_reference --write` and commit the page."
+        "`python -m grpo_lightning.config_docs.reference --write` and commit the page."
     )
 
 

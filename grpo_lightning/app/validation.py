@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_lightning.app.schema import RunSettings
+from grpo_lightning.app.run_settings import RunSettings
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.generation.placement import shards_weights, world_size
 from grpo_lightning.rewards.pipeline import TERM_KEYS, check_moved_keys
@@ -63,7 +63,7 @@ def lookup(cfg: DictConfig, key: str):
 
 def check_rules(cfg: DictConfig) -> list[str]:
     """Every declared key of the composed config against its rule (grpo_lightning/schema.py): the top level and
-    third-party nodes by `RunSettings` (app/schema.py), every node with a `_target_` by its target's settings. A
+    third-party nodes by `RunSettings` (app/run_settings.py), every node with a `_target_` by its target's settings. A
     key nothing takes is `check_unknown_keys`'s."""
     return node_problems(cfg, "", (RunSettings,))
 

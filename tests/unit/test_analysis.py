@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from grpo_lightning.app.analysis import RunData, group_by, mean_and_spread
+from grpo_lightning.studies.analysis import RunData, group_by, mean_and_spread
 
 
 def test_mean_and_spread_by_hand():

@@ -1,7 +1,7 @@
 """The learning benchmarks (benchmarks/learning.py, benchmarks/variants.py): their pinned configs, composed as a
 run composes them, and their tables on synthetic run folders whose metrics are written here (TensorBoard event
 files), against hand-computed numbers. The overlap benchmark's two modes (benchmarks/overlap.py), composed. The
-job runner (grpo_lightning/app/jobs.py) on fake runs that record when they ran. benchmarks/storpo_branching.py on
+job runner (grpo_lightning/studies/jobs.py) on fake runs that record when they ran. benchmarks/storpo_branching.py on
 the tiny model (slow tier)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 
 from benchmarks import learning, overlap, selfplay, variants
-from grpo_lightning.app.analysis import EvalPoint, band, eval_points, read_run, tokens_to_target
-from grpo_lightning.app.jobs import CONF_DIR, Job, compose, run_jobs, value
+from grpo_lightning.studies.analysis import EvalPoint, band, eval_points, read_run, tokens_to_target
+from grpo_lightning.studies.jobs import CONF_DIR, Job, compose, run_jobs, value
 
 RECIPES = ["learn_cpu"] + (["learn_arith"] if (CONF_DIR / "experiment" / "learn_arith.yaml").is_file() else [])
 NAN = math.nan

@@ -442,7 +442,7 @@ def test_sweep_summary_shows_each_rewards_terms(tmp_path):
     import csv
     import json
 
-    from grpo_lightning.app.sweep import write_summary
+    from grpo_lightning.studies.sweep import write_summary
 
     jobs = {
         "0_reward=gsm8k": {"train/reward_mean": 0.1, "reward/total_mean": 0.1, "reward/gsm8k_mean": 0.1},

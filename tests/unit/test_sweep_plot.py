@@ -11,8 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 
-from grpo_lightning.app.sweep import SweepSummary
-from grpo_lightning.app.sweep_plot import plot_sweep_summary
+from grpo_lightning.studies.sweep import SweepSummary
+from grpo_lightning.studies.sweep_plot import plot_sweep_summary
 
 # Exact binary fractions: TensorBoard stores float32, so the hand values below compare exactly.
 REWARD = {  # (lr, seed) -> train/reward_mean at optimizer steps 1, 2, 3
@@ -113,7 +113,7 @@ def test_a_failing_picture_never_fails_the_sweep(sweep, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("grpo_lightning.app.sweep_plot.plot_sweep_summary", broken)
+    monkeypatch.setattr("grpo_lightning.studies.sweep_plot.plot_sweep_summary", broken)
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
     with caplog.at_level(logging.WARNING):
         SweepSummary().on_multirun_end(config)

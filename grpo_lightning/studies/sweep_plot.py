@@ -1,6 +1,6 @@
 """`summary.png` of a sweep: the main curves of every job against the optimizer step, seeds pooled into a band.
 
-Written by the sweep summary (`grpo_lightning.app.sweep.SweepSummary`) beside `summary.md`, so a sweep's end shows
+Written by the sweep summary (`grpo_lightning.studies.sweep.SweepSummary`) beside `summary.md`, so a sweep's end shows
 not only where each setting finished but how it got there: the final numbers of a few-prompt round are noisy, the
 curve and its spread over seeds are not. Jobs whose overrides differ only by `seed` form one group, drawn as the
 mean over its seeds with a min..max band (the spread the notebook `notebooks/compare_runs.ipynb` draws too); a
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from grpo_lightning.app.analysis import RunData, mean_and_spread
+from grpo_lightning.studies.analysis import RunData, mean_and_spread
 
 log = logging.getLogger(__name__)
 

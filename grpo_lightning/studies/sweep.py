@@ -1,5 +1,5 @@
 """Hydra callback that writes a summary of a multirun sweep when it ends: a table of final metrics (CSV and
-Markdown) and a picture of the main curves of every job (`summary.png`, grpo_lightning/app/sweep_plot.py).
+Markdown) and a picture of the main curves of every job (`summary.png`, grpo_lightning/studies/sweep_plot.py).
 
 Each job writes `final_metrics.json` into its own output dir (`train.write_final_metrics`), so the summary works
 the same for the in-process launcher and for process-per-job launchers (joblib, submitit): it only reads files.
@@ -88,7 +88,7 @@ class SweepSummary(Callback):
 def write_picture(sweep_dir: Path) -> None:
     """`summary.png` of the sweep's curves; any failure is logged in one line, never raised."""
     try:
-        from grpo_lightning.app.sweep_plot import plot_sweep_summary
+        from grpo_lightning.studies.sweep_plot import plot_sweep_summary
 
         if plot_sweep_summary(sweep_dir) and (sweep_dir / "summary.png").is_file():
             print(f"sweep curves: {sweep_dir / 'summary.png'}")

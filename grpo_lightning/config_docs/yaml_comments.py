@@ -1,5 +1,5 @@
 """The comments of a config file (conf/**/*.yaml): what the file says about itself and about each of its keys,
-the meanings docs/configuration.md's tables show (app/config_reference.py).
+the meanings docs/configuration.md's tables show (config_docs/reference.py).
 
 A key's comment is the inline `# ...` comment on the line that sets it, preceded by the comment lines directly
 above the key; comment lines below it that start in the column of its inline `#` continue it. A node's comment
