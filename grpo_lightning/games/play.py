@@ -10,14 +10,20 @@ An opponent's illegal move is replaced by a random legal move when the game list
 `opponent_illegal`): a weak opponent that lost on its first move would leave the learner nothing to play, and
 what the learner should learn is to beat moves, not to wait for mistakes. The learner's illegal move ends the game
 as a loss. A game still going after `max_turns` moves is a draw.
+
+`NoisyPlayer` makes a scripted player blunder at random with a set probability (self-play's `scripted_epsilon`);
+`groups_alike` and `move_entropy` measure how much a round's games and moves vary (docs/selfplay.md, "Keeping the
+spread").
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -113,6 +119,36 @@ class TacticPlayer(ScriptedPlayer):
 
 
 SCRIPTED = {"random": RandomMovePlayer, "perfect": PerfectPlayer, "tactic": TacticPlayer}
+NOISY = ("perfect", "tactic")
+"""The scripted players `variant.scripted_epsilon` makes noisy in training (`random` is random already)."""
+
+
+class NoisyPlayer(ScriptedPlayer):
+    """`inner` that plays a uniformly random legal move with probability `epsilon` (an epsilon-greedy opponent:
+    `perfect` or `tactic` that sometimes blunders, so games against it vary). Its name is `inner`'s (the pool rates
+    it under that name). At `epsilon` 0 it is `inner`, draw for draw; at 1 the random player's distribution."""
+
+    def __init__(self, inner: ScriptedPlayer, epsilon: float) -> None:
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1] (got {epsilon!r})")
+        self.inner, self.epsilon, self.name = inner, float(epsilon), inner.name
+
+    def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
+        """(1 - epsilon) x `inner`'s distribution + epsilon x uniform over the legal moves."""
+        inner = self.inner.move_distribution(game)
+        if self.epsilon == 0.0:
+            return inner
+        legal = game.legal_moves()
+        mixed = {move: self.epsilon / len(legal) for move in legal}
+        for move, p in inner.items():
+            mixed[move] = mixed.get(move, 0.0) + (1.0 - self.epsilon) * p
+        return mixed
+
+    def choose(self, game: TwoPlayerGame, rng: random.Random) -> str:
+        """One draw of `rng` decides (none at epsilon 0), then the random move's draw or `inner`'s own."""
+        if self.epsilon > 0.0 and rng.random() < self.epsilon:
+            return rng.choice(game.legal_moves())
+        return self.inner.choose(game, rng)
 
 
 @dataclass
@@ -223,3 +259,31 @@ def _opponent_step(match: Match, reply: str, legal: list[str]):
         match.opponent_illegal += 1
         reply = match.rng.choice(legal)
     return match.game.step(reply)
+
+
+# ---- spread: how much a round's games and moves vary ------------------------------------------------------------
+def groups_alike(results: Iterable[tuple[int, float]]) -> tuple[int, int]:
+    """(groups whose games all ended with one result, groups) of a round's `(group id, learner's result)` pairs, one
+    a game. A group whose games all ended alike has no spread of outcomes for GRPO to learn from."""
+    seen: dict[int, set[float]] = {}
+    for group, score in results:
+        seen.setdefault(group, set()).add(score)
+    return sum(len(scores) == 1 for scores in seen.values()), len(seen)
+
+
+def move_entropy(moves: Iterable[tuple[Hashable, str | None]]) -> tuple[float, int]:
+    """(the mean entropy in nats, turns counted) of the moves chosen at each position, from `(position, move)` pairs,
+    one a turn. A position's entropy is that of the empirical distribution of the moves chosen there (no move,
+    None, is an outcome of its own); the mean is over the turns at positions met at least twice (one turn shows no
+    spread), so a position weighs by its turns. 0.0 when no position was met twice."""
+    by_position: dict[Hashable, Counter] = {}
+    for position, move in moves:
+        by_position.setdefault(position, Counter())[move] += 1
+    total, turns = 0.0, 0
+    for counts in by_position.values():
+        n = sum(counts.values())
+        if n < 2:
+            continue
+        total += -sum(c * math.log(c / n) for c in counts.values())  # n x the position's entropy
+        turns += n
+    return (total / turns if turns else 0.0), turns

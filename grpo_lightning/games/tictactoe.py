@@ -2,7 +2,14 @@
 
 Seat 0 plays X and moves first. A move is a cell number in square brackets, `[0]` to `[8]`; anything else, or an
 occupied cell, is illegal and loses the game at once (an illegal move is the first thing a small model can learn
-not to make). The seed changes nothing: every game starts from the empty board.
+not to make). Every game starts from the empty board: the seed changes no rule and no position.
+
+`tictactoe_shuffled` is the same game whose prompt lists the legal moves in a seeded random order each turn, and
+whose example move is drawn from that order, where `tictactoe` lists them in ascending order and shows `[4]`: a
+policy that copies the list's first entry plays the lowest free cell there and a random cell here (docs/selfplay.md,
+"Keeping the spread"). The order is the game seed's and the turn's (`shuffled_moves`), so it is the same after a
+resume, on every rank and in every game of a self-play group (which share a seed). The rules, the legal moves
+(`legal_moves`, ascending, which the scripted players draw from) and every position are `tictactoe`'s.
 
 `optimal_moves` is the perfect player's: every move that keeps the best reachable result by full minimax (memoised
 over the 5,478 reachable positions), so a perfect player never loses and a random one rarely draws against it.
@@ -11,8 +18,10 @@ over the 5,478 reachable positions), so a perfect player never loses and a rando
 from __future__ import annotations
 
 import functools
+import random
 import re
 
+from grpo_lightning.distributed import derive_seed
 from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move
 from grpo_lightning.games.registry import register_game
 
@@ -40,6 +49,15 @@ def minimax_value(board: str, to_move: int) -> int:
     return max(-minimax_value(_play(board, cell, to_move), 1 - to_move) for cell in _free(board))
 
 
+def shuffled_moves(moves: list[str], seed: int, turn: int) -> tuple[list[str], str]:
+    """`moves` in the order the game seeded `seed` lists them at `turn` (moves made so far), and the example move
+    its prompt shows, drawn from the same generator (a stable hash of both: the same in every process and run)."""
+    rng = random.Random(derive_seed("tictactoe_shuffled", seed, turn))
+    order = list(moves)
+    rng.shuffle(order)
+    return order, rng.choice(order) if order else ""
+
+
 def _free(board: str) -> list[int]:
     return [i for i, c in enumerate(board) if c == "."]
 
@@ -56,9 +74,10 @@ class TicTacToe(TwoPlayerGame):
         self.board = "........."
         self.to_move = 0
         self._outcome: tuple[float, float] | None = None
+        self.seed = 0
 
     def reset(self, seed: int) -> None:
-        self.board, self.to_move, self._outcome = ".........", 0, None
+        self.board, self.to_move, self._outcome, self.seed = ".........", 0, None, seed
 
     @property
     def current_player(self) -> int:
@@ -99,13 +118,18 @@ class TicTacToe(TwoPlayerGame):
             rows.append(" " + " | ".join(cells))
         return "\n---+---+---\n".join(rows)
 
+    def listed_moves(self) -> tuple[list[str], str]:
+        """The legal moves as the prompt lists them, and the example move it shows: ascending, and `[4]`."""
+        return self.legal_moves(), "[4]"
+
     def observation(self, player: int) -> str:
         order = "you move first" if player == 0 else "your opponent moved first"
+        listed, example = self.listed_moves()
         return (
             f"You are playing Tic Tac Toe as {MARKS[player]} ({order}). Get three of your marks in a row, column "
             f"or diagonal to win. Numbers are free cells.\n\n{self.render()}\n\n"
-            f"Legal moves: {', '.join(self.legal_moves())}\n"
-            "Reply with your move as a cell number in square brackets, for example [4]."
+            f"Legal moves: {', '.join(listed)}\n"
+            f"Reply with your move as a cell number in square brackets, for example {example}."
         )
 
     def step(self, reply: str) -> StepResult:
@@ -125,3 +149,11 @@ class TicTacToe(TwoPlayerGame):
             self._outcome = (0.0, 0.0)
         self.to_move = 1 - seat
         return StepResult(illegal=False, done=self.done, outcome=self._outcome)
+
+
+@register_game("tictactoe_shuffled")
+class ShuffledTicTacToe(TicTacToe):
+    """TicTacToe whose prompt lists the legal moves in the seeded order of its seed and turn (`shuffled_moves`)."""
+
+    def listed_moves(self) -> tuple[list[str], str]:
+        return shuffled_moves(self.legal_moves(), self.seed, 9 - self.board.count("."))

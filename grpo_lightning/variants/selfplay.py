@@ -13,6 +13,12 @@ weak opponent lifts every turn of the group alike and cancels, instead of being 
 peer's role baseline is the alternative (reward=selfplay_role: a running mean per game and seat, then a batch
 z-score).
 
+Spread (docs/selfplay.md, "Keeping the spread"): GRPO learns from the spread of results inside a group, so every
+round also logs the share of groups whose games all ended alike (`game/groups_alike_frac`) and the entropy of the
+learner's moves per position (`game/move_entropy`). `scripted_epsilon` > 0 makes the training pool's `perfect` and
+`tactic` play a uniformly random legal move with that probability (games/play.py `NoisyPlayer`); evaluation plays
+them exactly.
+
 Snapshots: at the start of every `snapshot_every`-th round (round 0 included) the policy's adapter joins the pool
 (`round<NNN>`). The pool, its ratings and its snapshots are saved in every checkpoint; a resumed run plays on
 exactly as the uninterrupted one.
@@ -25,6 +31,7 @@ rank's games.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -33,18 +40,34 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.data.games import GameSeeds, TurnPrompts
-from grpo_lightning.distributed import derive_seed, sum_counts_across_ranks
+from grpo_lightning.distributed import derive_seed, gather_objects, sum_counts_across_ranks
 from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.opponent_pool import LEARNER, SAMPLING_MODES, OpponentPool, opponent_names
-from grpo_lightning.games.play import LEARNER_PLAYER, SCRIPTED, Match, ModelPlayer, Player, play
+from grpo_lightning.games.play import (
+    LEARNER_PLAYER,
+    NOISY,
+    SCRIPTED,
+    Match,
+    ModelPlayer,
+    NoisyPlayer,
+    Player,
+    groups_alike,
+    move_entropy,
+    play,
+)
 from grpo_lightning.games.progress import SelfPlayProgress
 from grpo_lightning.games.registry import make_game
 from grpo_lightning.generation.adapters import SwapsAdapters, swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards import games as game_rewards
-from grpo_lightning.schema import check_settings, choice, integer, setting, target_class
+from grpo_lightning.schema import check_settings, choice, integer, number, setting, target_class
 from grpo_lightning.types import Rollout, TurnRecord
 from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
+
+
+def position_digest(prompt_ids: Sequence[int]) -> str:
+    """A short stable name of the exact prompt a move was sampled from: the position as the policy saw it."""
+    return hashlib.blake2b(repr(list(prompt_ids)).encode(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -62,6 +85,7 @@ class SelfPlaySettings:
     lagged_window: int = setting(2, integer(1))
     max_turns: int = setting(30, integer(1))
     seed: int = setting(0, integer(0))
+    scripted_epsilon: float = setting(0.0, number(0.0, 1.0))
 
     def __post_init__(self) -> None:
         check_settings(self, "variant")
@@ -86,6 +110,8 @@ class SelfPlay(GRPOVariant):
         self.round_index = 0
         self._snapshot_taken = False
         self._counts: dict[str, float] = {}
+        self._moves: list[tuple[str, str | None]] = []
+        """The round's learner moves so far, `(position, move)`: the prompt's digest and the move (`move_entropy`)."""
 
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
@@ -164,7 +190,9 @@ class SelfPlay(GRPOVariant):
         super().begin_round(round_index)
         self.round_index, self._snapshot_taken = round_index, False
         self._counts = dict.fromkeys(("games", "wins", "draws", "losses", "turns", "illegal", "opp_moves_fixed",
-                                      "capped", "extra_games", "prompts_cut", "payoff"), 0.0)  # fmt: skip
+                                      "capped", "extra_games", "prompts_cut", "payoff", "groups", "groups_alike"),
+                                     0.0)  # fmt: skip
+        self._moves = []
 
     def sample_rollouts(self, generator, prompts: Sequence, reward_fn, decode: Callable) -> list[Rollout]:
         if self.source is None:
@@ -193,6 +221,7 @@ class SelfPlay(GRPOVariant):
         rollouts = self.rollouts_of(matches, reward_fn)
         # the round so far (dynamic sampling may call again), counted over every rank's games
         self.metrics.update(self.round_metrics(sum_counts_across_ranks(self._counts)))
+        self.metrics.update(self.entropy_metrics())
         return rollouts
 
     def deal(self, generator, prompts: Sequence) -> list[Match]:
@@ -219,7 +248,8 @@ class SelfPlay(GRPOVariant):
         if name == LEARNER:
             return LEARNER_PLAYER
         if name in SCRIPTED:
-            return SCRIPTED[name]()
+            epsilon = self.settings.scripted_epsilon
+            return NoisyPlayer(SCRIPTED[name](), epsilon) if name in NOISY and epsilon > 0 else SCRIPTED[name]()
         if name == "base":
             return ModelPlayer("base", adapter_off(generator.adapter_weights()))
         return ModelPlayer(name, self.pool.snapshots[name])
@@ -249,6 +279,10 @@ class SelfPlay(GRPOVariant):
                     )  # fmt: skip
                 )
             self._count(m)
+            self._moves += [(position_digest(t.prompt_ids), t.move) for t in m.turns]
+        alike, groups = groups_alike((m.group_id, m.learner_score) for m in matches if m.turns)
+        self._counts["groups_alike"] += alike
+        self._counts["groups"] += groups
         return rollouts
 
     # ---- counting -----------------------------------------------------------------------------------------------
@@ -281,8 +315,16 @@ class SelfPlay(GRPOVariant):
             "game/draws_at_max_turns": c["capped"],
             "game/extra_games": c["extra_games"],
             "game/prompts_cut": c["prompts_cut"],
+            "game/groups_alike_frac": c["groups_alike"] / max(c["groups"], 1.0),
             **self.pool.metrics(),
         }
+
+    def entropy_metrics(self) -> dict[str, float]:
+        """`game/move_entropy`, the mean entropy of the moves the learner chose at a position (`move_entropy`: the
+        position is the exact prompt a move was sampled from), over the round's turns on every rank (gathered: the
+        same position may be met on several), and `game/move_entropy_turns`, the turns it is the mean of."""
+        entropy, turns = move_entropy(move for part in gather_objects(self._moves) for move in part)
+        return {"game/move_entropy": entropy, "game/move_entropy_turns": float(turns)}
 
     def _report(self, matches: Sequence[Match]) -> None:
         finished = [m for m in matches if m.done]
