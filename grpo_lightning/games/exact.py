@@ -6,6 +6,9 @@ the game tree. Positions recur along different move orders, so each is valued on
 the rendered board and the player to move, which is the whole state of a board game like TicTacToe; a game whose
 rendering hides state needs its own key). These are the numbers a learned policy is measured against: what a
 scripted policy is worth against the random player, from each seat (docs/selfplay.md).
+
+`best_response_value` is the other exact number: the most any strategy of one seat can win against a fixed
+strategy of the other, in a game of imperfect information (Kuhn Poker's exploitability, games/kuhn_poker.py).
 """
 
 from __future__ import annotations
@@ -90,3 +93,78 @@ def both_seats(
             results.append(expected_results(game, player, opponent, seat))
         per_seat.append(Expected.mean(results))
     return per_seat[0], per_seat[1], Expected.mean(per_seat)
+
+
+def best_response_value(
+    new_game: Callable[[], TwoPlayerGame],
+    seeds: Sequence[int],
+    seat: int,
+    policy: Callable[[TwoPlayerGame], dict[str, float]],
+    infoset: Callable[[TwoPlayerGame], Hashable],
+) -> float:
+    """The expected payoff of `seat`'s best response to the other seat playing `policy` (its move distribution at a
+    position), each game `seeds` deal equally likely (the chance node; Zinkevich et al. 2007, Johanson et al.
+    2011). `infoset(position)`: what the responder knows when it moves there (its hidden card and the moves so far);
+    it must pick the same move at every position of one information set, as a player who cannot see the other's card.
+
+    Backward induction over the responder's information sets: each, latest first, takes the legal move of the
+    highest value summed over its positions, each weighted by its chance of being reached (the deal's and the
+    policy's moves: the responder's own moves lead there for certain), its later moves already chosen. With perfect
+    recall a later information set is one where the responder has made more moves, so the order is by that count.
+    """
+    roots = []
+    for seed in seeds:
+        roots.append(new_game())
+        roots[-1].reset(seed)
+    reached, own_moves = _responder_positions(roots, seat, policy, infoset)
+    choice: dict[Hashable, str] = {}
+
+    def value(position: TwoPlayerGame) -> float:  # the responder's payoff, its moves from here chosen
+        if position.done:
+            return position.payoff[seat]
+        if position.current_player == seat:
+            return value(_after(position, choice[infoset(position)]))
+        return sum(p * value(_after(position, move)) for move, p in policy(position).items() if p > 0)
+
+    for key in sorted(reached, key=own_moves.__getitem__, reverse=True):
+        positions = reached[key]
+        worth = {m: sum(r * value(_after(g, m)) for r, g in positions) for m in positions[0][1].legal_moves()}
+        choice[key] = max(worth, key=worth.__getitem__)
+    return sum(value(root) for root in roots) / len(roots)
+
+
+def _responder_positions(
+    roots: list[TwoPlayerGame],
+    seat: int,
+    policy: Callable[[TwoPlayerGame], dict[str, float]],
+    infoset: Callable[[TwoPlayerGame], Hashable],
+) -> tuple[dict[Hashable, list[tuple[float, TwoPlayerGame]]], dict[Hashable, int]]:
+    """Every position where `seat` moves, by information set, each with its chance of being reached from a root
+    (the policy's moves; the responder's own lead there for certain, the root's deal is 1 of `len(roots)`: the
+    common factor is left out), and how many moves the responder has made at each information set."""
+    reached: dict[Hashable, list[tuple[float, TwoPlayerGame]]] = {}
+    own_moves: dict[Hashable, int] = {}
+
+    def visit(position: TwoPlayerGame, reach: float, moves_made: int) -> None:
+        if position.done:
+            return
+        if position.current_player == seat:
+            key = infoset(position)
+            reached.setdefault(key, []).append((reach, position))
+            own_moves[key] = moves_made
+            for move in position.legal_moves():
+                visit(_after(position, move), reach, moves_made + 1)
+        else:
+            for move, p in policy(position).items():
+                if p > 0:
+                    visit(_after(position, move), reach * p, moves_made)
+
+    for root in roots:
+        visit(root, 1.0, 0)
+    return reached, own_moves
+
+
+def _after(position: TwoPlayerGame, move: str) -> TwoPlayerGame:
+    after = copy.deepcopy(position)
+    after.step(move)
+    return after

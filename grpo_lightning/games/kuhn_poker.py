@@ -14,13 +14,20 @@ The deal is the seed's: `reset(seed)` deals `DEALS[seed % 6]`, so any 6 consecut
 a Q it calls a bet a third of the time; seat 1 bets a J after a check a third of the time and calls a bet with a Q a
 third of the time): against it no strategy wins more than -1/18 chips a game from seat 0 or +1/18 from seat 1, on
 average over the deals; the `perfect` scripted player plays it.
+
+A strategy of the game is a move distribution at each of its 12 information sets (`INFOSETS`: the mover's card and
+the moves so far, all a player knows), keyed as `EQUILIBRIUM` is. `exploitability` says how far one is from an
+equilibrium: what a best response wins against it, on the seats' mean (games/exact.py; docs/selfplay.md,
+"Exploitability (Kuhn Poker)").
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move
+from grpo_lightning.games.exact import best_response_value
 from grpo_lightning.games.registry import register_game
 
 CARDS = "JQK"
@@ -43,6 +50,12 @@ EQUILIBRIUM: dict[tuple[int, str], dict[str, float]] = {
     (2, "bet"): {"call": 1.0},
 }
 """Kuhn's equilibrium with alpha = 0, by the card of the player to move and the history."""
+INFOSETS: tuple[tuple[int, str], ...] = tuple(EQUILIBRIUM)
+"""The 12 information sets, (card of the player to move, history): seat 0's at "" and "check,bet", seat 1's at
+"check" and "bet", each with the three cards."""
+Strategy = Mapping[tuple[int, str], Mapping[str, float]]
+"""A move distribution at every information set, moves named without brackets (`EQUILIBRIUM`'s form); a move left
+out has probability 0."""
 
 
 @register_game("kuhn_poker")
@@ -132,3 +145,56 @@ class KuhnPoker(TwoPlayerGame):
     def _finish(self, chips: int) -> None:
         self.chips = chips
         self._outcome = (1.0, -1.0) if chips > 0 else (-1.0, 1.0)
+
+
+def information_set(game: KuhnPoker) -> tuple[int, str]:
+    """What the player to move knows: its card and the moves so far (an `INFOSETS` key)."""
+    return game.cards[game.current_player], ",".join(game.history)
+
+
+def position(card: int, history: str) -> KuhnPoker:
+    """A game at an information set: the player to move holds `card`, after the moves of `history` (the other card
+    is the first deal's that fits; the mover's observation does not show it)."""
+    game = KuhnPoker()
+    moves = history.split(",") if history else []
+    game.reset(next(seed for seed, deal in enumerate(DEALS) if deal[len(moves) % 2] == card))
+    for move in moves:
+        game.step(f"[{move}]")
+    return game
+
+
+def best_response_values(strategy: Strategy) -> tuple[float, float]:
+    """The chips a hand a best response wins against `strategy` (Zinkevich et al. 2007), averaged over the 6
+    deals: from seat 0 against `strategy` in seat 1, and from seat 1 against it in seat 0. At an equilibrium they
+    are the game's values, -1/18 and +1/18."""
+    _check_strategy(strategy)
+
+    def policy(game: TwoPlayerGame) -> dict[str, float]:
+        return {f"[{move}]": p for move, p in strategy[information_set(game)].items()}
+
+    first, second = (
+        best_response_value(KuhnPoker, range(len(DEALS)), seat, policy, information_set) for seat in (0, 1)
+    )
+    return first, second
+
+
+def exploitability(strategy: Strategy) -> float:
+    """How much a best response wins against `strategy`, in chips a hand on the seats' mean:
+    (`best_response_values`' sum) / 2, the NashConv over the 2 players (Lanctot et al. 2019). 0 exactly at an
+    equilibrium (Kuhn's family, any alpha in [0, 1/3]), positive elsewhere: 1/3 for always check and call,
+    11/24 for the uniformly random player, 1 for always check and fold (docs/selfplay.md)."""
+    return sum(best_response_values(strategy)) / 2
+
+
+def _check_strategy(strategy: Strategy) -> None:
+    """Every information set, with a distribution over its legal moves (sums to 1 within 1e-9)."""
+    for key in INFOSETS:
+        if key not in strategy:
+            raise ValueError(f"the strategy has no move distribution at {CARDS[key[0]]}, history {key[1]!r}")
+        legal = {move[1:-1] for move in position(*key).legal_moves()}
+        moves = strategy[key]
+        if not set(moves) <= legal or any(p < 0 for p in moves.values()) or abs(sum(moves.values()) - 1) > 1e-9:
+            raise ValueError(
+                f"the strategy at {CARDS[key[0]]}, history {key[1]!r} is not a distribution over {sorted(legal)}: "
+                f"{dict(moves)}"
+            )

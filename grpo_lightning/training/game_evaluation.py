@@ -9,6 +9,12 @@ never moves. Metrics: `eval/win_rate_vs_<opponent>` with `_ci95_low` / `_ci95_hi
 `eval/loss_rate_vs_<o>`, `eval/illegal_move_rate` over all the learner's moves (`eval/learner_moves`) with its
 interval, and `eval/games`; in a game with a payoff of its own (Kuhn Poker's chips), `eval/payoff_vs_<o>`, the mean
 payoff with its interval. Each per-opponent metric also comes per seat (`..._first`, `..._second`).
+
+Kuhn Poker is also judged by `eval/exploitability`: what a best response wins against the policy's strategy, in
+chips a hand on the seats' mean (0 at an equilibrium; games/kuhn_poker.py `exploitability`). The strategy is read
+from the policy's probabilities of each legal move's text at the game's 12 information sets (training/
+game_strategy.py), not from the games played: one forward of 24 rows, on every rank (the same weights give the same
+value; a sharded policy's forward needs every rank), which leaves training as it was.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
 from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.kuhn_poker import KuhnPoker, exploitability
 from grpo_lightning.games.opponent_pool import opponent_names
 from grpo_lightning.games.play import SCRIPTED, Match, ModelPlayer, play
 from grpo_lightning.games.registry import make_game
@@ -32,6 +39,7 @@ from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
+from grpo_lightning.training.game_strategy import kuhn_strategy
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +102,25 @@ def payoff_metrics(name: str, payoffs: list[float]) -> dict[str, float]:
     return {key: mean, f"{key}_ci95_low": mean - spread, f"{key}_ci95_high": mean + spread}
 
 
+def played_metrics(games: list[Played], opponents: list[str], has_payoff: bool) -> dict[str, float]:
+    """The metrics of every rank's evaluation games: per opponent, both seats then each (the first mover's edge
+    shows apart), the rates and the payoff; the illegal-move rate over all the learner's moves; the counts."""
+    metrics: dict[str, float] = {}
+    for name in opponents:
+        for suffix, seats in (("", (0, 1)), *((f"_{n}", (seat,)) for seat, n in enumerate(SEAT_NAMES))):
+            these = [g for g in games if g.opponent == name and g.seat in seats]
+            metrics |= rate_metrics(name + suffix, [g.score for g in these])
+            if has_payoff:
+                metrics |= payoff_metrics(name + suffix, [g.payoff for g in these])
+    illegal = [flag for g in games for flag in g.illegal]
+    low, high = wilson_interval(sum(illegal), len(illegal))
+    metrics["eval/illegal_move_rate"] = sum(illegal) / max(len(illegal), 1)
+    metrics["eval/illegal_move_rate_ci95_low"], metrics["eval/illegal_move_rate_ci95_high"] = low, high
+    metrics["eval/learner_moves"] = float(len(illegal))
+    metrics["eval/games"] = float(len(games))
+    return metrics
+
+
 class GameEvaluator(Evaluator):
     """The evaluator of data=games: `at_fit_start`, `after_round` and the history as `Evaluator`'s; `evaluate`
     plays. `reward` and `checker` are the shared `eval` node's and unused here (set `eval.reward: null`)."""
@@ -107,6 +134,7 @@ class GameEvaluator(Evaluator):
         """`eval.opponents` and `eval.max_turns` (`GameEvalSettings`)."""
         self.seeds: list[int] = []
         self._prompts: TurnPrompts | None = None
+        self._warned_no_module = False
 
     def at_fit_start(self, trainer: L.Trainer) -> None:
         if not self.settings.enabled:
@@ -147,27 +175,27 @@ class GameEvaluator(Evaluator):
                  self.settings.max_new_tokens)  # fmt: skip
         parts = gather_objects([Played(m.opponent.name, m.learner_seat, m.learner_score, m.learner_payoff,
                                        [t.illegal for t in m.turns]) for m in matches])  # fmt: skip
-        games = [g for part in parts for g in part]
         has_payoff = make_game(self.dataset.game).payoff_unit is not None
-        metrics: dict[str, float] = {}
-        for name in self.game_settings.opponents:  # both seats, then each (the first mover's edge shows apart)
-            for suffix, seats in (("", (0, 1)), *((f"_{n}", (seat,)) for seat, n in enumerate(SEAT_NAMES))):
-                these = [g for g in games if g.opponent == name and g.seat in seats]
-                metrics |= rate_metrics(name + suffix, [g.score for g in these])
-                if has_payoff:
-                    metrics |= payoff_metrics(name + suffix, [g.payoff for g in these])
-        illegal = [flag for g in games for flag in g.illegal]
-        low, high = wilson_interval(sum(illegal), len(illegal))
-        metrics["eval/illegal_move_rate"] = sum(illegal) / max(len(illegal), 1)
-        metrics["eval/illegal_move_rate_ci95_low"], metrics["eval/illegal_move_rate_ci95_high"] = low, high
-        metrics["eval/learner_moves"] = float(len(illegal))
-        metrics["eval/games"] = float(len(games))
+        metrics = played_metrics([g for part in parts for g in part], self.game_settings.opponents, has_payoff)
+        if self.dataset.game == KuhnPoker.game_id:
+            metrics |= self._exploitability(trainer, encode)
         metrics["time/eval_s"] = time.perf_counter() - start
         self.record(trainer, metrics)
         log.info("eval at step %d: %s", trainer.global_step,
-                 ", ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/win_rate_vs_")
-                           and not k.endswith(("low", "high"))))  # fmt: skip
+                 ", ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items() if k == "eval/exploitability"
+                           or k.startswith("eval/win_rate_vs_") and not k.endswith(("low", "high"))))  # fmt: skip
         return metrics
+
+    def _exploitability(self, trainer: L.Trainer, encode) -> dict[str, float]:
+        """`eval/exploitability` of the policy's Kuhn Poker strategy, read from its probabilities (every rank)."""
+        module = getattr(trainer, "lightning_module", None)
+        if not hasattr(module, "completion_logprobs"):  # a stand-in trainer with no training module: nothing to read
+            if not self._warned_no_module:
+                self._warned_no_module = True
+                log.warning("eval/exploitability needs the training module's log-probs; this trainer has none")
+            return {}
+        strategy = kuhn_strategy(module, encode, self.tokenizer, self.dataset.reply_prefix)
+        return {"eval/exploitability": exploitability(strategy)}
 
 
 class _NoChecker:
