@@ -196,7 +196,8 @@ def generate(count: int, overrides: list[str], max_new_tokens: int) -> list[tupl
     import torch
     from hydra import compose, initialize_config_dir
 
-    from grpo_lightning.app.train import build, load_model
+    from grpo_lightning.app.build import build
+    from grpo_lightning.app.parts import load_model
 
     with initialize_config_dir(config_dir=str(ROOT / "grpo_lightning" / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)

@@ -35,6 +35,7 @@ def main() -> None:
 
     from grpo_lightning.app.train import build_run
     from grpo_lightning.training.rollout_loop import RolloutLoop
+    from grpo_lightning.training.round_layout import lay_out
 
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(compose(tmp, 1, args.override))
@@ -45,10 +46,10 @@ def main() -> None:
         bf16_vs_fp32, gen_vs_fp32, times = [], [], {name: [] for name in precisions}
         for r in range(args.rounds):
             torch.manual_seed(r)
-            rollouts = rollout.variant.generate_rollouts(
+            rollouts = rollout.sampler.variant.generate_rollouts(
                 rollout.generator, dm.prompts_for_round(r, rollout.tokenizer), rollout.reward_fn, rollout.decode
             )
-            dm.serve(rollout.layout(rollouts, r, dm.micro_batches_per_round))
+            dm.serve(lay_out(rollouts, r, dm.micro_batches_per_round, dm.settings, rollout.tokenizer.pad_token_id))
             with torch.no_grad():
                 for batch in dm.schedule:
                     mask = batch.sequence_mask.bool()  # [B, C]

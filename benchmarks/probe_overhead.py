@@ -128,7 +128,7 @@ def measure(mode: str, rounds: int, extra: list[str]) -> tuple[dict[str, float],
         run = build_run(compose(tmp, steps, overrides))
         callbacks = run.trainer.callbacks
         rollout_cb = next(c for c in callbacks if isinstance(c, RolloutLoop))
-        rollout_cb.variant = frozen = FrozenRollouts(rollout_cb.variant)
+        rollout_cb.sampler.variant = frozen = FrozenRollouts(rollout_cb.sampler.variant)
         gns = next(c for c in callbacks if isinstance(c, GradientNoiseScaleProbe))
         entropy = next(c for c in callbacks if isinstance(c, EntropyProbe))
         rotation = Rotation(gns, entropy)

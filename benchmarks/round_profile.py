@@ -50,6 +50,7 @@ def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
 
     from grpo_lightning.app.train import build_run
     from grpo_lightning.training.rollout_loop import RolloutLoop
+    from grpo_lightning.training.round_layout import lay_out
 
     result: dict = {"overrides": overrides, "phases": []}
 
@@ -74,11 +75,12 @@ def profile_round(overrides: list[str], repeat: int, profile: bool) -> dict:
                 torch.manual_seed(it)
                 start = time.perf_counter()
                 prompts = dm.prompts_for_round(it, rollout_cb.tokenizer)
-                rollouts = rollout_cb.variant.generate_rollouts(
+                rollouts = rollout_cb.sampler.variant.generate_rollouts(
                     rollout_cb.generator, prompts, rollout_cb.reward_fn, rollout_cb.decode
                 )
                 mark(f"rollout{it}", start)
-                dm.serve(rollout_cb.layout(rollouts, it, dm.micro_batches_per_round))
+                pad = rollout_cb.tokenizer.pad_token_id
+                dm.serve(lay_out(rollouts, it, dm.micro_batches_per_round, dm.settings, pad))
                 start = time.perf_counter()
                 train_round(module, dm.schedule)
                 mark(f"train{it}", start)

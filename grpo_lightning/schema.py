@@ -97,6 +97,20 @@ def plain(value: Any) -> Any:
     return value
 
 
+def settings_of(node: Mapping[str, Any], schema: type) -> Any:
+    """The settings object of `schema` that a config node configures: the keys the node sets (nested settings
+    built the same way), the declared defaults for the others, keys `schema` does not declare left to their own
+    owners. For reading a validated config (app/validation.py checks every key first) where a component's
+    settings are needed before the component is built: the memory estimate, the engine's checks."""
+    values = {}
+    for field in dataclasses.fields(schema):
+        if field.name not in node:
+            continue
+        value, nested = node[field.name], field.metadata.get("schema")
+        values[field.name] = settings_of(value, nested) if nested and isinstance(value, Mapping) else plain(value)
+    return schema(**values)
+
+
 def import_target(target: Any) -> Any:
     """What a config node's `_target_` names (a dotted path to a class or function); None when it names nothing
     that imports (the build reports that, with the key). Without Hydra, so that every layer may ask."""

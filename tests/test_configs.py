@@ -99,7 +99,7 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
     elif group == "data" and option == "rounds":  # the round's shape every source extends, not a source
         assert "dataset" not in node and node.prompts_per_round == 2
     elif group == "callbacks":  # built by the run with its objects (app/train.py build_callbacks)
-        from grpo_lightning.app.train import REQUIRED_CALLBACKS, callback_parameters
+        from grpo_lightning.app.parts import REQUIRED_CALLBACKS, callback_parameters
 
         parameters = callback_parameters(node)
         assert set(REQUIRED_CALLBACKS) <= set(parameters)
@@ -111,7 +111,7 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
     elif group == "generator":
         assert get_class(node._target_) is not None  # needs a model; built in test_train
     elif group == "logger":  # one node per tracker (a multi-select group), built by the run (app/train.py)
-        from grpo_lightning.app.train import build_loggers
+        from grpo_lightning.app.parts import build_loggers
 
         (logger,) = build_loggers(cfg)
         assert type(logger) is get_class(node[option]._target_)
@@ -181,22 +181,17 @@ def test_choosing_the_sampling_base_as_an_engine_names_the_key(tmp_path):
 
 
 def test_callbacks_are_built_from_config_with_the_run_objects(tmp_path):
-    """Each entry gets its config arguments plus the run objects its constructor names; None adds nothing."""
-    from grpo_lightning.app.train import build_callbacks
+    """The entries the run builds itself (the stop, the rollout loop) keep their place in the order; every other
+    entry gets its config arguments plus the run objects its constructor names; None adds nothing."""
+    from grpo_lightning.app.parts import build_callbacks
 
     cfg = make_cfg(tmp_path, ["trainer.enable_progress_bar=false", "+callbacks.mine._target_=tests.helpers.Recorder"])
-    from tests.helpers import StubGenerator
-
-    class ScriptedEngine(StubGenerator):
-        def generate(self, prefixes, num_samples, max_new_tokens=None, greedy=False):
-            raise AssertionError("not sampled here")
-
-    objects = {name: object() for name in ("variant", "reward_fn", "datamodule", "tokenizer")}
-    objects |= {"generator": ScriptedEngine(), "evaluator": None}
-    built = build_callbacks(cfg.callbacks, objects)
+    objects = {name: object() for name in ("generator", "variant", "reward_fn", "datamodule", "tokenizer")}
+    objects["evaluator"] = None
+    by_the_run = {"stop": object(), "rollout_loop": object()}
+    built = build_callbacks(cfg.callbacks, objects, by_the_run)
     assert list(built) == ["stop", "rollout_loop", "round_checkpoint", "last_checkpoint", "save_policy", "mine"]
-    loop = built["rollout_loop"]
-    assert loop.generator is objects["generator"] and loop.stop is built["stop"] and loop.seed == cfg.seed
+    assert built["stop"] is by_the_run["stop"] and built["rollout_loop"] is by_the_run["rollout_loop"]
     assert built["save_policy"].tokenizer is objects["tokenizer"]
     assert built["mine"].tokenizer is objects["tokenizer"]  # a user's callback asks by parameter name
     assert str(built["last_checkpoint"].dirpath) == f"{tmp_path}/checkpoints"
@@ -210,7 +205,7 @@ def test_callbacks_are_built_from_config_with_the_run_objects(tmp_path):
     ],
 )
 def test_callback_mistakes_name_the_key(tmp_path, overrides, words):
-    from grpo_lightning.app.train import callback_parameters
+    from grpo_lightning.app.parts import callback_parameters
 
     with pytest.raises(ValueError, match=words):
         callback_parameters(make_cfg(tmp_path, overrides).callbacks)

@@ -23,7 +23,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from grpo_lightning.config_docs import reference as config_reference, yaml_comments
+from grpo_lightning.config_docs import reference as config_reference
+from grpo_lightning.config_docs import yaml_comments
 from grpo_lightning.rewards.pipeline import MOVED_KEYS, check_moved_overrides
 from tests.conftest import CONF_DIR, ROOT, make_cfg
 
@@ -480,7 +481,7 @@ def check_pairs(variants_module, tmp_path):
     generator = ScriptedGenerator({(10, 11): [[1, 2], [1, 3]], (20,): [[5], [1, 4]]})
     reward = build_reward(make_cfg(tmp_path / "reward").reward, loss_type="grpo", max_new_tokens=8)
     variant = pairs_cls()
-    assert variant.rollouts_per_round(3) == 6
+    assert 3 * variant.group().rollouts == 6
     rollouts = variant.generate_rollouts(generator, prompts, reward, decode)
     assert generator.calls == [([[10, 11], [20]], 2)]
     assert [r.text for r in rollouts] == ["#### 3", "#### 4", "no answer", "#### 7"]

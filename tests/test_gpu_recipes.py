@@ -52,6 +52,7 @@ def cuda_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(memory, "gpu_memory", lambda: 80 * GIB)
     monkeypatch.setattr("grpo_lightning.app.plan.gpu_memory", lambda: 80 * GIB)
+    monkeypatch.setattr("grpo_lightning.app.run_shape.gpu_memory", lambda: 80 * GIB)
     monkeypatch.setattr(validation, "check_accelerator", lambda cfg: None)
     return cache
 

@@ -117,7 +117,7 @@ def test_round_k_plus_1_is_sampled_from_the_weights_round_k_started_training_wit
         )
         plain.reseed(derive_seed(cfg.seed, "round", round_index))
         prompts = run.datamodule.prompts_for_round(round_index, loop.tokenizer)
-        rollouts = loop.variant.generate_rollouts(plain, prompts, loop.reward_fn, loop.decode)
+        rollouts = loop.sampler.variant.generate_rollouts(plain, prompts, loop.reward_fn, loop.decode)
         return [(r.completion_ids, r.gen_logprobs, r.reward, r.group_id) for r in rollouts]
 
     differs = []

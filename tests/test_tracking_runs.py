@@ -219,7 +219,7 @@ def test_a_tensorboard_run_imports_no_other_tracker(tmp_path):
     building TensorBoard and CSV loggers leaves wandb and mlflow unimported (each takes a second or two to import)."""
     code = (
         "import sys\n"
-        "from grpo_lightning.app.train import build_loggers\n"
+        "from grpo_lightning.app.parts import build_loggers\n"
         "from tests.conftest import make_cfg\n"
         f"build_loggers(make_cfg({str(tmp_path)!r}, ['logger=[tensorboard,csv]']))\n"
         "print(sorted(m for m in ('wandb', 'mlflow') if m in sys.modules))\n"

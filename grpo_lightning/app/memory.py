@@ -21,17 +21,17 @@ linear weight for the length of a generate call: one more copy of most of the we
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from grpo_lightning.generation.hf_engine import CPU_AUTO_ROWS
-from grpo_lightning.variants.base import GroupShape
+if TYPE_CHECKING:
+    from grpo_lightning.app.run_shape import RunShape
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -149,64 +149,6 @@ def _render(terms: list[Term]) -> str:
     return f"~{total / GIB:.2f} GiB ({parts})"
 
 
-@dataclass(frozen=True)
-class RunShape:
-    """The config facts the estimate reads (train.py builds it from the composed config)."""
-
-    dtype: str
-    """model.dtype."""
-    lora: bool
-    reference_copy: bool
-    """Full fine-tuning with loss.beta > 0 keeps a frozen copy of the model."""
-    mixed_precision: bool
-    """trainer.precision is bf16-mixed / 16-mixed: activations in half precision."""
-    prompt_tokens: int
-    new_tokens: int
-    group_size: int
-    """The most rollouts one prompt's group holds (the variant's `GroupShape.rollouts`)."""
-    groups_per_micro_batch: int
-    rollouts_per_round: int
-    share_prefix: bool
-    logits_chunk_tokens: int | None
-    engine: str
-    """'hf' or 'vllm'."""
-    hf_batch_rows: int = 16
-    """Sequences per HF generate call at most: generator.batch_size, the group's G samples of one prompt (a call
-    never splits a prompt's samples), or eval.batch_size's greedy rows, whichever is largest."""
-    decode_rows: int = 16
-    """generator.batch_size as the HF engine will use it (`auto` resolved by `decode_rows` / `fit_decode_rows`)."""
-    decode_rows_auto: bool = False
-    """generator.batch_size=auto: `fit_decode_rows` may shrink `decode_rows` to what the GPU holds."""
-    eval_rows: int = 0
-    """eval.batch_size's greedy rows per call (0: no evaluation)."""
-    trainer_on_gpu: bool = False
-    engine_separate: bool = False
-    """vLLM on its own GPU (generator.device=cuda:N)."""
-    engine_on_cpu: bool = False
-    """vLLM's CPU build."""
-    engine_dtype: str = "float32"
-    sleep_mode: bool = False
-    gpu_memory_utilization: float = 0.3
-    kv_cache_gib: float | None = None
-    engine_gpu_bytes: int | None = None
-    """The engine GPU's total memory when a GPU is visible (vLLM takes gpu_memory_utilization of it)."""
-    overlap: bool = False
-    """rollout.max_staleness >= 1: the HF engine's copy samples beside training (docs/overlap.md)."""
-    cuda_streams: int = 1
-    """Streams of the trainer's process that run cuBLAS on its GPU: the default stream; with the HF engine, the
-    CUDA-graph decode's warm-up and capture streams (perf.generate.cuda_graphs) and the overlapped sampler's own."""
-    activation_checkpointing: bool = False
-    """perf.forward.activation_checkpointing: each decoder layer keeps its input only and is recomputed."""
-    merged_lora: bool = False
-    """The HF engine samples a LoRA policy through merged copies of the targeted weights (perf.generate.merge_lora)."""
-    group_key: str = "variant.num_generations"
-    """The config keys that set the group's size (the variant's), named where the estimate asks to lower them."""
-    samples_per_prefix: int = 1
-    """The most sequences a generate call samples from one prefix (the variant's): the engine's fewest rows."""
-    shared_prompt: bool = True
-    """The group's rollouts continue one prompt, which `share_prefix` runs once (not a game's turns)."""
-
-
 def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     """The peak memory of a run of `run` on a model of `shape` (see the module docstring for the terms)."""
     weight_bytes = DTYPE_BYTES[run.dtype]
@@ -235,22 +177,22 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
         per_token = shape.layers * per_layer_token
     logit_positions = tokens if run.logits_chunk_tokens is None else min(tokens, run.logits_chunk_tokens)
     logits = logit_positions * shape.vocab * 4 * 3  # float32 logits, their log-softmax and its gradient
-    micro_batch_key = "data.groups_per_micro_batch" if run.groups_per_micro_batch > 1 else run.group_key
-    activations = Term("activations", tokens * per_token + logits, micro_batch_key)
+    rows_key = "data.groups_per_micro_batch" if run.groups_per_micro_batch > 1 else run.group_key
+    activations = Term("activations", tokens * per_token + logits, run.heaviest(rows_key, *TOKEN_KEYS))
 
     sequence = run.prompt_tokens + run.new_tokens
     engine_terms: list[Term] = []
     if run.engine == "hf":
         kv = run.hf_batch_rows * sequence * 2 * shape.layers * shape.kv_width * weight_bytes
         step_logits = run.hf_batch_rows * shape.vocab * 4 * DECODE_STEP_LOGIT_COPIES
-        key = run.group_key if run.hf_batch_rows == run.samples_per_prefix else "generator.batch_size"
-        generation = [Term("generation", kv + step_logits, key)]
+        generation = [Term("generation", kv + step_logits, run.heaviest(_call_rows_key(run), *TOKEN_KEYS))]
         if run.merged_lora and run.lora:
             merged = shape.lora_target_parameters * weight_bytes
             generation.append(Term("merged LoRA weights", merged, "perf.generate.merge_lora"))
     else:
         generation = [Term("generation", 0, "")]
-    rollouts = Term("rollouts", run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN, "data.prompts_per_round")
+    rollout_bytes = run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN
+    rollouts = Term("rollouts", rollout_bytes, run.heaviest("data.prompts_per_round", *TOKEN_KEYS))
     if run.overlap:  # sampling beside training: both at once, and the sampler's copy of the trainable weights
         terms.append(Term("sampler copy", trainable * state_bytes, "rollout.max_staleness"))
         peak_work = [activations, *generation]
@@ -294,6 +236,18 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     return result
 
 
+TOKEN_KEYS = ("data.max_prompt_tokens", "generator.max_new_tokens")
+"""The keys that set a sequence's length, beside whatever sets a term's rows."""
+
+
+def _call_rows_key(run: RunShape) -> str:
+    """The key that sets the rows of the widest HF generate call: the group (a call never splits a prompt's
+    samples), `eval.batch_size` (the evaluator's greedy calls), or `generator.batch_size`."""
+    if run.hf_batch_rows == run.samples_per_prefix:
+        return run.group_key
+    return "eval.batch_size" if run.hf_batch_rows == run.eval_rows > run.decode_rows else "generator.batch_size"
+
+
 def fit_decode_rows(shape: ModelShape, run: RunShape, gpu_bytes: int | None) -> RunShape:
     """`run` with generator.batch_size=auto sized to the trainer's GPU (any other run comes back unchanged).
 
@@ -321,15 +275,6 @@ def fit_decode_rows(shape: ModelShape, run: RunShape, gpu_bytes: int | None) -> 
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle * group) else (low, middle)
     return with_rows(low * group)
-
-
-def decode_rows(batch_size: int | str, trainer_on_gpu: bool, round_rows: int) -> int:
-    """Sequences per HF generate call before any fitting: `generator.batch_size` when a number; `auto`: 16 on a
-    CPU (`CPU_AUTO_ROWS`, the rows the CPU rounds were measured with, benchmarks/README.md), the rank's whole
-    round on a GPU (`fit_decode_rows` shrinks it to what fits)."""
-    if batch_size != "auto":
-        return int(batch_size)
-    return round_rows if trainer_on_gpu else CPU_AUTO_ROWS
 
 
 def gpu_memory() -> int | None:
@@ -381,65 +326,3 @@ SWITCHES = {
 
 def _fix(key: str) -> str:
     return SWITCHES[key]
-
-
-def is_vllm(cfg) -> bool:
-    """generator=vllm (the config group's engine, by its target)."""
-    return str(cfg.generator.get("_target_", "")).endswith("VLLMGenerator")
-
-
-def run_shape(cfg, group: GroupShape, rollouts_per_round: int) -> RunShape:
-    """The estimate's view of a composed config (validated: every key has its type) and of the variant's group.
-    With `generator.batch_size=auto` the decode rows are `decode_rows`' (train.py fits them to the GPU)."""
-    from grpo_lightning.generation.placement import trainer_devices, world_size
-    from grpo_lightning.generation.vllm_io import installed_platform
-    from grpo_lightning.generation.vllm_settings import engine_dtype, settings_in
-
-    forward = cfg.perf.forward
-    trainer_on_gpu = bool(trainer_devices(cfg)) or cfg.trainer.get("accelerator") in ("gpu", "cuda")
-    round_rows = math.ceil(rollouts_per_round / world_size(cfg))  # this rank's share of the round
-    batch_size = cfg.generator.get("batch_size", CPU_AUTO_ROWS)
-    rows = decode_rows(batch_size, trainer_on_gpu, round_rows)
-    eval_rows = cfg.eval.batch_size if cfg.eval.enabled else 0
-    shape = dict(
-        dtype=cfg.model.dtype,
-        lora=bool(cfg.model.lora.enabled),
-        reference_copy=not cfg.model.lora.enabled and cfg.loss.beta > 0,
-        mixed_precision=str(cfg.trainer.precision) in ("bf16-mixed", "16-mixed", "16"),
-        prompt_tokens=cfg.data.max_prompt_tokens,
-        new_tokens=cfg.generator.max_new_tokens,
-        group_size=group.rollouts,
-        group_key=" or ".join(group.keys),
-        samples_per_prefix=group.samples_per_prefix,
-        shared_prompt=group.shared_prompt,
-        groups_per_micro_batch=cfg.data.groups_per_micro_batch,
-        rollouts_per_round=rollouts_per_round,
-        share_prefix=bool(forward.get("share_prefix", False)),
-        logits_chunk_tokens=forward.get("logits_chunk_tokens"),
-        activation_checkpointing=bool(forward.get("activation_checkpointing", False)),
-        engine="vllm" if is_vllm(cfg) else "hf",
-        hf_batch_rows=max(rows, group.samples_per_prefix, eval_rows),
-        decode_rows=rows,
-        decode_rows_auto=batch_size == "auto",
-        eval_rows=eval_rows,
-        trainer_on_gpu=trainer_on_gpu,
-        overlap=bool(cfg.get("rollout", {}).get("max_staleness", 0)),
-    )
-    if shape["engine"] == "hf":  # the default stream, then the graphs' two and the overlapped sampler's
-        graphs = bool(cfg.perf.generate.get("cuda_graphs", False))
-        shape["cuda_streams"] = 1 + 2 * graphs + shape["overlap"]
-        shape["merged_lora"] = bool(cfg.perf.generate.get("merge_lora", False))
-    if shape["engine"] == "vllm":
-        settings = settings_in(cfg)
-        on_cpu = installed_platform() == "cpu"
-        gpu_bytes = None if on_cpu else gpu_memory()
-        shape |= dict(
-            engine_separate=settings.device not in (None, "cpu") and not on_cpu,
-            engine_on_cpu=on_cpu,
-            engine_dtype=engine_dtype(settings, cfg.model.dtype),
-            sleep_mode=settings.sleep_mode and not on_cpu,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            kv_cache_gib=settings.kv_cache_gib,
-            engine_gpu_bytes=gpu_bytes,
-        )
-    return RunShape(**shape)

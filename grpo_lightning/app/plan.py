@@ -12,15 +12,14 @@ from omegaconf import DictConfig
 from grpo_lightning.app.build import build
 from grpo_lightning.app.memory import (
     MemoryEstimate,
-    RunShape,
     check_fits,
     estimate,
     fit_decode_rows,
     gpu_memory,
     machine_memory,
     model_shape,
-    run_shape,
 )
+from grpo_lightning.app.run_shape import RunShape, run_shape
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.data.games import GameSeeds, TurnPrompts
 from grpo_lightning.variants.base import GroupShape, GRPOVariant

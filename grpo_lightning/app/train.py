@@ -8,7 +8,6 @@ them without a traceback); `instantiate` wraps constructor errors, so `build` un
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import logging
 import os
@@ -16,16 +15,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning import openmp
-from grpo_lightning.accel.activation_checkpointing import enable_activation_checkpointing
-from grpo_lightning.accel.fused_lora import install_fused_lora_forward
-from grpo_lightning.app.build import build, first_line
+from grpo_lightning.app.build import build
 from grpo_lightning.app.export import export_policy
-from grpo_lightning.app.plan import Plan, accumulate_grad_batches, check_model_fits, make_plan, score_references
+from grpo_lightning.app.parts import (
+    build_callbacks,
+    build_data,
+    build_loggers,
+    build_pipeline,
+    build_policy,
+    build_probes,
+    build_trainer,
+    callback_parameters,
+    check_reward_fits_variant,
+)
+from grpo_lightning.app.plan import Plan, make_plan, score_references
 from grpo_lightning.app.quiet import quiet_third_party
 from grpo_lightning.app.summary import render as render_summary
 from grpo_lightning.app.summary import summary_metrics
@@ -33,23 +40,19 @@ from grpo_lightning.app.validation import check_fresh_or_resume, check_platform,
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.distributed import lost_a_process
 from grpo_lightning.errors import RunInterrupted, TrainingStopped
-from grpo_lightning.generation.placement import trainer_devices, world_size
-from grpo_lightning.models.lora import LoraSettings, wrap_policy
-from grpo_lightning.models.sources import resolve_dtype
-from grpo_lightning.rewards.pipeline import build_reward
-from grpo_lightning.schema import import_target
+from grpo_lightning.generation.placement import trainer_devices
+from grpo_lightning.models.lora import LoraSettings
 from grpo_lightning.training import tracking
 from grpo_lightning.training.callbacks import SavePolicy
 from grpo_lightning.training.checkpointing import (
-    AtomicCheckpointIO,
     RunLock,
-    check_resumable,
     check_resume_settings,
     fixed_settings,
     read_checkpoint,
     resolve_ckpt_path,
 )
 from grpo_lightning.training.evaluation import Evaluator
+from grpo_lightning.training.interrupt import GracefulStop
 from grpo_lightning.training.module import GRPOModule
 from grpo_lightning.training.rollout_loop import RolloutLoop
 from grpo_lightning.variants import VARIANTS
@@ -128,7 +131,7 @@ class Run:
             saver = self.callbacks.get("save_policy")
             if isinstance(saver, SavePolicy):
                 export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.source,
-                              self.rollout_loop.variant)  # fmt: skip
+                              self.rollout_loop.sampler.variant)  # fmt: skip
         if self.module.diverged:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
         if self.module.stop_reason is not None:
@@ -256,19 +259,7 @@ def _build_run(
     probes = build_probes(cfg, plan)
     loggers = build_loggers(cfg)  # before the model loads: a tracker's setting that its constructor refuses fails now
 
-    with torch.random.fork_rng():  # loading (and a first-run GGUF conversion) must not move the seeded RNG
-        model, tokenizer = load_model(source, cfg)
-    check_model_fits(cfg, model, tokenizer, datamodule)
-    lora = LoraSettings(**cfg.model.lora)
-    policy, reference = wrap_policy(model, lora, loss.needs_reference)
-    forward_settings = build(cfg.perf.forward)  # training-forward levers (docs/performance.md)
-    if forward_settings.fused_lora:
-        install_fused_lora_forward(policy)  # no-op without LoRA layers
-    if forward_settings.activation_checkpointing:
-        enable_activation_checkpointing(policy)
-    run_info = {"model": plan.model, "lora": repr(lora) if lora.enabled else "full fine-tuning"}
-    if ckpt_path is not None:
-        check_resumable(ckpt_path, policy, run_info)
+    policy, reference, tokenizer, run_info = build_policy(cfg, source, datamodule, loss, plan, ckpt_path)
     rows = {"batch_size": plan.decode_rows_per_call} if cfg.generator.get("batch_size") == "auto" else {}
     generator = build(
         cfg.generator,
@@ -287,132 +278,23 @@ def _build_run(
         total_steps=plan.rounds * plan.optimizer_steps_per_round,
         run_info=run_info,
         fixed_settings=settings,
-        forward_settings=forward_settings,
+        forward_settings=build(cfg.perf.forward),
     )
     variant.bind_data(datamodule.dataset, tokenizer, datamodule.settings.max_prompt_tokens)
     evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
+    stop: GracefulStop = build(cfg.callbacks.stop)
+    rollout_loop: RolloutLoop = build(cfg.callbacks.rollout_loop, _partial_=True)(
+        generator=generator, variant=variant, reward_fn=reward_fn, datamodule=datamodule, tokenizer=tokenizer,
+        stop=stop, evaluator=evaluator,
+    )  # fmt: skip
     run_objects = {"generator": generator, "variant": variant, "reward_fn": reward_fn, "datamodule": datamodule,
                    "tokenizer": tokenizer, "evaluator": evaluator}  # fmt: skip
-    callbacks = build_callbacks(cfg.callbacks, run_objects)
-    summary = tracking.SummaryToLoggers(functools.partial(closing_summary, callbacks["rollout_loop"], evaluator))
+    callbacks = build_callbacks(cfg.callbacks, run_objects, {"stop": stop, "rollout_loop": rollout_loop})
+    summary = tracking.SummaryToLoggers(functools.partial(closing_summary, rollout_loop, evaluator))
     extra = [*generator.callbacks, *([evaluator] if evaluator is not None else []), *probes, summary]
     trainer = build_trainer(cfg, accumulate, [*callbacks.values(), *extra], loggers)
-    return Run(
-        cfg=cfg,
-        plan=plan,
-        module=module,
-        datamodule=datamodule,
-        trainer=trainer,
-        source=source,
-        callbacks=callbacks,
-        evaluator=evaluator,
-        ckpt_path=ckpt_path,
-        lock=lock,
-    )
-
-
-def load_model(source, cfg: DictConfig):
-    """`source.load`, with a failure turned into one line naming `model.source` (a folder without weights, a
-    broken config.json, a download that failed)."""
-    try:
-        return source.load(resolve_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
-    except ValueError as err:
-        if str(err).startswith(("model.", "paths.")):  # ours: already names its key
-            raise
-        raise ValueError(f"model.source: cannot load {source.describe()}: {first_line(err)}") from None
-    except (OSError, KeyError, TypeError, RuntimeError) as err:
-        raise ValueError(
-            f"model.source: cannot load {source.describe()} ({type(err).__name__}: {first_line(err)})"
-        ) from None
-
-
-def build_pipeline(cfg: DictConfig):
-    """The `reward` config group's pipeline (docs/rewards.md), told the loss type and the completion budget."""
-    return build_reward(cfg.reward, loss_type=cfg.loss.get("loss_type"), max_new_tokens=cfg.generator.max_new_tokens)
-
-
-def check_reward_fits_variant(reward_fn, variant) -> None:
-    if reward_fn.uses_steps and not variant.knows_steps:
-        raise ValueError(
-            f"reward.step_transforms need a variant that knows reasoning steps (variant=storpo); "
-            f"variant {variant.name!r} does not (remove them or choose variant=storpo)"
-        )
-
-
-def build_data(cfg: DictConfig) -> tuple[RolloutDataModule, int]:
-    """The data module with its problems loaded, and the micro-batches per optimizer step."""
-    datamodule: RolloutDataModule = build(cfg.data, world_size=world_size(cfg))
-    datamodule.setup("fit")  # the problems, for the plan's checks (Lightning's own call finds them loaded)
-    return datamodule, accumulate_grad_batches(cfg, datamodule)
-
-
-def build_probes(cfg: DictConfig, plan: Plan) -> list[L.Callback]:
-    """The `probe` multi-select group's callbacks, each checked against the run's shape."""
-    probes = [build(node) for node in (cfg.get("probe") or {}).values()]
-    micro_batches_per_step = plan.accumulate_grad_batches
-    for probe in probes:
-        probe.check_setup(micro_batches_per_step, world_size(cfg))
-    return probes
-
-
-REQUIRED_CALLBACKS = ("stop", "rollout_loop", "last_checkpoint")
-"""Callbacks a run cannot do without: the graceful stop, the round's owner, the checkpoint a resume reads."""
-
-
-def callback_parameters(node: DictConfig) -> dict[str, list[str]]:
-    """Each `callbacks` entry's constructor parameters, after checking the entries a run needs are there and
-    every `_target_` imports (a dry run stops here: the callbacks themselves need the run's objects)."""
-    missing = [name for name in REQUIRED_CALLBACKS if name not in node]
-    if missing:
-        raise ValueError(
-            f"callbacks.{missing[0]} is required (the run's {', '.join(REQUIRED_CALLBACKS)}); remove other "
-            "callbacks, not this one"
-        )
-    parameters = {}
-    for name, spec in node.items():
-        target = spec.get("_target_") if OmegaConf.is_dict(spec) else None
-        if target is None:
-            raise ValueError(f"callbacks.{name}._target_ is missing: give the callback's class")
-        found = import_target(target)
-        if found is None:
-            raise ValueError(f"callbacks.{name}._target_: cannot import {target!r}")
-        parameters[name] = list(inspect.signature(found).parameters)
-    return parameters
-
-
-def build_callbacks(node: DictConfig, run_objects: dict) -> dict[str, L.Callback]:
-    """The `callbacks` group's entries, in order, by name.
-
-    Each entry's `_target_` gets the config's arguments plus those of its parameters that name one of the run's
-    objects (`run_objects`, then the callbacks built before it, by their names): the rollout loop takes the
-    generator, the variant, ...; `SavePolicy` the tokenizer; a user's callback can ask for any of them the same
-    way. An entry whose target returns None (the progress bar when it is off) adds nothing.
-    """
-    built: dict[str, L.Callback] = {}
-    for name, parameters in callback_parameters(node).items():
-        available = run_objects | built
-        passed = {k: available[k] for k in parameters if k in available and k not in node[name]}
-        callback = build(node[name], _partial_=True)(**passed)  # run objects passed as they are, not as config
-        if callback is not None:
-            built[name] = callback
-    return built
-
-
-def build_trainer(cfg: DictConfig, accumulate: int, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
-    """The `trainer` node with the run's callbacks, the `logger` group's loggers and the atomic checkpoint writer."""
-    return build(
-        cfg.trainer,
-        callbacks=callbacks,
-        logger=loggers or False,
-        accumulate_grad_batches=accumulate,
-        plugins=[AtomicCheckpointIO()],
-    )
-
-
-def build_loggers(cfg: DictConfig) -> list:
-    """The `logger` multi-select group's loggers, in the order selected (`logger=[tensorboard,wandb]`); none with
-    `logger=[]`. Lightning writes scalars to each; training/tracking.py fans tables, histograms and the summary out."""
-    return [build(node) for node in (cfg.get("logger") or {}).values()]
+    return Run(cfg=cfg, plan=plan, module=module, datamodule=datamodule, trainer=trainer, source=source,
+               callbacks=callbacks, evaluator=evaluator, ckpt_path=ckpt_path, lock=lock)  # fmt: skip
 
 
 def write_final_metrics(output_dir: Path, metrics: dict[str, float]) -> None:

@@ -13,7 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +56,10 @@ class Generator(Configured, ABC):
     its `settings_types` declare the keys of its `generator` node (`SamplingConfig`'s and its own).
     """
 
+    memory_kind: ClassVar[str] = "remote"
+    """Where sampling takes memory, for the plan's estimate (app/memory.py): 'hf' (our decode loop in the
+    trainer's process: KV cache and step logits), 'vllm' (a vLLM engine in or beside the trainer's process), or
+    'remote' (another machine's or process's budget: a `vllm serve` server)."""
     sampling: SamplingConfig
     """The sampling parameters (config group `generator`); variants read `sampling.max_new_tokens`."""
     guard: StaleWeightGuard

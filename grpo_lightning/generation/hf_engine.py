@@ -81,6 +81,7 @@ class HFEngine(Generator):
     """Batched sampling from a Hugging Face model with left padding: our decode loop, or `model.generate`."""
 
     settings_types = (SamplingConfig, HFSettings)
+    memory_kind = "hf"
     settings: HFSettings
     """The engine's own keys (`generator.batch_size`, `seed_per_prefix`, the stale-weight guard's)."""
 

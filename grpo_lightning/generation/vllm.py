@@ -70,7 +70,6 @@ from grpo_lightning.generation.vllm_settings import (
     check_kv_cache,
     engine_lora_rank,
     for_platform,
-    settings_in,
 )
 from grpo_lightning.generation.vllm_weights import (
     check_name_mapping,
@@ -78,6 +77,7 @@ from grpo_lightning.generation.vllm_weights import (
     policy_checkpoint_names,
     policy_weights,
 )
+from grpo_lightning.schema import settings_of
 from grpo_lightning.sharding import save_policy
 from grpo_lightning.types import Completion
 
@@ -91,6 +91,7 @@ class VLLMGenerator(Generator):
     injects a fake engine (contract tests)."""
 
     settings_types = (SamplingConfig, VLLMSettings, VLLMSourceSettings)
+    memory_kind = "vllm"
     settings: VLLMSettings
     """The engine and sync keys, as the platform the engine runs on takes them (`for_platform`)."""
     source: VLLMSourceSettings
@@ -216,7 +217,7 @@ class VLLMGenerator(Generator):
         """vLLM installed, and the settings possible on its platform (the CPU build has no CUDA device and no sleep
         mode; the CUDA build needs a GPU), decided from the package metadata before vLLM or any model is loaded.
         The KV cache against max_model_len is checked when the engine is built (it needs the model's shapes)."""
-        settings = settings_in(cfg)
+        settings = settings_of(cfg.generator, VLLMSettings)
         platform = vllm_io.installed_platform()
         if platform is None:
             raise ValueError(

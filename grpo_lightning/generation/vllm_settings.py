@@ -6,10 +6,8 @@ choices; vllm_io.py the engine and request arguments and the output parsing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.generation.placement import parse_device
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE
@@ -80,20 +78,6 @@ class VLLMSourceSettings:
 
     def __post_init__(self) -> None:
         check_settings(self, "generator")
-
-
-_ABSENT = object()
-
-
-def settings_in(cfg: DictConfig) -> VLLMSettings:
-    """The engine settings (`VLLMSettings`) of a composed config's `generator` node (generator=vllm), before the
-    engine is built: the keys the node sets, the declared defaults for the others."""
-    values = {}
-    for name in (f.name for f in fields(VLLMSettings)):
-        value = OmegaConf.select(cfg, f"generator.{name}", default=_ABSENT)
-        if value is not _ABSENT:
-            values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    return VLLMSettings(**values)
 
 
 def engine_lora_rank(r: int) -> int:

@@ -49,9 +49,9 @@ from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_wor
 from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.training import tracking
 from grpo_lightning.training.overlap import BackgroundSampling, RolloutSettings, background_sampling, staleness_problem
-from grpo_lightning.training.round_layout import micro_batches_of, pass_order, step_schedule
+from grpo_lightning.training.round_layout import micro_batches_of, round_of
 from grpo_lightning.training.round_sampling import RoundSampler, SampledRound
-from grpo_lightning.types import Prompt, Rollout, RolloutBatch, Round
+from grpo_lightning.types import Prompt, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -117,21 +117,6 @@ class RolloutLoop(L.Callback):
         """Whether the round being trained had its old log-probs scored before its first update."""
         self._resume_state: dict | None = None
 
-    @property
-    def variant(self):
-        """The rollout variant, owned by the round sampler (what the overlap worker runs); replacing it here
-        (tests and benchmarks wrap it) replaces what samples the rounds."""
-        return self.sampler.variant
-
-    @variant.setter
-    def variant(self, variant) -> None:
-        self.sampler.variant = variant
-
-    @property
-    def state_key(self) -> str:
-        """The checkpoint key of this state: the class's former name, kept because renaming it would only churn."""
-        return "RolloutCallback"
-
     def decode(self, ids: list[int]) -> str:
         return self.sampler.decode(ids)
 
@@ -144,7 +129,7 @@ class RolloutLoop(L.Callback):
             "pending": None if self.pending is None else [dataclasses.asdict(r) for r in self.pending],
             "rng": capture_rng(),
             "reward": self.reward_fn.state_dict(),  # e.g. an EMA baseline across rounds
-            "variant": self.variant.state_dict(),  # e.g. self-play's opponent pool, as after the pending round
+            "variant": self.sampler.variant.state_dict(),  # e.g. self-play's opponent pool, as after the pending round
         }
         sampler = self.background.state_dict() if self.background is not None and self.pending is None else None
         return {
@@ -252,7 +237,7 @@ class RolloutLoop(L.Callback):
         self.history = [tuple(h) for h in state.get("history", [])]
         if mine.get("reward"):
             self.reward_fn.load_state_dict(mine["reward"])
-        self.variant.load_state_dict(mine.get("variant") or {})
+        self.sampler.variant.load_state_dict(mine.get("variant") or {})
         if mine["pending"] is None:
             restore_rng(mine["rng"])
             self.produce_now(trainer, pl_module, state["next_round"], state.get("sampler"))
@@ -372,23 +357,8 @@ class RolloutLoop(L.Callback):
             for mb in micro_batches:
                 mb.old_logprobs = pl_module.score_old_logprobs(mb.to(pl_module.device)).float().cpu()  # [B, C]
                 self.agreement.add(mb.old_logprobs, mb)
-        dm.serve(self.round_of(round_index, rollouts, micro_batches, accumulate))
+        dm.serve(round_of(round_index, rollouts, micro_batches, accumulate, dm.settings))
         self.next_round, self.pending = round_index, rollouts
-
-    def round_of(self, round_index: int, rollouts: list[Rollout], micro_batches: list[RolloutBatch], accumulate: int):
-        """The `Round` the data module serves: the micro-batches in pass order, each with its step's tokens."""
-        order = pass_order(
-            len(micro_batches), self.datamodule.settings.num_iterations, self.datamodule.settings.seed, round_index
-        )
-        schedule = step_schedule(micro_batches, order, accumulate)
-        return Round(round_index, tuple(rollouts), tuple(micro_batches), tuple(schedule))
-
-    def layout(self, rollouts: list[Rollout], round_index: int, accumulate: int) -> Round:
-        """A round laid out without a trainer and without old log-probs (benchmarks drive rounds by hand)."""
-        micro_batches = micro_batches_of(
-            rollouts, self.datamodule.settings.groups_per_micro_batch, self.tokenizer.pad_token_id
-        )
-        return self.round_of(round_index, rollouts, micro_batches, accumulate)
 
     def log_samples(self, trainer: L.Trainer, prompts: list[Prompt], rollouts: list[Rollout]) -> None:
         """Text table of a few completions and reward / advantage histograms, at the round's first step."""

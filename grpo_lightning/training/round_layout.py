@@ -8,8 +8,9 @@ import dataclasses
 import torch
 
 from grpo_lightning.algorithm.rollouts import collate_rollouts
+from grpo_lightning.data.datamodule import DataSettings
 from grpo_lightning.distributed import sum_across_ranks
-from grpo_lightning.types import Rollout, RolloutBatch
+from grpo_lightning.types import Rollout, RolloutBatch, Round
 
 
 def micro_batches_of(rollouts: list[Rollout], groups_per_micro_batch: int, pad_token_id: int) -> list[RolloutBatch]:
@@ -56,3 +57,20 @@ def step_schedule(micro_batches: list[RolloutBatch], order: list[int], accumulat
         for step, n in zip(steps, tokens, strict=True)
         for i in step
     ]
+
+
+def round_of(
+    round_index: int, rollouts: list[Rollout], micro_batches: list[RolloutBatch], accumulate: int, data: DataSettings
+) -> Round:
+    """The `Round` the data module serves: the micro-batches in pass order (`data.num_iterations` passes, shuffled
+    from `data.seed`), each with its optimizer step's tokens."""
+    order = pass_order(len(micro_batches), data.num_iterations, data.seed, round_index)
+    schedule = step_schedule(micro_batches, order, accumulate)
+    return Round(round_index, tuple(rollouts), tuple(micro_batches), tuple(schedule))
+
+
+def lay_out(rollouts: list[Rollout], round_index: int, accumulate: int, data: DataSettings, pad_token_id: int) -> Round:
+    """A round laid out without a trainer and without old log-probs (benchmarks and tests drive rounds by hand;
+    the rollout loop scores old log-probs between the two steps)."""
+    micro_batches = micro_batches_of(rollouts, data.groups_per_micro_batch, pad_token_id)
+    return round_of(round_index, rollouts, micro_batches, accumulate, data)

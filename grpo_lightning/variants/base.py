@@ -111,11 +111,6 @@ class GRPOVariant(Configured, ABC):
         """What one prompt of the data source `source` (`data.dataset`; None: any) yields in a round, its advantage
         group: from the settings, and from what the source bounds (a game's longest game)."""
 
-    def rollouts_per_round(self, num_prompts: int, source: Any = None) -> int:
-        """How many rollouts a round of `num_prompts` prompts of `source` yields at most (the plan, the memory
-        estimate)."""
-        return num_prompts * self.group(source).rollouts
-
     def bind_data(self, source, tokenizer, max_prompt_tokens: int) -> None:  # noqa: B027 - a no-op default
         """Take the run's data source (`data.dataset`), tokenizer and `data.max_prompt_tokens` before the first
         round (train.py): a prompt the variant builds keeps its last `max_prompt_tokens` tokens, as the data

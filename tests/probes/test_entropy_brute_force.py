@@ -101,7 +101,7 @@ def test_entropy_probe_matches_a_plain_forward(tiny_cfg, lora, variant):
     )
     run = build_run(cfg)
     rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
-    rollout_cb.variant = UnequalLengths(rollout_cb.variant)
+    rollout_cb.sampler.variant = UnequalLengths(rollout_cb.sampler.variant)
     probe = next(c for c in run.trainer.callbacks if isinstance(c, EntropyProbe))
     truth = EntropyTruth(probe)
     run.trainer.callbacks.append(truth)

@@ -69,7 +69,7 @@ def test_gns_matches_per_completion_gradients(tiny_cfg, loss_type):
     )
     run = build_run(cfg)
     rollout_cb = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
-    rollout_cb.variant = UnequalLengths(rollout_cb.variant)
+    rollout_cb.sampler.variant = UnequalLengths(rollout_cb.sampler.variant)
     probe = next(c for c in run.trainer.callbacks if isinstance(c, GradientNoiseScaleProbe))
     truth = GNSTruth(probe, loss_type)
     run.trainer.callbacks.append(truth)

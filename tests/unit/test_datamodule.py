@@ -8,6 +8,7 @@ import pytest
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.data.gsm8k import GSM8K, parse_rows
 from grpo_lightning.training.rollout_loop import RolloutLoop
+from grpo_lightning.training.round_layout import lay_out
 from grpo_lightning.types import Rollout
 from tests.helpers import StubGenerator
 
@@ -106,7 +107,7 @@ def _loop(dm: RolloutDataModule) -> RolloutLoop:
 def test_micro_batches_keep_whole_groups_and_count_step_tokens():
     dm = _module(prompts_per_round=4, groups_per_micro_batch=2, num_iterations=2)
     # 4 groups of 3 samples; group g's completions have g + 1 tokens -> 3, 6, 9, 12 tokens per group.
-    dm.serve(_loop(dm).layout(_rollouts([3, 3, 3, 3], lambda g: g + 1), round_index=0, accumulate=2))
+    dm.serve(lay_out(_rollouts([3, 3, 3, 3], lambda g: g + 1), 0, 2, dm.settings, _Tok.pad_token_id))
     assert [sorted(set(mb.group_ids.tolist())) for mb in dm.micro_batches] == [[0, 1], [2, 3]]
     assert len(dm.schedule) == 4  # 2 micro-batches x 2 iterations
     # Each optimizer step (2 micro-batches) covers all groups once: 3 + 6 + 9 + 12 = 30 tokens.
@@ -116,7 +117,7 @@ def test_micro_batches_keep_whole_groups_and_count_step_tokens():
 def test_groups_must_fill_micro_batches():
     dm = _module(prompts_per_round=2, groups_per_micro_batch=2)
     with pytest.raises(ValueError, match="groups_per_micro_batch"):
-        _loop(dm).layout(_rollouts([2, 2, 2], lambda g: 1), round_index=0, accumulate=1)
+        lay_out(_rollouts([2, 2, 2], lambda g: 1), 0, 1, dm.settings, _Tok.pad_token_id)
 
 
 @pytest.mark.parametrize("key", ["prompts_per_round", "groups_per_micro_batch", "num_iterations", "max_prompt_tokens"])

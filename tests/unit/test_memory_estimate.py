@@ -16,12 +16,12 @@ from grpo_lightning.app.memory import (
     GPU_FIT_SHARE,
     PROCESS_BASELINE,
     ModelShape,
-    RunShape,
     check_fits,
     estimate,
     fit_decode_rows,
     model_shape,
 )
+from grpo_lightning.app.run_shape import RunShape
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from grpo_lightning.variants.baseline import BaselineGRPO
 
@@ -134,7 +134,7 @@ def test_the_trainer_gpu_counts_a_cublas_workspace_per_stream():
     ],
 )
 def test_the_streams_counted_follow_the_config(tmp_path, overrides, streams):
-    from grpo_lightning.app.memory import run_shape
+    from grpo_lightning.app.run_shape import run_shape
     from tests.conftest import make_cfg
 
     cfg = make_cfg(tmp_path, ["trainer=gpu", *overrides])
@@ -269,7 +269,7 @@ def test_auto_decode_rows_shrink_to_the_most_whole_groups_that_fit():
     ],
 )
 def test_auto_decode_rows_from_the_composed_config(tmp_path, overrides, rows):
-    from grpo_lightning.app.memory import run_shape
+    from grpo_lightning.app.run_shape import run_shape
     from tests.conftest import make_cfg
 
     cfg = make_cfg(tmp_path, overrides)
@@ -280,7 +280,7 @@ def test_auto_decode_rows_from_the_composed_config(tmp_path, overrides, rows):
 def test_the_7b_plan_with_long_completions_fits_a_gpu_with_trainer_gpu(tmp_path):
     """trainer=gpu's levers at Qwen2.5-7B's shape, LoRA, bf16, 8 prompts x 8 completions of 2,048 new tokens: the
     plan's trainer GPU estimate stays under 60 GiB (every activation kept, it was 130.9 GiB)."""
-    from grpo_lightning.app.memory import run_shape
+    from grpo_lightning.app.run_shape import run_shape
     from grpo_lightning.models.architectures import known_config
     from tests.conftest import make_cfg
 
@@ -301,3 +301,47 @@ def test_a_merged_copy_too_large_is_refused_with_the_switch_that_removes_it():
     expected = r"merged LoRA weights alone take ~4.0 GiB: set perf.generate.merge_lora=false"
     with pytest.raises(ValueError, match=expected):
         check_fits(result, cpu_bytes=2 * GIB)
+
+
+def _composed_run(tmp_path, overrides: list[str]):
+    from grpo_lightning.app.run_shape import run_shape
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, overrides)
+    return run_shape(cfg, GRPO_8, rollouts_per_round=8 * cfg.data.prompts_per_round)
+
+
+def _keys(run) -> dict[str, str]:
+    """Each CPU term's key, by the term's name (sampling and the training forward never peak together: one is
+    kept)."""
+    return {t.name: t.key for t in estimate(SHAPE, run).cpu}
+
+
+def test_a_call_never_counts_more_rows_than_the_round_gives_it(tmp_path):
+    """generator.batch_size above the rank's round (2 prompts x 8 = 16 rows) estimates what the round decodes: the
+    same as a batch size of exactly 16."""
+    huge = _composed_run(tmp_path, ["generator.batch_size=100000"])
+    exact = _composed_run(tmp_path, ["generator.batch_size=16"])
+    assert huge.decode_rows == 16 and estimate(SHAPE, huge).cpu == estimate(SHAPE, exact).cpu
+
+
+def test_evaluation_rows_are_what_a_rank_evaluates_at_once_and_are_named_by_their_key(tmp_path):
+    """eval.batch_size is capped at eval.num_problems (greedy: one row a problem), and when the evaluator's calls
+    are the widest the generation term names eval.batch_size, not generator.batch_size."""
+    assert _composed_run(tmp_path, ["eval.batch_size=100000"]).eval_rows == 32  # eval.num_problems' default
+    run = _composed_run(tmp_path, ["eval.batch_size=100000", "eval.num_problems=5000", "generator.batch_size=8"])
+    assert (run.eval_rows, run.hf_batch_rows) == (5000, 5000)
+    assert _keys(run)["generation"] == "eval.batch_size"
+    assert _composed_run(tmp_path, ["eval.enabled=false"]).eval_rows == 0
+
+
+def test_a_prompt_limit_far_above_its_default_is_the_key_named(tmp_path):
+    """data.max_prompt_tokens=10^8 makes every token term huge: each names data.max_prompt_tokens (the key that grew
+    most over its declared default), where the group's size had been named."""
+    run = _composed_run(tmp_path, ["data.max_prompt_tokens=100000000"])
+    keys = _keys(run)
+    assert keys["rollouts"] == keys.get("activations", keys.get("generation")) == "data.max_prompt_tokens"
+    with pytest.raises(ValueError, match=r"lower data\.max_prompt_tokens"):
+        check_fits(estimate(SHAPE, run), cpu_bytes=GIB)
+    plain = _keys(_composed_run(tmp_path, []))  # at the defaults the group's key and the round's stay named
+    assert (plain["activations"], plain["rollouts"]) == ("variant.num_generations", "data.prompts_per_round")

@@ -179,7 +179,7 @@ def test_a_missing_tracker_package_fails_in_one_line(tmp_path, monkeypatch):
 
 
 def test_the_group_selects_several_loggers_in_order(tmp_path):
-    from grpo_lightning.app.train import build_loggers
+    from grpo_lightning.app.parts import build_loggers
 
     assert list(make_cfg(tmp_path).logger) == ["tensorboard"]
     assert list(make_cfg(tmp_path, ["logger=[csv,tensorboard]"]).logger) == ["csv", "tensorboard"]

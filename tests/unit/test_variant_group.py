@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from grpo_lightning.app.export import model_card
-from grpo_lightning.app.memory import ModelShape, estimate, run_shape
+from grpo_lightning.app.memory import ModelShape, estimate
+from grpo_lightning.app.run_shape import run_shape
 from grpo_lightning.data.games import GameSeeds
 from grpo_lightning.training.checkpointing import check_resume_settings, fixed_settings
 from grpo_lightning.variants.base import GroupShape
@@ -85,7 +86,7 @@ def test_a_variant_takes_its_settings_object_or_its_keys():
 def test_the_memory_estimate_sizes_the_variants_group(tmp_path, overrides, variant, rollouts, key, prefix_rows, shared):
     cfg = make_cfg(tmp_path, [*overrides, "generator.batch_size=2", "eval.enabled=false", "data.prompts_per_round=2"])
     group = variant.group()
-    run = run_shape(cfg, group, variant.rollouts_per_round(2))
+    run = run_shape(cfg, group, 2 * group.rollouts)
     assert (run.group_size, run.group_key, run.samples_per_prefix, run.shared_prompt) == (rollouts, key, prefix_rows,
                                                                                            shared)  # fmt: skip
     assert run.rollouts_per_round == 2 * rollouts
