@@ -82,9 +82,15 @@ def recipe_origin(message: str) -> str:
     if recipe in (None, "null") or not recipe_file.is_file():
         return ""
     typed = {override.lstrip("~+").split("=", 1)[0] for override in hydra_cfg.overrides.task}
-    if key in typed or OmegaConf.select(OmegaConf.load(recipe_file), key, default=None) is None:
+    if any(_related(key, t) for t in typed) or OmegaConf.select(OmegaConf.load(recipe_file), key, default=None) is None:
         return ""
     return f" (the value is set by experiment={recipe}, conf/experiment/{recipe}.yaml: override {key} to change it)"
+
+
+def _related(key: str, typed: str) -> bool:
+    """Whether an override of `typed` set `key` or part of it: the same key, a key under it, or a node above it
+    (a message naming `reward.terms.payoff` after `reward.terms.payoff.discount=0` was typed)."""
+    return key == typed or typed.startswith(f"{key}.") or key.startswith(f"{typed}.")
 
 
 def remove_fresh_run_dir() -> None:

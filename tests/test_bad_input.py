@@ -451,7 +451,7 @@ VALIDATION_MISTAKES = [
     (
         "self-play perfect textarena",
         [*SELFPLAY, "data.dataset.game=textarena:Nim-v0", "variant.fixed_opponents=[perfect]"],
-        ["variant.fixed_opponents: 'perfect' plays solved games only"],
+        ["variant.fixed_opponents: 'perfect' plays solved games only", "kuhn_poker", "tictactoe"],
     ),
     (
         "self-play random unlisted",
@@ -614,3 +614,18 @@ def test_a_mistake_in_a_value_the_recipe_set_names_the_recipe(tmp_path):
                 "data.groups_per_micro_batch=3", "data.prompts_per_round=16", cwd=tmp_path)  # fmt: skip
     assert_clean_failure(typed, "data.prompts_per_round")
     assert "experiment=learn_arith" not in typed.stderr, typed.stderr
+
+
+def test_a_value_typed_under_a_node_the_message_names_is_not_traced_to_the_recipe(tmp_path):
+    """experiment=selfplay_kuhn sets reward.terms.payoff; typing reward.terms.payoff.discount=0 is the user's
+    mistake: the message names the full key and no recipe (a value under a node, or a node above a key, counts as
+    typed)."""
+    from grpo_lightning.__main__ import _related
+
+    assert _related("reward.terms.payoff", "reward.terms.payoff.discount")  # the node above the typed key
+    assert _related("reward.terms.payoff.discount", "reward.terms.payoff")  # a key under a typed node
+    assert not _related("reward.terms.payoff", "reward.terms.payoffs") and not _related("data.seed", "seed")
+    result = real_cli("dry_run=true", f"hydra.run.dir={tmp_path}/run", "experiment=selfplay_kuhn",
+                      "reward.terms.payoff.discount=0", cwd=tmp_path)  # fmt: skip
+    assert_clean_failure(result, "reward.terms.payoff.discount must be in (0, 1]")
+    assert "experiment=selfplay_kuhn" not in result.stderr, result.stderr

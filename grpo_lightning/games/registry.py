@@ -53,3 +53,8 @@ def make_game(game_id: str) -> TwoPlayerGame:
 
         return TextArenaGame(game_id[len(TEXTARENA_PREFIX) :])
     return BUILTIN_GAMES[game_id]()
+
+
+def builtin_games_where(test: Callable[[TwoPlayerGame], bool]) -> list[str]:
+    """The built-in game ids whose game passes `test` (what a message lists: "solved games only (...)")."""
+    return sorted(name for name, factory in BUILTIN_GAMES.items() if test(factory()))

@@ -353,6 +353,13 @@ def build_reward(node: DictConfig, loss_type: str | None = None, max_new_tokens:
     return RewardPipeline(**stages, max_new_tokens=max_new_tokens)
 
 
+def _keyed(key: str, spec, message: str) -> str:
+    """A stage's constructor message with its config key: `reward.terms.payoff.discount must be ...` when the
+    message begins with one of the node's keys (a term names its own argument), else `reward.terms.payoff: ...`."""
+    first = message.split(" ", 1)[0]
+    return f"{key}.{message}" if first in spec and first != "_target_" else f"{key}: {message}"
+
+
 def pipeline_from_function(fn: Callable, name: str = "reward") -> RewardPipeline:
     """A reward function used from Python (tests, benchmarks) as a pipeline a variant takes: the one term
     `fn` of weight 1 and GRPO's group-normalised advantages (`GroupNormalize(scale="group")`)."""
@@ -380,7 +387,7 @@ def _build_stage(key: str, name: str, spec, place: str, positional: int) -> _Sta
         except InstantiationException as err:
             cause = err.__cause__
             if isinstance(cause, ValueError | TypeError):
-                raise ValueError(f"{key}: {cause}") from None
+                raise ValueError(_keyed(key, spec, str(cause))) from None
             raise
     elif callable(obj):
         kwargs = {k: v for k, v in spec.items() if k != "_target_"}

@@ -56,7 +56,7 @@ from grpo_lightning.games.play import (
     play,
 )
 from grpo_lightning.games.progress import SelfPlayProgress
-from grpo_lightning.games.registry import make_game
+from grpo_lightning.games.registry import builtin_games_where, make_game
 from grpo_lightning.generation.adapters import SwapsAdapters, swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards import games as game_rewards
@@ -143,10 +143,12 @@ class SelfPlay(GRPOVariant):
             ("eval.opponents", eval_opponents),
         ):
             if "perfect" in names and not game.solved:
-                raise ValueError(f"{key}: 'perfect' plays solved games only (tictactoe), and {game.game_id} is not one")
+                solved = ", ".join(builtin_games_where(lambda g: g.solved))
+                raise ValueError(f"{key}: 'perfect' plays solved games only ({solved}), and {game.game_id} is not one")
             if "tactic" in names and not game.lists_winning_moves:
                 raise ValueError(
-                    f"{key}: 'tactic' plays games that list their winning moves (tictactoe), and {game.game_id} does "
+                    f"{key}: 'tactic' plays games that list their winning moves "
+                    f"({', '.join(builtin_games_where(lambda g: g.lists_winning_moves))}), and {game.game_id} does "
                     "not; leave it out"
                 )
             if "random" in names and not game.legal_moves():
