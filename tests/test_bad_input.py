@@ -629,3 +629,29 @@ def test_a_value_typed_under_a_node_the_message_names_is_not_traced_to_the_recip
                       "reward.terms.payoff.discount=0", cwd=tmp_path)  # fmt: skip
     assert_clean_failure(result, "reward.terms.payoff.discount must be in (0, 1]")
     assert "experiment=selfplay_kuhn" not in result.stderr, result.stderr
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("other_run", ["finished", "running"])
+def test_a_refused_run_leaves_the_other_runs_directory_as_it_was(tmp_path, other_run):
+    """A fresh run pointed at another run's directory is refused before it writes anything there: that run's
+    Hydra record (.hydra/), its log and its checkpoint keep every byte. A running run (its lock held, here by this
+    test's process) is named as in use, with its pid."""
+    from grpo_lightning.training.checkpointing import RunLock
+
+    run = tmp_path / "run"
+    for name, text in {".hydra/config.yaml": "seed: 7\n", ".hydra/overrides.yaml": "- seed=7\n",
+                       "__main__.log": "[the other run's log]\n", "checkpoints/last.ckpt": "its checkpoint"}.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)  # fmt: skip
+    lock = RunLock(run) if other_run == "running" else None
+    before = _snapshot(run)
+    result = real_cli(f"hydra.run.dir={run}", *TINY, cwd=tmp_path)
+    words = [f"is in use by another run (pid {os.getpid()})"] if lock else ["already holds a run", "ckpt_path=last"]
+    assert_clean_failure(result, *words, code=2)
+    assert _snapshot(run) == before
+    if lock is not None:
+        lock.release()

@@ -34,6 +34,7 @@ from grpo_lightning.app.parts import (
 )
 from grpo_lightning.app.plan import Plan, make_plan, score_references
 from grpo_lightning.app.quiet import quiet_third_party
+from grpo_lightning.app.run_record import write_run_record
 from grpo_lightning.app.summary import render as render_summary
 from grpo_lightning.app.summary import summary_metrics
 from grpo_lightning.app.validation import check_fresh_or_resume, check_platform, validate
@@ -239,6 +240,8 @@ def build_run(cfg: DictConfig) -> Run:
     lock = RunLock(cfg.paths.output_dir) if rank_zero_only.rank == 0 else None
     try:
         check_fresh_or_resume(cfg)  # again, now that no other run can start here
+        if lock is not None:
+            write_run_record(cfg)  # accepted: Hydra's record and the log file (app/run_record.py)
         return _build_run(cfg, source, variant, ckpt_path, settings, lock)
     except BaseException:
         if lock is not None:

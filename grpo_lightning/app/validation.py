@@ -40,6 +40,7 @@ from grpo_lightning.schema import (
     schemas_of,
     target_class,
 )
+from grpo_lightning.training.checkpointing import RunLock
 from grpo_lightning.training.overlap import optimizer_steps_per_round, staleness_problem
 from grpo_lightning.training.tracking import writer_for
 
@@ -374,7 +375,11 @@ def check_writable(directory: Path) -> None:
 
 
 def check_fresh_or_resume(cfg: DictConfig) -> None:
-    """A fresh run never writes into a directory that holds another run's checkpoints."""
+    """A fresh run never writes into a directory that holds another run's checkpoints, and no run into one that a
+    running run holds (its lock: checkpointing.RunLock)."""
+    owner = RunLock.holder(cfg.paths.output_dir)
+    if owner is not None and owner != str(os.getpid()):
+        raise ValueError(RunLock.in_use(cfg.paths.output_dir, owner))
     previous = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     if cfg.get("ckpt_path") is None and previous.exists():
         raise ValueError(

@@ -264,13 +264,34 @@ class RunLock:
             self._file.seek(0)
             owner = self._file.read().strip() or "unknown"
             self._file.close()
-            raise ValueError(
-                f"paths.output_dir: {self.path.parent} is in use by another run (pid {owner}); wait for it to end, "
-                "or start this one in another directory (hydra.run.dir)"
-            ) from None
+            raise ValueError(self.in_use(self.path.parent, owner)) from None
         self._file.truncate(0)
         self._file.write(str(os.getpid()))
         self._file.flush()
+
+    @classmethod
+    def holder(cls, output_dir: str | Path) -> str | None:
+        """The pid of the run holding `output_dir`'s lock ('unknown' when it wrote none), None when no run does;
+        takes nothing and creates no file."""
+        import fcntl
+
+        try:
+            file = open(Path(output_dir) / cls.NAME)  # noqa: SIM115 - closed below
+        except OSError:
+            return None
+        with file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return file.read().strip() or "unknown"
+            return None  # closing the file drops the shared lock
+
+    @staticmethod
+    def in_use(output_dir: str | Path, owner: str) -> str:
+        return (
+            f"paths.output_dir: {Path(output_dir)} is in use by another run (pid {owner}); wait for it to end, "
+            "or start this one in another directory (hydra.run.dir)"
+        )
 
     def release(self) -> None:
         if self._file is not None and not self._file.closed:
