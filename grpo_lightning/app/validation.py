@@ -28,8 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_lightning.app.run_settings import RunSettings
+from grpo_lightning.data.source import DataSource
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.generation.placement import shards_weights, world_size
+from grpo_lightning.rewards.base import Stage
 from grpo_lightning.rewards.pipeline import TERM_KEYS, check_moved_keys
 from grpo_lightning.schema import (
     ConfigRules,
@@ -288,12 +290,12 @@ def check_reward_fits_data(cfg: DictConfig) -> None:
     """A reward term that scores with the problem's record (`needs_record`, e.g. reward=reasoning_gym) needs a data
     source whose problems carry one (`gives_records`, data=reasoning_gym)."""
     source = target_class(cfg.data.dataset.get("_target_"))
-    if source is None or getattr(source, "gives_records", False):
+    if source is None or (issubclass(source, DataSource) and source.gives_records):
         return
     for name, spec in (cfg.reward.get("terms") or {}).items():
         term = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
-        if getattr(term, "needs_record", False):
-            where = getattr(term, "record_source", "a data source whose problems carry records")
+        if isinstance(term, type) and issubclass(term, Stage) and term.needs_record:
+            where = term.record_source
             raise ValueError(
                 f"reward.terms.{name} ({term.__name__}) scores with each problem's record from {where}, which "
                 f"data.dataset ({source.__name__}) does not give: use {where}, or another reward (reward=gsm8k)"

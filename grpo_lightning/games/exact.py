@@ -34,7 +34,12 @@ class Expected:
     @staticmethod
     def mean(results: list[Expected]) -> Expected:
         n = len(results)
-        return Expected(*(sum(getattr(r, f) for r in results) / n for f in ("win", "draw", "loss", "payoff")))
+        return Expected(
+            sum(r.win for r in results) / n,
+            sum(r.draw for r in results) / n,
+            sum(r.loss for r in results) / n,
+            sum(r.payoff for r in results) / n,
+        )
 
 
 def position_key(game: TwoPlayerGame) -> Hashable:

@@ -39,6 +39,12 @@ class Stage:
     `GroupNormalize` (told the loss) and `EMABaseline` (a baseline across rounds).
     """
 
+    needs_record: ClassVar[bool] = False
+    """Whether the stage reads `info["record"]`, the per-problem record a data source attaches (data=reasoning_gym
+    gives one); the config check refuses such a stage with a data source that gives none."""
+    record_source: ClassVar[str] = "data=reasoning_gym"
+    """The choice that gives the records such a stage reads: the config check's advice when they are missing."""
+
     def bind(self, loss_type: str | None = None, max_new_tokens: int | None = None) -> None:
         """Take the run's loss type and completion budget (the pipeline builder calls this once). No-op."""
 
@@ -66,12 +72,6 @@ class RewardTerm(Stage, ABC):
     """Whether `score` says if an answer was found (`extracted`) and right (`correct`). The pipeline takes both
     from the first term that does (`rollout/format_rate`); without one, nothing counts as extracted and
     `correct` is `reward >= 1`. A term that does not report leaves `extracted` None and `correct` False."""
-
-    needs_record: ClassVar[bool] = False
-    """Whether `score` reads `info["record"]`, the per-problem record a data source attaches (data=reasoning_gym
-    gives one); the config check refuses such a term with a data source that gives none."""
-    record_source: ClassVar[str] = "data=reasoning_gym"
-    """The choice that gives the records such a term reads: the config check's advice when they are missing."""
 
     @abstractmethod
     def score(self, completion: str, reference: str, **info: Any) -> RewardResult:

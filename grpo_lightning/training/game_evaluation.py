@@ -39,7 +39,7 @@ from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
-from grpo_lightning.training.game_strategy import kuhn_strategy
+from grpo_lightning.training.game_strategy import ScoresCompletions, kuhn_strategy
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,8 @@ class GameEvaluator(Evaluator):
 
     def _exploitability(self, trainer: L.Trainer, encode) -> dict[str, float]:
         """`eval/exploitability` of the policy's Kuhn Poker strategy, read from its probabilities (every rank)."""
-        module = getattr(trainer, "lightning_module", None)
-        if not hasattr(module, "completion_logprobs"):  # a stand-in trainer with no training module: nothing to read
+        module = trainer.lightning_module
+        if not isinstance(module, ScoresCompletions):  # a stand-in trainer with no training module: nothing to read
             if not self._warned_no_module:
                 self._warned_no_module = True
                 log.warning("eval/exploitability needs the training module's log-probs; this trainer has none")

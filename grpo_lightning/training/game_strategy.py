@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,7 @@ from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.types import Rollout, RolloutBatch
 
 
+@runtime_checkable
 class ScoresCompletions(Protocol):
     """What reading a strategy needs of the training module (`GRPOModule`): its policy, its device, and the
     log-probs of completion tokens at the sampling temperature."""

@@ -60,6 +60,7 @@ from grpo_lightning.games.registry import builtin_games_where, make_game
 from grpo_lightning.generation.adapters import SwapsAdapters, swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards import games as game_rewards
+from grpo_lightning.rewards.base import Stage
 from grpo_lightning.schema import check_settings, choice, integer, number, setting, target_class
 from grpo_lightning.types import Rollout, TurnRecord
 from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
@@ -159,7 +160,8 @@ class SelfPlay(GRPOVariant):
         for place in ("terms", "transforms"):
             for name, spec in (cfg.reward.get(place) or {}).items():
                 stage = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
-                if getattr(stage, "needs_record", False) and stage.__module__ != game_rewards.__name__:
+                reads_records = isinstance(stage, type) and issubclass(stage, Stage) and stage.needs_record
+                if reads_records and stage.__module__ != game_rewards.__name__:
                     raise ValueError(
                         f"reward.{place}.{name} ({stage.__name__}) scores another data source's records, not game "
                         "turns: use reward=selfplay"

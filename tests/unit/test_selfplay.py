@@ -448,7 +448,7 @@ def game_evaluator(dataset: GameSeeds, seeds: int, opponents: list[str], engine,
     """A GameEvaluator of `seeds` test seeds of `dataset` against `opponents`, started on a stand-in trainer whose
     logger keeps what it logs (returned with it, with that list)."""
     logged: list[dict] = []
-    trainer = SimpleNamespace(is_global_zero=True, global_step=0, ckpt_path=None,
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, ckpt_path=None, lightning_module=None,
                               loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append(m))])  # fmt: skip
     evaluator = GameEvaluator(dataset.test_split(num_problems=seeds), opponents=opponents, num_problems=seeds,
                               at_start=False, generator=engine, tokenizer=tokenizer)  # fmt: skip
