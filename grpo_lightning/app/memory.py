@@ -152,19 +152,60 @@ def _render(terms: list[Term]) -> str:
 def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     """The peak memory of a run of `run` on a model of `shape` (see the module docstring for the terms)."""
     weight_bytes = DTYPE_BYTES[run.dtype]
-    act_bytes = 2 if run.mixed_precision or weight_bytes == 2 else 4
-    weights = Term("weights", shape.parameters * weight_bytes, "model")
-    terms = [weights]
+    state = _training_state(shape, run)
+    activations = _activations(shape, run)
+    generation = _generation(shape, run)
+    sequence = run.prompt_tokens + run.new_tokens
+    rollout_bytes = run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN
+    rollouts = Term("rollouts", rollout_bytes, run.heaviest("data.prompts_per_round", *TOKEN_KEYS))
+    if run.overlap:  # sampling beside training: both at once, and the sampler's copy of the trainable weights
+        state.append(Term("sampler copy", state[-1].bytes // 2, "rollout.max_staleness"))
+        peak_work = [activations, *generation]
+    else:  # never both at once
+        peak_work = [activations] if activations.bytes >= sum(t.bytes for t in generation) else generation
+
+    result = MemoryEstimate()
+    process = Term("process", PROCESS_BASELINE, "")
+    engine_weights = shape.parameters * DTYPE_BYTES.get(run.engine_dtype, weight_bytes)
+    if not run.trainer_on_gpu:
+        engine_terms = []
+        if run.engine == "vllm" and run.engine_on_cpu:
+            kv_gib = CPU_ENGINE_KV_GIB if run.kv_cache_gib is None else run.kv_cache_gib
+            engine_terms.append(Term("vLLM engine", engine_weights + int(kv_gib * GIB), "generator.kv_cache_gib"))
+        result.cpu = [process, *state, *peak_work, rollouts, *engine_terms]
+        return result
+
+    # The trainer is on a GPU: the CPU keeps the process, the rollouts, the model while it loads, and a sleeping
+    # engine's weights (sleep level 1 offloads them to CPU memory).
+    result.cpu = [process, Term("model while loading", state[0].bytes, "model"), rollouts]
+    if run.engine == "vllm" and run.sleep_mode and not run.engine_separate:
+        result.cpu.append(Term("sleeping engine's weights", engine_weights, "generator.sleep_level"))
+    training = _with_gpu_engine(result, run, state, [*state, *peak_work])
+    workspaces = Term("cuBLAS workspaces", run.cuda_streams * CUBLAS_WORKSPACE_BYTES, "")  # no key: a fixed cost
+    result.trainer_gpu = [*training, workspaces]
+    return result
+
+
+def _training_state(shape: ModelShape, run: RunShape) -> list[Term]:
+    """What training keeps between steps: the weights, a reference copy, the gradients and AdamW's two moments
+    (the last term, twice the gradients: the sampler copy of overlapped rounds is half of it)."""
+    weight_bytes = DTYPE_BYTES[run.dtype]
+    terms = [Term("weights", shape.parameters * weight_bytes, "model")]
     if run.reference_copy:
         terms.append(Term("reference copy", shape.parameters * weight_bytes, "loss.beta"))
     if run.lora:  # peft keeps the adapter in float32 (autocast_adapter_dtype) whatever the base dtype
         trainable, state_bytes, key = shape.lora_parameters, 4, "model.lora.r"
     else:
         trainable, state_bytes, key = shape.parameters, weight_bytes, "model.lora.enabled"
-    gradients = Term("gradients", trainable * state_bytes, key)
-    optimizer = Term("optimizer state", 2 * trainable * state_bytes, key)  # AdamW's two moments
-    terms += [gradients, optimizer]
+    terms.append(Term("gradients", trainable * state_bytes, key))
+    terms.append(Term("optimizer state", 2 * trainable * state_bytes, key))
+    return terms
 
+
+def _activations(shape: ModelShape, run: RunShape) -> Term:
+    """One micro-batch's activations kept for the backward, and its LM-head logits."""
+    weight_bytes = DTYPE_BYTES[run.dtype]
+    act_bytes = 2 if run.mixed_precision or weight_bytes == 2 else 4
     rows = run.groups_per_micro_batch * run.group_size
     if run.share_prefix and run.shared_prompt:  # each prompt runs once, its completions reuse its KV cache
         tokens = run.groups_per_micro_batch * (run.prompt_tokens + run.group_size * run.new_tokens)
@@ -178,62 +219,43 @@ def estimate(shape: ModelShape, run: RunShape) -> MemoryEstimate:
     logit_positions = tokens if run.logits_chunk_tokens is None else min(tokens, run.logits_chunk_tokens)
     logits = logit_positions * shape.vocab * 4 * 3  # float32 logits, their log-softmax and its gradient
     rows_key = "data.groups_per_micro_batch" if run.groups_per_micro_batch > 1 else run.group_key
-    activations = Term("activations", tokens * per_token + logits, run.heaviest(rows_key, *TOKEN_KEYS))
+    return Term("activations", tokens * per_token + logits, run.heaviest(rows_key, *TOKEN_KEYS))
 
+
+def _generation(shape: ModelShape, run: RunShape) -> list[Term]:
+    """The HF engine's widest generate call (KV cache and step logits) and a merged LoRA copy; nothing in this
+    process for vLLM or a server."""
+    if run.engine != "hf":
+        return [Term("generation", 0, "")]
+    weight_bytes = DTYPE_BYTES[run.dtype]
     sequence = run.prompt_tokens + run.new_tokens
-    engine_terms: list[Term] = []
-    if run.engine == "hf":
-        kv = run.hf_batch_rows * sequence * 2 * shape.layers * shape.kv_width * weight_bytes
-        step_logits = run.hf_batch_rows * shape.vocab * 4 * DECODE_STEP_LOGIT_COPIES
-        generation = [Term("generation", kv + step_logits, run.heaviest(_call_rows_key(run), *TOKEN_KEYS))]
-        if run.merged_lora and run.lora:
-            merged = shape.lora_target_parameters * weight_bytes
-            generation.append(Term("merged LoRA weights", merged, "perf.generate.merge_lora"))
-    else:
-        generation = [Term("generation", 0, "")]
-    rollout_bytes = run.rollouts_per_round * sequence * ROLLOUT_BYTES_PER_TOKEN
-    rollouts = Term("rollouts", rollout_bytes, run.heaviest("data.prompts_per_round", *TOKEN_KEYS))
-    if run.overlap:  # sampling beside training: both at once, and the sampler's copy of the trainable weights
-        terms.append(Term("sampler copy", trainable * state_bytes, "rollout.max_staleness"))
-        peak_work = [activations, *generation]
-    else:  # never both at once
-        peak_work = [activations] if activations.bytes >= sum(t.bytes for t in generation) else generation
+    kv = run.hf_batch_rows * sequence * 2 * shape.layers * shape.kv_width * weight_bytes
+    step_logits = run.hf_batch_rows * shape.vocab * 4 * DECODE_STEP_LOGIT_COPIES
+    generation = [Term("generation", kv + step_logits, run.heaviest(_call_rows_key(run), *TOKEN_KEYS))]
+    if run.merged_lora and run.lora:
+        merged = shape.lora_target_parameters * weight_bytes
+        generation.append(Term("merged LoRA weights", merged, "perf.generate.merge_lora"))
+    return generation
 
-    result = MemoryEstimate()
-    process = Term("process", PROCESS_BASELINE, "")
-    if run.engine == "vllm" and run.engine_on_cpu:
-        kv_gib = CPU_ENGINE_KV_GIB if run.kv_cache_gib is None else run.kv_cache_gib
-        engine_weights = shape.parameters * DTYPE_BYTES.get(run.engine_dtype, weight_bytes)
-        engine_terms.append(Term("vLLM engine", engine_weights + int(kv_gib * GIB), "generator.kv_cache_gib"))
-    if not run.trainer_on_gpu:
-        result.cpu = [process, *terms, *peak_work, rollouts, *engine_terms]
-        return result
 
-    # The trainer is on a GPU: the CPU keeps the process, the rollouts, the model while it loads, and a sleeping
-    # engine's weights (sleep level 1 offloads them to CPU memory).
-    result.cpu = [process, Term("model while loading", weights.bytes, "model"), rollouts]
-    if run.engine == "vllm" and run.sleep_mode and not run.engine_separate:
-        engine_weights = shape.parameters * DTYPE_BYTES.get(run.engine_dtype, weight_bytes)
-        result.cpu.append(Term("sleeping engine's weights", engine_weights, "generator.sleep_level"))
-    training = [*terms, *peak_work]
-    if run.engine == "vllm":
-        share = run.gpu_memory_utilization
-        engine_bytes = int(share * run.engine_gpu_bytes) if run.engine_gpu_bytes else 0
-        if not engine_bytes:
-            result.engine_share = share
-        engine = Term("vLLM engine", engine_bytes, "generator.gpu_memory_utilization")
-        if run.engine_separate:
-            result.engine_gpu = [engine]
-        elif run.sleep_mode:  # the engine wakes while the weights and optimizer state stay resident
-            resident = [t for t in terms if t is not gradients]
-            awake = sum(t.bytes for t in resident) + engine.bytes
-            training_peak = sum(t.bytes for t in training)
-            training = [*resident, engine] if awake > training_peak else training
-        else:
-            training.append(engine)
-    workspaces = Term("cuBLAS workspaces", run.cuda_streams * CUBLAS_WORKSPACE_BYTES, "")  # no key: a fixed cost
-    result.trainer_gpu = [*training, workspaces]
-    return result
+def _with_gpu_engine(result: MemoryEstimate, run: RunShape, state: list[Term], training: list[Term]) -> list[Term]:
+    """The trainer GPU's terms with a vLLM engine's share of the GPU: on its own GPU (`result.engine_gpu`), woken
+    beside the resident weights and optimizer state (sleep mode), or beside training."""
+    if run.engine != "vllm":
+        return training
+    share = run.gpu_memory_utilization
+    engine_bytes = int(share * run.engine_gpu_bytes) if run.engine_gpu_bytes else 0
+    if not engine_bytes:
+        result.engine_share = share
+    engine = Term("vLLM engine", engine_bytes, "generator.gpu_memory_utilization")
+    if run.engine_separate:
+        result.engine_gpu = [engine]
+        return training
+    if run.sleep_mode:  # the engine wakes while the weights and optimizer state stay resident
+        resident = [t for t in state if t.name != "gradients"]
+        awake = sum(t.bytes for t in resident) + engine.bytes
+        return [*resident, engine] if awake > sum(t.bytes for t in training) else training
+    return [*training, engine]
 
 
 TOKEN_KEYS = ("data.max_prompt_tokens", "generator.max_new_tokens")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -46,11 +45,8 @@ from transformers import PreTrainedTokenizerBase
 from grpo_lightning.distributed import derive_seed, rank_and_world
 from grpo_lightning.generation import vllm_io
 from grpo_lightning.generation.base import (
-    BackgroundEngine,
     Generator,
-    SamplingCancelled,
     SamplingConfig,
-    check_saved_weights,
     eos_token_ids,
 )
 from grpo_lightning.generation.placement import engine_cuda_index, trainer_devices, world_size
@@ -71,6 +67,7 @@ from grpo_lightning.generation.vllm_settings import (
     engine_lora_rank,
     for_platform,
 )
+from grpo_lightning.generation.vllm_snapshot import VLLMSnapshot
 from grpo_lightning.generation.vllm_weights import (
     check_name_mapping,
     is_peft_model,
@@ -122,6 +119,29 @@ class VLLMGenerator(Generator):
         if self.settings.lora_sync == "adapter" and not self.is_peft:
             raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
         self.eos_token_ids = eos_token_ids(model, tokenizer)
+        lora_rank, path = self._start_engine(model, backend, trainer_devices)
+        self.awake = set(_TAGS)
+        self.weights_valid = True
+        self.sync_calls = 0
+        self.pushes = 0
+        self.fresh = True
+        self.lora_request: tuple[str, int, str] | None = None
+        """(name, id, folder) of the adapter the engine samples with (`lora_sync=adapter`), once one is saved."""
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_vllm_adapter_")) if lora_rank else None
+        if self.adapter_dir is not None:
+            weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)  # saved adapters die with the generator
+        self.callbacks: list[L.Callback] = [VLLMRoundHooks(self)]  # the trainer adds them (train.py)
+        mode = "colocated" if self.settings.device in (None, "cpu") else "separate"
+        where = "its own process" if engine_process else "the training process"
+        log.info(
+            "vLLM engine for %s on %s (%s, in %s, sleep mode %s)",
+            path, self.device_name, mode, where, self.settings.sleep_mode,
+        )  # fmt: skip
+
+    def _start_engine(self, model: nn.Module, backend, trainer_devices: Sequence[int]) -> tuple[int, str]:
+        """The engine, in this process or in one of its own (`generator.engine_process`), placed and checked
+        against the policy; returns (the adapter rank the engine holds, 0 without one; the model path it loads)."""
+        engine_process = self.source.engine_process
         # In a process of its own the engine imports vLLM there; here the installed package's metadata says where
         # it runs, so the training process never imports vLLM.
         if backend is not None or not engine_process:
@@ -151,23 +171,7 @@ class VLLMGenerator(Generator):
             self.engine = LocalEngine(spec, self.backend)
         if self.settings.lora_sync == "merge":
             check_name_mapping(policy_checkpoint_names(model), self.engine.parameter_names())
-        self.awake = set(_TAGS)
-        self.weights_valid = True
-        self.sync_calls = 0
-        self.pushes = 0
-        self.fresh = True
-        self.lora_request: tuple[str, int, str] | None = None
-        """(name, id, folder) of the adapter the engine samples with (`lora_sync=adapter`), once one is saved."""
-        self.adapter_dir = Path(tempfile.mkdtemp(prefix="grpo_vllm_adapter_")) if lora_rank else None
-        if self.adapter_dir is not None:
-            weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)  # saved adapters die with the generator
-        self.callbacks: list[L.Callback] = [VLLMRoundHooks(self)]  # the trainer adds them (train.py)
-        mode = "colocated" if self.settings.device in (None, "cpu") else "separate"
-        where = "its own process" if engine_process else "the training process"
-        log.info(
-            "vLLM engine for %s on %s (%s, in %s, sleep mode %s)",
-            path, self.device_name, mode, where, self.settings.sleep_mode,
-        )  # fmt: skip
+        return lora_rank, path
 
     # ---- the config check (before anything is built or loaded) ----------------------------------------
     @classmethod
@@ -356,71 +360,6 @@ class VLLMGenerator(Generator):
                 f"give the engine its own GPU (generator.device=cuda:N). vLLM said: {first_line(err)}"
             ) from err
         self.awake.update(missing)
-
-
-class VLLMSnapshot(BackgroundEngine):
-    """The engine overlapped rounds sample from (`rollout.max_staleness` >= 1; docs/overlap.md): the generator's
-    own engine process, holding the weights pushed when a round starts training.
-
-    No second engine: evaluation runs between rounds, never while a round is sampled (the rollout loop pushes the
-    current weights before it), so one engine process serves both. `weights()` keeps the policy's trainable
-    tensors as they were at the push, for a checkpoint; `load_weights` pushes such a snapshot back.
-    """
-
-    def __init__(self, generator: VLLMGenerator) -> None:
-        self.generator = generator
-        self.sampling = generator.sampling
-        self.guard = generator.guard
-        self.callbacks: list[L.Callback] = []
-        self.cancel = threading.Event()
-        self._weights: dict[str, torch.Tensor] = {}
-
-    def sample(
-        self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
-    ) -> list[list[Completion]]:
-        if self.cancel.is_set():
-            raise SamplingCancelled("the run stopped while a round was being sampled")
-        return self.generator.sample(prefixes, num_samples, budgets, greedy)
-
-    def sync_weights(self, policy: nn.Module) -> None:
-        """Push the policy's weights now (every round: `generator.sync_every` applies to sequential rounds)."""
-        self._weights = trainable_weights(policy)
-        self.generator.push_weights()
-
-    def reseed(self, round_seed: int) -> None:
-        self.generator.reseed(round_seed)
-
-    def use_threads(self, threads: int) -> None:
-        """The engine process's CPU threads while it samples beside the trainer."""
-        self.generator.engine.set_threads(threads)
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return dict(self._weights)
-
-    @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Push a checkpoint's snapshot: the policy's trainable parameters hold it during the push, then get their
-        own values back."""
-        params = dict(self.generator.policy.named_parameters(remove_duplicate=False))
-        check_saved_weights([name for name, p in params.items() if p.requires_grad], weights)
-        current = {name: params[name].detach().clone() for name in weights}
-        for name, tensor in weights.items():
-            params[name].copy_(tensor)
-        try:
-            self.generator.push_weights()
-        finally:
-            for name, tensor in current.items():
-                params[name].copy_(tensor)
-        self._weights = {name: tensor.detach().clone() for name, tensor in weights.items()}
-
-
-def trainable_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
-    """CPU copies of the policy's trainable parameters, by name."""
-    return {
-        name: p.detach().to("cpu", copy=True)
-        for name, p in policy.named_parameters(remove_duplicate=False)
-        if p.requires_grad
-    }
 
 
 class VLLMRoundHooks(L.Callback):

@@ -28,15 +28,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
-import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -49,35 +45,29 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.distributed import derive_seed, is_distributed, rank_and_world
 from grpo_lightning.generation.base import Generator, SamplingConfig, eos_token_ids, truncate
-from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
+from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.generation.vllm_io import engine_model_path, free_port, installed_platform
 from grpo_lightning.generation.vllm_server_process import (
     ServerLaunch,
     ServerProcess,
-    launch_args,
-    server_env,
+    server_launches,
     start_servers,
+    transfer_dir,
 )
 from grpo_lightning.generation.vllm_server_weights import (
     FILE_BACKEND,
+    MergedPolicy,
     ServerClient,
     ServerError,
+    check_server,
     load_adapter,
     loaded_models,
     push_weight_files,
 )
-from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, DTYPES, engine_lora_rank
+from grpo_lightning.generation.vllm_settings import ServerSettings, engine_lora_rank
 from grpo_lightning.generation.vllm_weights import drain, is_peft_model, policy_weights
 from grpo_lightning.schema import (
-    SEED_MAX,
-    check_settings,
-    choice,
-    integer,
-    list_of_text,
-    number,
-    optional,
-    setting,
-    text,
+    settings_of,
 )
 from grpo_lightning.sharding import is_sharded, save_policy
 from grpo_lightning.types import Completion
@@ -87,41 +77,6 @@ log = logging.getLogger(__name__)
 URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
 """Where the process that started the servers tells the training processes Lightning starts after it (they
 inherit its environment) which URLs to use: `<generator.log_dir>|<url>,<url>`."""
-TOKENIZER_PROBE = "Natalia sold clips to 48 of her friends in April. 7 x 8 = 56 <|im_end|>"
-"""A text both tokenizers must encode alike (the start-up check against another model's server)."""
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """The `generator=vllm_server` keys beside the sampling ones (`SamplingConfig`); validated here."""
-
-    urls: list[str] | None = setting(None, optional(list_of_text))
-    num_servers: int = setting(1, integer(1))
-    server_devices: list[str] | None = setting(None, optional(list_of_text))
-    server_args: list[str] = setting(factory=list, rule=list_of_text)
-    startup_timeout_s: float = setting(900.0, number(above=0))
-    request_timeout_s: float = setting(600.0, number(above=0))
-    model_path: str | None = setting(None, optional(text))
-    dtype: str = setting("auto", choice(*DTYPES))
-    max_model_len: int | None = setting(None, optional(integer(2)))
-    kv_cache_gib: float | None = setting(None, optional(number(above=0)))
-    lora_sync: str = setting("merge", choice("merge", "adapter"))
-    weight_transfer: str = setting("auto", choice("auto", FILE_BACKEND, "nccl"))
-    transfer_dir: str | None = setting(None, optional(text))
-    log_dir: str = setting("vllm_server", text)
-    max_staleness: int = setting(0, integer(0))
-    concurrency: int = setting(64, integer(1))
-    seed: int = setting(0, integer(0, SEED_MAX))
-    logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
-    on_stale: str = setting("warn", ACTION_RULE)
-
-    def __post_init__(self) -> None:
-        check_settings(self, "generator")
-        for url in self.urls or []:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"generator.urls: {url!r} is not an http:// or https:// URL")
-        if self.urls is not None and not self.urls:
-            raise ValueError("generator.urls is empty: list the servers' URLs, or null to start them")
 
 
 class VLLMServerGenerator(Generator):
@@ -157,7 +112,7 @@ class VLLMServerGenerator(Generator):
         self.launches: list[ServerLaunch] = []
         """How each started server was launched (a server restarted in place is launched the same way)."""
         self.clients = [ServerClient(url, s.request_timeout_s) for url in self._urls()]
-        self.transfer_dir = self._transfer_dir()
+        self.transfer_dir = transfer_dir(s.transfer_dir, [c.url for c in self.clients], owner=self)
         self.run_id = hashlib.blake2b(str(self.log_dir).encode(), digest_size=4).hexdigest()
         """Names this run's versions alike on every training process (they share the run folder)."""
         self.version = 0
@@ -172,7 +127,7 @@ class VLLMServerGenerator(Generator):
         self.sync_s: list[float] = []
         """Seconds each push took (the benchmark reads them)."""
         for client in self.clients:
-            self._check_server(client)
+            self.served_model = check_server(client, self.tokenizer, self.sampling.max_new_tokens, self.model_path)
         log.info("vLLM servers: %s (%s sync)", ", ".join(c.url for c in self.clients), self.sync_kind)
 
     # ---- the config check (before anything is built or loaded) -----------------------------------------------
@@ -180,7 +135,7 @@ class VLLMServerGenerator(Generator):
     def check_config(cls, cfg: DictConfig) -> None:
         """Servers started by an external launcher's processes cannot be found by the others: with several
         processes started by torchrun or SLURM, `generator.urls` must name them."""
-        settings = ServerSettings(**{k: v for k, v in _plain(cfg.generator).items() if k in _SERVER_KEYS})
+        settings = settings_of(cfg.generator, ServerSettings)
         if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
             engine_lora_rank(cfg.model.lora.r)
         bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
@@ -195,11 +150,6 @@ class VLLMServerGenerator(Generator):
                 "generator.urls is null, so the run would start its vLLM servers on one node, which the processes "
                 "of the other nodes cannot find: start `vllm serve` yourself and list the servers in generator.urls "
                 "(docs/scaling.md)"
-            )
-        if settings.server_devices is not None and len(settings.server_devices) != settings.num_servers:
-            raise ValueError(
-                f"generator.server_devices lists {len(settings.server_devices)} device sets for "
-                f"generator.num_servers={settings.num_servers}: give one CUDA_VISIBLE_DEVICES value per server"
             )
 
     @classmethod
@@ -250,70 +200,13 @@ class VLLMServerGenerator(Generator):
         lora_rank = engine_lora_rank(self.policy.peft_config[self.policy.active_adapter].r) if (
             s.lora_sync == "adapter"
         ) else 0  # fmt: skip
-        args = launch_args(
-            dtype=s.dtype,
-            seed=s.seed,
-            max_model_len=s.max_model_len,
-            cpu=self.cpu,
-            weight_transfer=None if s.lora_sync == "adapter" else self.transfer_backend,
-            lora_rank=lora_rank,
-            kv_cache_gib=CPU_KV_CACHE_GIB if s.kv_cache_gib is None and self.cpu else s.kv_cache_gib,
-            extra=s.server_args,
-        )
-        env = server_env()
-        devices = s.server_devices or [None] * s.num_servers
-        self.launches = [ServerLaunch(self.model_path, args, env, cuda_devices=d) for d in devices]
+        self.launches = server_launches(s, self.model_path, self.cpu, self.transfer_backend, lora_rank)
         self.servers = start_servers(self.launches, self.log_dir, s.startup_timeout_s)
         urls = [server.url for server in self.servers]
         # the training processes Lightning starts next inherit it; keyed by this run's folder, so a later run in this
         # process (a sweep's next job) starts servers of its own
         os.environ[URLS_ENV] = f"{self.log_dir}|{','.join(urls)}"
         return urls
-
-    def _transfer_dir(self) -> Path:
-        """Where adapters and weight chunks are written for the servers to read: `generator.transfer_dir`, or by
-        default, when every server runs on this machine, a folder of this process's in shared memory (/dev/shm:
-        a chunk is written and read at memory speed), removed when the generator goes."""
-        if self.settings.transfer_dir is not None:
-            return Path(self.settings.transfer_dir).expanduser().resolve()
-        remote = [c.url for c in self.clients if urlparse(c.url).hostname not in ("127.0.0.1", "localhost", "::1")]
-        if remote:
-            raise ValueError(
-                f"generator.transfer_dir is null, but the vLLM server at {remote[0]} runs on another machine: set "
-                "generator.transfer_dir to a folder both machines see (adapters and weight chunks are written there)"
-            )
-        shm = Path("/dev/shm")
-        folder = Path(tempfile.mkdtemp(prefix="grpo_vllm_server_", dir=shm if shm.is_dir() else None))
-        weakref.finalize(self, shutil.rmtree, folder, True)
-        return folder
-
-    def _check_server(self, client: ServerClient) -> None:
-        """The server serves a model with this tokenizer and room for a round's sequences: one line naming the
-        URL otherwise (before any training)."""
-        try:
-            models = client.get("/v1/models").get("data", [])
-        except ServerError as err:
-            raise ValueError(f"generator.urls: the vLLM server at {client.url} does not answer ({err})") from None
-        if not models:
-            raise ValueError(f"generator.urls: the vLLM server at {client.url} serves no model")
-        served = models[0]
-        max_len = served.get("max_model_len")
-        needed = self.sampling.max_new_tokens + 2
-        if isinstance(max_len, int) and max_len < needed:
-            raise ValueError(
-                f"the vLLM server at {client.url} has max_model_len {max_len}, below a prompt plus "
-                f"generator.max_new_tokens={self.sampling.max_new_tokens}: serve it with a longer --max-model-len"
-            )
-        theirs = client.post(
-            "/tokenize", {"model": served["id"], "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
-        )
-        ours = self.tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-        if list(theirs.get("tokens", [])) != list(ours):
-            raise ValueError(
-                f"the vLLM server at {client.url} serves {served['id']!r}, whose tokenizer differs from the policy's "
-                f"({self.model_path}): serve the policy's model, or set generator.urls to a server that does"
-            )
-        self.served_model = served["id"]
 
     # ---- the Generator interface ---------------------------------------------------------------------------
     def reseed(self, round_seed: int) -> None:
@@ -467,7 +360,7 @@ class VLLMServerGenerator(Generator):
             address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
             info = NCCLTrainerInitInfo(rank=0, master_address=address, master_port=free_port(), world_size=1 + workers)
             self.nccl_engines[client.url] = WeightTransferTrainerFactory.trainer_init(
-                init_info=info, client=client, source=ModuleSource(_MergedPolicy(self.policy))
+                init_info=info, client=client, source=ModuleSource(MergedPolicy(self.policy))
             )
         self.nccl_engines[client.url].send_weights()
 
@@ -502,21 +395,3 @@ class VLLMServerGenerator(Generator):
             server.stop()
         if self.servers and os.environ.get(URLS_ENV, "").startswith(f"{self.log_dir}|"):
             del os.environ[URLS_ENV]
-
-
-class _MergedPolicy(nn.Module):
-    """The policy's weights as vLLM checkpoint names, LoRA merged (vLLM's `ModuleSource` reads a module)."""
-
-    def __init__(self, policy: nn.Module) -> None:
-        super().__init__()
-        self.policy = policy
-
-    def named_parameters(self, *args, **kwargs):
-        yield from policy_weights(self.policy, adapted_only=False)
-
-
-_SERVER_KEYS = frozenset(ServerSettings.__dataclass_fields__)
-
-
-def _plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)

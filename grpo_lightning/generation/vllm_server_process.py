@@ -15,16 +15,20 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from grpo_lightning.generation.vllm_io import free_port
 from grpo_lightning.generation.vllm_server_weights import ServerClient, ServerError
+from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +178,42 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the starting process dies (Linux `PR_SET_PDEATHSIG`)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def server_launches(
+    settings: ServerSettings, model_path: str, cpu: bool, transfer_backend: str, lora_rank: int
+) -> list[ServerLaunch]:
+    """The `vllm serve` commands a run starts (`generator.urls: null`): `generator.num_servers` of them, or one on
+    each of `generator.server_devices`; full weights pushed through `transfer_backend`, an adapter of `lora_rank`
+    loaded at runtime with `generator.lora_sync=adapter`."""
+    args = launch_args(
+        dtype=settings.dtype,
+        seed=settings.seed,
+        max_model_len=settings.max_model_len,
+        cpu=cpu,
+        weight_transfer=None if settings.lora_sync == "adapter" else transfer_backend,
+        lora_rank=lora_rank,
+        kv_cache_gib=CPU_KV_CACHE_GIB if settings.kv_cache_gib is None and cpu else settings.kv_cache_gib,
+        extra=settings.server_args,
+    )
+    env = server_env()
+    devices = settings.server_devices or [None] * settings.num_servers
+    return [ServerLaunch(model_path, args, env, cuda_devices=d) for d in devices]
+
+
+def transfer_dir(setting: str | None, urls: list[str], owner: object) -> Path:
+    """Where adapters and weight chunks are written for the servers to read: `generator.transfer_dir`, or by
+    default, when every server runs on this machine, a folder of this process's in shared memory (/dev/shm: a
+    chunk is written and read at memory speed), removed when `owner` (the generator) goes."""
+    if setting is not None:
+        return Path(setting).expanduser().resolve()
+    remote = [url for url in urls if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1")]
+    if remote:
+        raise ValueError(
+            f"generator.transfer_dir is null, but the vLLM server at {remote[0]} runs on another machine: set "
+            "generator.transfer_dir to a folder both machines see (adapters and weight chunks are written there)"
+        )
+    shm = Path("/dev/shm")
+    folder = Path(tempfile.mkdtemp(prefix="grpo_vllm_server_", dir=shm if shm.is_dir() else None))
+    weakref.finalize(owner, shutil.rmtree, folder, True)
+    return folder

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
-from grpo_lightning.generation.vllm_weights import chunked
+from grpo_lightning.generation.vllm_weights import chunked, policy_weights
 
 FILE_BACKEND = "grpo_files"
 """The name of the file backend in vLLM's weight-transfer registry (`--weight-transfer-config`)."""
@@ -126,3 +126,44 @@ def shared_folder(path: str | os.PathLike) -> Path:
     folder = Path(path).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+TOKENIZER_PROBE = "Natalia sold clips to 48 of her friends in April. 7 x 8 = 56 <|im_end|>"
+"""A text both tokenizers must encode alike (the start-up check against another model's server)."""
+
+
+def check_server(client: ServerClient, tokenizer, max_new_tokens: int, model_path: str) -> str:
+    """The id of the model the server serves, after checking it serves one with the policy's tokenizer and room
+    for a round's sequences: one line naming the URL otherwise (before any training)."""
+    try:
+        models = client.get("/v1/models").get("data", [])
+    except ServerError as err:
+        raise ValueError(f"generator.urls: the vLLM server at {client.url} does not answer ({err})") from None
+    if not models:
+        raise ValueError(f"generator.urls: the vLLM server at {client.url} serves no model")
+    served = models[0]
+    max_len = served.get("max_model_len")
+    if isinstance(max_len, int) and max_len < max_new_tokens + 2:
+        raise ValueError(
+            f"the vLLM server at {client.url} has max_model_len {max_len}, below a prompt plus "
+            f"generator.max_new_tokens={max_new_tokens}: serve it with a longer --max-model-len"
+        )
+    theirs = client.post("/tokenize", {"model": served["id"], "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
+    ours = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if list(theirs.get("tokens", [])) != list(ours):
+        raise ValueError(
+            f"the vLLM server at {client.url} serves {served['id']!r}, whose tokenizer differs from the policy's "
+            f"({model_path}): serve the policy's model, or set generator.urls to a server that does"
+        )
+    return served["id"]
+
+
+class MergedPolicy(nn.Module):
+    """The policy's weights as vLLM checkpoint names, LoRA merged (vLLM's `ModuleSource` reads a module)."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def named_parameters(self, *args, **kwargs):
+        yield from policy_weights(self.policy, adapted_only=False)

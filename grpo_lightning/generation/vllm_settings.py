@@ -11,12 +11,14 @@ from typing import Any
 
 from grpo_lightning.generation.placement import parse_device
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE
+from grpo_lightning.generation.vllm_server_weights import FILE_BACKEND
 from grpo_lightning.schema import (
     SEED_MAX,
     boolean,
     check_settings,
     choice,
     integer,
+    list_of_text,
     mapping,
     number,
     optional,
@@ -161,3 +163,41 @@ def check_kv_cache(s: VLLMSettings, config) -> None:
 def effective_kv_cache_gib(s: VLLMSettings) -> float | None:
     """generator.kv_cache_gib, or CPU_KV_CACHE_GIB for a CPU engine; None: sized from gpu_memory_utilization."""
     return s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The `generator=vllm_server` keys beside the sampling ones (`SamplingConfig`); validated here."""
+
+    urls: list[str] | None = setting(None, optional(list_of_text))
+    num_servers: int = setting(1, integer(1))
+    server_devices: list[str] | None = setting(None, optional(list_of_text))
+    server_args: list[str] = setting(factory=list, rule=list_of_text)
+    startup_timeout_s: float = setting(900.0, number(above=0))
+    request_timeout_s: float = setting(600.0, number(above=0))
+    model_path: str | None = setting(None, optional(text))
+    dtype: str = setting("auto", choice(*DTYPES))
+    max_model_len: int | None = setting(None, optional(integer(2)))
+    kv_cache_gib: float | None = setting(None, optional(number(above=0)))
+    lora_sync: str = setting("merge", choice("merge", "adapter"))
+    weight_transfer: str = setting("auto", choice("auto", FILE_BACKEND, "nccl"))
+    transfer_dir: str | None = setting(None, optional(text))
+    log_dir: str = setting("vllm_server", text)
+    max_staleness: int = setting(0, integer(0))
+    concurrency: int = setting(64, integer(1))
+    seed: int = setting(0, integer(0, SEED_MAX))
+    logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
+    on_stale: str = setting("warn", ACTION_RULE)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "generator")
+        for url in self.urls or []:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"generator.urls: {url!r} is not an http:// or https:// URL")
+        if self.urls is not None and not self.urls:
+            raise ValueError("generator.urls is empty: list the servers' URLs, or null to start them")
+        if self.server_devices is not None and len(self.server_devices) != self.num_servers:
+            raise ValueError(
+                f"generator.server_devices lists {len(self.server_devices)} device sets for "
+                f"generator.num_servers={self.num_servers}: give one CUDA_VISIBLE_DEVICES value per server"
+            )

@@ -96,12 +96,16 @@ class RolloutLoop(L.Callback):
         self.sampler_threads = sampler_threads
         self.background: BackgroundSampling | None = None
         """With `rollout.max_staleness` >= 1: the engine copy that samples the next round beside the trainer."""
+        self._start_fresh()
+
+    def _start_fresh(self) -> None:
+        """The loop's own state before any round: what a checkpoint carries (`state_dict`) and the round in hand."""
         self.prompt_cursor = 0
         """Dynamic sampling: the prompt stream position of the next unused prompt."""
         self.history: list[tuple[int, float, float]] = []
+        """(round, train/reward_mean, rollout/format_rate) of every round produced so far (run summary)."""
         self.rounds_trained = 0
         """Rounds this process trained in this fit (0 for a resumed run that had none left)."""
-        """(round, train/reward_mean, rollout/format_rate) of every round produced so far (run summary)."""
         self.round_metrics: dict[str, float] = {}
         self.tokens_generated_total = 0.0
         """Completion tokens sampled by every rank since the run began, dynamic sampling's dropped groups included:

@@ -1,0 +1,82 @@
+"""The engine overlapped rounds sample from under `generator=vllm` (docs/overlap.md): the generator's own engine,
+with the policy's trainable weights as they were pushed, for a checkpoint."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import lightning as L
+import torch
+from torch import nn
+
+from grpo_lightning.generation.base import BackgroundEngine, SamplingCancelled, check_saved_weights
+from grpo_lightning.types import Completion
+
+if TYPE_CHECKING:
+    from grpo_lightning.generation.vllm import VLLMGenerator
+
+
+class VLLMSnapshot(BackgroundEngine):
+    """The engine overlapped rounds sample from (`rollout.max_staleness` >= 1; docs/overlap.md): the generator's
+    own engine process, holding the weights pushed when a round starts training.
+
+    No second engine: evaluation runs between rounds, never while a round is sampled (the rollout loop pushes the
+    current weights before it), so one engine process serves both. `weights()` keeps the policy's trainable
+    tensors as they were at the push, for a checkpoint; `load_weights` pushes such a snapshot back.
+    """
+
+    def __init__(self, generator: VLLMGenerator) -> None:
+        self.generator = generator
+        self.sampling = generator.sampling
+        self.guard = generator.guard
+        self.callbacks: list[L.Callback] = []
+        self.cancel = threading.Event()
+        self._weights: dict[str, torch.Tensor] = {}
+
+    def sample(
+        self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
+    ) -> list[list[Completion]]:
+        if self.cancel.is_set():
+            raise SamplingCancelled("the run stopped while a round was being sampled")
+        return self.generator.sample(prefixes, num_samples, budgets, greedy)
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Push the policy's weights now (every round: `generator.sync_every` applies to sequential rounds)."""
+        self._weights = trainable_weights(policy)
+        self.generator.push_weights()
+
+    def reseed(self, round_seed: int) -> None:
+        self.generator.reseed(round_seed)
+
+    def use_threads(self, threads: int) -> None:
+        """The engine process's CPU threads while it samples beside the trainer."""
+        self.generator.engine.set_threads(threads)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return dict(self._weights)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Push a checkpoint's snapshot: the policy's trainable parameters hold it during the push, then get their
+        own values back."""
+        params = dict(self.generator.policy.named_parameters(remove_duplicate=False))
+        check_saved_weights([name for name, p in params.items() if p.requires_grad], weights)
+        current = {name: params[name].detach().clone() for name in weights}
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+        try:
+            self.generator.push_weights()
+        finally:
+            for name, tensor in current.items():
+                params[name].copy_(tensor)
+        self._weights = {name: tensor.detach().clone() for name, tensor in weights.items()}
+
+
+def trainable_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies of the policy's trainable parameters, by name."""
+    return {
+        name: p.detach().to("cpu", copy=True)
+        for name, p in policy.named_parameters(remove_duplicate=False)
+        if p.requires_grad
+    }
