@@ -45,7 +45,12 @@ def split_comment(text: str) -> tuple[str, str | None, int | None]:
 def read_comments(path: Path) -> YamlComments:
     """The header and the per-key comments of one yaml file (the rules: the module docstring)."""
     lines = path.read_text(encoding="utf-8").splitlines()
-    result = YamlComments()
+    header, header_end = _header(lines)
+    return YamlComments(header=header, keys=_key_comments(lines, header_end))
+
+
+def _header(lines: list[str]) -> tuple[str, int]:
+    """The file's leading comment block as prose (examples and `# @package` left out), and where it ends."""
     header_end = 0
     header: list[str] = []
     in_prose = True
@@ -58,33 +63,29 @@ def read_comments(path: Path) -> YamlComments:
             in_prose = False
         if in_prose:
             header.append(line[1:].strip())
-    result.header = " ".join(h for h in header if h)
+    return " ".join(h for h in header if h), header_end
 
+
+def _key_comments(lines: list[str], start: int) -> dict[str, str]:
+    """Each dotted key's comment, from line `start` on."""
+    keys: dict[str, str] = {}
     stack: list[tuple[int, str]] = []  # (indent, key) of the open nodes
     above: list[str] = []  # comment lines directly above the next key
     continued: tuple[str, int] | None = None  # (key, column of its inline `#`): where aligned lines continue it
-    for number, line in enumerate(lines):
-        if number < header_end:
-            continue
+    for line in lines[start:]:
         stripped = line.strip()
-        if not stripped:
-            above, continued = [], None
-            continue
         if stripped.startswith("#"):
-            column = line.index("#")
-            if continued is not None and column == continued[1] and not above:
-                key = continued[0]
-                result.keys[key] = f"{result.keys[key]} {stripped[1:].strip()}".strip()
+            if continued is not None and line.index("#") == continued[1] and not above:
+                keys[continued[0]] = f"{keys[continued[0]]} {stripped[1:].strip()}".strip()
             else:
                 above.append(stripped[1:].strip())
                 continued = None
             continue
-        match = KEY_LINE.match(line)
-        if match is None:  # a list item (the defaults list) or a continued value
+        match = KEY_LINE.match(line) if stripped else None
+        if match is None:  # a blank line, a list item (the defaults list) or a continued value
             above, continued = [], None
             continue
-        indent = len(match["indent"])
-        key = match["key"].strip("\"'")
+        indent, key = len(match["indent"]), match["key"].strip("\"'")
         while stack and stack[-1][0] >= indent:
             stack.pop()
         dotted = ".".join([k for _, k in stack] + [key])
@@ -92,8 +93,8 @@ def read_comments(path: Path) -> YamlComments:
         _, inline, offset = split_comment(match["rest"])
         text = " ".join([*above, inline or ""]).strip()
         if text:
-            result.keys[dotted] = text
+            keys[dotted] = text
         above = []
         column = None if offset is None else match.start("rest") + offset
         continued = (dotted, column) if inline and column is not None else None
-    return result
+    return keys
