@@ -17,6 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from grpo_lightning.app.build import build
+from grpo_lightning.data.source import DataSource
 from grpo_lightning.generation.vllm_weights import is_peft_model
 from grpo_lightning.models.sources import ModelSource
 from grpo_lightning.variants.base import GRPOVariant, variant_name
@@ -96,19 +98,10 @@ def reward_terms(cfg: DictConfig) -> str:
     return f"terms {terms or 'none'}" + (f"; group transforms {groups}" if groups else "")
 
 
-def data_description(cfg: DictConfig) -> str:
-    """The training data in words: GSM8K (Cobbe et al. 2021) with its source, a reasoning-gym task, or a game."""
-    dataset = cfg.data.dataset
-    if "game" in dataset:
-        return f"self-play games of `{dataset.game}` ({dataset.size} seeds; docs/selfplay.md)"
-    if "task" in dataset:
-        return f"reasoning-gym task `{dataset.task}` {dict(dataset.task_config)}, {dataset.size} problems"
-    return f"`{dataset.source}` GSM8K, split `{dataset.split}` (Cobbe et al. 2021)"
-
-
-def data_tag(cfg: DictConfig) -> str:
-    dataset = cfg.data.dataset
-    return "self-play" if "game" in dataset else "reasoning-gym" if "task" in dataset else "gsm8k"
+def data_source(cfg: DictConfig) -> DataSource:
+    """The run's data source (`data.dataset`), built again from its node: the card asks it for its words and
+    tags (`DataSource.card_description`, `card_tags`). Building one reads no data."""
+    return build(cfg.data.dataset)
 
 
 def model_card(
@@ -124,13 +117,14 @@ def model_card(
     loss = cfg.loss
     group = variant.group()
     lora = cfg.model.lora
+    data = data_source(cfg)
     kind = f"LoRA adapter (r={lora.r}, alpha={lora.alpha}, {lora.target_modules})" if is_adapter else "full model"
     base_for_code = base or "<base model folder>"
     lines = [
         "---",
         "library_name: " + ("peft" if is_adapter else "transformers"),
         *([f"base_model: {base}"] if base and "/" in base and not base.startswith("/") else []),
-        f"tags: [grpo, {data_tag(cfg)}, grpo_lightning]",
+        f"tags: [{', '.join(('grpo', *data.card_tags, 'grpo_lightning'))}]",
         "---",
         "",
         "# GRPO policy trained with grpo_lightning",
@@ -139,7 +133,7 @@ def model_card(
         "|---|---|",
         f"| base model | `{model}`" + (f" (`{base}`)" if base and base != model else "") + " |",
         f"| weights here | {kind}" + (f"; merged full weights in `{MERGED}/`" if merged_dir else "") + " |",
-        f"| data | {data_description(cfg)} |",
+        f"| data | {data.card_description()} |",
         f"| variant | `{variant_name(type(variant))}` |",
         f"| loss | `{loss.loss_type}`, beta {loss.beta}, epsilon {loss.epsilon_low}/{loss.epsilon_high} |",
         f"| reward | {reward_terms(cfg)} (docs/rewards.md) |",

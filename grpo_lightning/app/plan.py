@@ -21,7 +21,6 @@ from grpo_lightning.app.memory import (
 )
 from grpo_lightning.app.run_shape import RunShape, run_shape
 from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.data.games import GameSeeds, TurnPrompts
 from grpo_lightning.variants.base import GroupShape, GRPOVariant
 
 log = logging.getLogger(__name__)
@@ -64,9 +63,9 @@ class Plan:
 
 
 def check_model_fits(cfg: DictConfig, model, tokenizer, datamodule: RolloutDataModule) -> None:
-    """Token budgets the model can serve: prompt + completion within its context, room for the question, and for
-    data=games the opening prompts of the game (rules and first state, which no cut may drop: data/games.py
-    `TurnPrompts`).
+    """Token budgets the model can serve: prompt + completion within its context, room for the question, and the
+    prompts the data source says no cut may shorten (`DataSource.check_prompts_fit`; data=games: the opening
+    prompts of the game, rules and first state, data/games.py `TurnPrompts`).
 
     Why here: they need the model's config or tokenizer, so they run right after loading, before any round.
     """
@@ -89,12 +88,10 @@ def check_model_fits(cfg: DictConfig, model, tokenizer, datamodule: RolloutDataM
             f"data.max_prompt_tokens ({prompt_tokens}) leaves no room for the question: the chat template, system "
             f"prompt and data.dataset.prompt_template alone take {template_tokens} tokens; raise it (default 512)"
         )
-    if isinstance(datamodule.dataset, GameSeeds):  # a game's opening prompts, both seats, within each budget
-        limits = {"data.max_prompt_tokens": prompt_tokens}
-        if cfg.eval.enabled:
-            limits["eval.max_prompt_tokens"] = cfg.eval.get("max_prompt_tokens", prompt_tokens)
-        for key, limit in limits.items():
-            TurnPrompts(datamodule.dataset, tokenizer, limit, key).check_opening()
+    limits = {"data.max_prompt_tokens": prompt_tokens}  # prompts no budget can hold (a game's opening prompts)
+    if cfg.eval.enabled:
+        limits["eval.max_prompt_tokens"] = cfg.eval.get("max_prompt_tokens", prompt_tokens)
+    datamodule.dataset.check_prompts_fit(tokenizer, limits)
 
 
 def accumulate_grad_batches(cfg: DictConfig, dm: RolloutDataModule) -> int:

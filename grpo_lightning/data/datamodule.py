@@ -23,15 +23,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from grpo_lightning.algorithm.dynamic_sampling import DynamicSampling
-from grpo_lightning.data.gsm8k import GSM8K
-from grpo_lightning.data.source import Problem
+from grpo_lightning.data.source import DataSource, Problem
 from grpo_lightning.schema import Configured, check_settings, integer, setting
 from grpo_lightning.types import Prompt, RolloutBatch, Round
 
 log = logging.getLogger(__name__)
 
 
-def encode_prompt(tokenizer, dataset: GSM8K, problem: Problem, index: int, max_prompt_tokens: int) -> Prompt:
+def encode_prompt(tokenizer, dataset: DataSource, problem: Problem, index: int, max_prompt_tokens: int) -> Prompt:
     """Chat-format and tokenise one problem; an over-long prompt keeps its last `max_prompt_tokens` tokens.
 
     `dataset` is any data source (data/source.py); the problem's `record` travels with the prompt."""
@@ -78,11 +77,18 @@ class RolloutDataModule(Configured, L.LightningDataModule):
     settings_types = (DataSettings,)
 
     def __init__(
-        self, dataset: GSM8K, dynamic_sampling: DynamicSampling | None = None, world_size: int = 1, **keys
+        self, dataset: DataSource, dynamic_sampling: DynamicSampling | None = None, world_size: int = 1, **keys
     ) -> None:
-        """`keys`: the `data` node's own (`DataSettings`). `world_size`: the processes a round is split over
-        (trainer.devices x trainer.num_nodes, known from the config before any process starts)."""
+        """`dataset`: the data source (`data.dataset`), a `DataSource`: one that is not is refused here, when the
+        run is built, rather than when a caller first asks it what it has not said. `keys`: the `data` node's own
+        (`DataSettings`). `world_size`: the processes a round is split over (trainer.devices x trainer.num_nodes,
+        known from the config before any process starts)."""
         super().__init__()
+        if not isinstance(dataset, DataSource):
+            raise ValueError(
+                f"data.dataset._target_: {type(dataset).__qualname__} is not a data source: derive it from "
+                "grpo_lightning.data.source.DataSource (docs/extending.md, Adding a data source)"
+            )
         (self.settings,) = self.settings_from(keys)
         per_micro_batch = self.settings.groups_per_micro_batch * world_size
         if self.settings.prompts_per_round % per_micro_batch:

@@ -16,9 +16,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from grpo_lightning.data.source import Problem
+from grpo_lightning.data.source import DataSource, Problem
 from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.registry import check_game_id, make_game
+from grpo_lightning.rewards.base import AnswerChecker
 from grpo_lightning.schema import check_settings, choice, integer, optional, setting, text
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,14 @@ class GameSeed:
 
 
 @dataclass
-class GameSeeds:
+class GameSeeds(DataSource):
     """`data.dataset` for data=games: the game, the seeds of its training and test games, and the prompt."""
 
     gives_records: ClassVar[bool] = True
     """Each problem carries a `GameSeed`; each trained turn carries a `TurnRecord` (rewards/games.py)."""
     has_solutions: ClassVar[bool] = False
     """No reference solutions to score in a dry run: a game is won by playing it."""
+    card_tags: ClassVar[tuple[str, ...]] = ("self-play",)
 
     game: str = setting("tictactoe", check_game_id)
     size: int = setting(1000, integer(1))
@@ -65,11 +67,16 @@ class GameSeeds:
             return f"{self.game} games (train: seeds {self.seed}..{self.seed + self.size - 1}{prefix})"
         return f"{self.game} games (test: seeds {self.eval_seed}..{self.eval_seed + self.num_test - 1}{prefix})"
 
+    def card_description(self) -> str:
+        """The model card's words: the game and its training seeds."""
+        return f"self-play games of `{self.game}` ({self.size} seeds; docs/selfplay.md)"
+
     def test_split(self, path: str | None = None, num_problems: int | None = None) -> GameSeeds:
         """`eval.dataset`: the same game and prompt, `num_problems` seeds from `eval_seed` (`path` is for files)."""
         return replace(self, split="test", num_test=num_problems or self.num_test)
 
-    def checker(self, reward: Any = None):
+    def checker(self, reward: Any = None) -> AnswerChecker:
+        """Refused: a game is evaluated by playing it (training/game_evaluation.py), not by checking replies."""
         raise ValueError(
             "data=games is evaluated by playing (eval._target_: grpo_lightning.training.game_evaluation."
             "GameEvaluator, as experiment=selfplay_tictactoe sets), not by an answer checker"
@@ -87,6 +94,12 @@ class GameSeeds:
             Problem(f"{self.game} seed {s}", solution="", answer="", record=GameSeed(self.game, s))
             for s in range(first, first + count)
         ]
+
+    def check_prompts_fit(self, tokenizer, budgets: dict[str, int]) -> None:
+        """The game's opening prompts, both seats, within each budget: the rules and the first state, which no cut
+        may leave out (`TurnPrompts`)."""
+        for key, limit in budgets.items():
+            TurnPrompts(self, tokenizer, limit, key).check_opening()
 
     def encode(self, tokenizer, observation: str) -> list[int]:
         """The prompt ids of one observation: the chat template with the generation prompt, then `reply_prefix`."""

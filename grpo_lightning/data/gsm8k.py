@@ -29,7 +29,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from grpo_lightning.data.source import Problem, check_text_file, test_split_of  # noqa: F401 - test_split_of: the old `_target_`
+from grpo_lightning.data.source import (  # noqa: F401 - test_split_of: the old `_target_`
+    DataSource,
+    Problem,
+    check_text_file,
+    test_split_of,
+)
 from grpo_lightning.rewards.answers import extract_answer, format_answer, last_number
 from grpo_lightning.rewards.checkers import GSM8KChecker
 from grpo_lightning.rewards.gsm8k import GSM8KReward, extract_reference_answer, normalize_number
@@ -63,7 +68,7 @@ def template(value) -> str | None:
 
 
 @dataclass
-class GSM8K(ConfigRules):
+class GSM8K(DataSource, ConfigRules):
     """`data.dataset`: where the question/answer problems come from, which columns hold them, how the reference
     answer is read, and how a prompt is written."""
 
@@ -71,6 +76,7 @@ class GSM8K(ConfigRules):
     """Its problems carry no record: reward terms that need one (reward=reasoning_gym) are refused."""
     has_solutions: ClassVar[bool] = True
     """Its problems have reference solutions (a dry run scores them against the reward)."""
+    card_tags: ClassVar[tuple[str, ...]] = ("gsm8k",)
 
     source: str = setting("packaged", choice(*SOURCES))
     split: str = setting("train", choice(*SPLITS))
@@ -132,6 +138,10 @@ class GSM8K(ConfigRules):
             config = f" ({self.hub_config})" if self.hub_config else ""
             return f"{self.hub_id}{config}/{self.split} from the Hub"
         return f"{self.path} (split {self.split})" if has_splits(Path(self.path).expanduser()) else str(self.path)
+
+    def card_description(self) -> str:
+        """The model card's words: GSM8K (Cobbe et al. 2021), its source and split."""
+        return f"`{self.source}` GSM8K, split `{self.split}` (Cobbe et al. 2021)"
 
     def test_split(self, path: str | None = None, num_problems: int | None = None) -> GSM8K:
         """`eval.dataset`: this source with its test split (a local file: the test file at `path`; a DatasetDict

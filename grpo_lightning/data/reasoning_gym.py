@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from omegaconf import OmegaConf
 
-from grpo_lightning.data.source import Problem
+from grpo_lightning.data.source import DataSource, Problem
 from grpo_lightning.rewards.answers import FORMATS, format_answer
 from grpo_lightning.rewards.reasoning_gym import ReasoningGymChecker, TaskRecord
 from grpo_lightning.schema import check_settings, choice, integer, mapping_of, optional, setting, text
@@ -89,13 +89,14 @@ def plain(value):
 
 
 @dataclass
-class ReasoningGym:
+class ReasoningGym(DataSource):
     """`data.dataset` for data=reasoning_gym: a task, its keys, the split seeds and the answer format."""
 
     gives_records: ClassVar[bool] = True
     """Each problem carries a `TaskRecord` (entry, verifier, answer format) for the reward and the evaluation."""
     has_solutions: ClassVar[bool] = True
     """Its problems have reference solutions (a dry run scores them against the reward)."""
+    card_tags: ClassVar[tuple[str, ...]] = ("reasoning-gym",)
 
     task: str = setting("basic_arithmetic", task_name)
     task_config: dict = setting(
@@ -150,6 +151,10 @@ class ReasoningGym:
         if self.split == "train":
             return f"reasoning-gym {self.task} (train: {self.size} problems of seed {self.seed})"
         return f"reasoning-gym {self.task} (test: {self.num_test} held-out problems from seed {self.eval_seed})"
+
+    def card_description(self) -> str:
+        """The model card's words: the task, its keys and the training problems."""
+        return f"reasoning-gym task `{self.task}` {dict(self.task_config)}, {self.size} problems"
 
     def test_split(self, path: str | None = None, num_problems: int | None = None) -> ReasoningGym:
         """`eval.dataset`: the same task and prompt, `num_problems` held-out problems (`path` is for files)."""
