@@ -311,3 +311,13 @@ class GammaSequenceWeight(StepTokenMean):
 
     def clip_masks(self, ratio, adv, epsilon_low, epsilon_high):
         return _no_clip(ratio, adv)
+
+
+@dataclass(frozen=True)
+class LossTypeOptions:
+    """The loss node's sub-nodes that belong to one loss type each (`loss.sapo.*`, `loss.vespo.*`), declared
+    beside their types; the loss (`GRPOLoss`) takes them as its own fields. A type that reads its options gets the
+    loss's settings in `check` and `policy_loss`."""
+
+    sapo: SapoSettings = setting(factory=SapoSettings)
+    vespo: VespoSettings = setting(factory=VespoSettings)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_lightning.algorithm.loss_types import LossType, PolicyInputs, SapoSettings, VespoSettings, loss_type_problem
+from grpo_lightning.algorithm.loss_types import LossType, LossTypeOptions, PolicyInputs, loss_type_problem
 from grpo_lightning.algorithm.loss_types import loss_type as get_loss_type
 from grpo_lightning.algorithm.rollout_correction import CorrectionWeights, RolloutCorrection
 from grpo_lightning.schema import check_settings, choice, integer, number, setting
@@ -131,8 +131,9 @@ def _check_inputs(
 
 
 @dataclass(frozen=True)
-class GRPOLoss:
-    """Clipped-surrogate GRPO loss with k3 KL; `__call__` maps one micro-batch's log-probs to `LossOutput`."""
+class GRPOLoss(LossTypeOptions):
+    """Clipped-surrogate GRPO loss with k3 KL; `__call__` maps one micro-batch's log-probs to `LossOutput`. The
+    options of single loss types (`loss.<type>.*`) are declared with the types (`LossTypeOptions`)."""
 
     loss_type: str = setting("grpo", loss_type_problem)
     beta: float = setting(0.0, number(low=0))
@@ -142,8 +143,6 @@ class GRPOLoss:
     importance_sampling_level: str = setting("token", choice(*IS_LEVELS))
     rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
     entropy_coef: float = setting(0.0, number())
-    sapo: SapoSettings = setting(factory=SapoSettings)
-    vespo: VespoSettings = setting(factory=VespoSettings)
 
     def __post_init__(self) -> None:
         check_settings(self, "loss")

@@ -9,25 +9,20 @@ B_i) and the optimizer step's synchronised gradient G_big (batch B_b, all micro-
     trS_hat    = (mean_i |g_i|^2 - |G_big|^2) / (1/B_s - 1/B_b)
     G2_hat     = (B_b |G_big|^2 - B_s mean_i |g_i|^2) / (B_b - B_s)
 
-Sample unit and g_i, per loss type (`GRPOModule.sample_weights`, `GRPOModule.step_weighting`): the loss of a
-micro-batch is a weighted mean of one value per completion, and g_i is the gradient of that micro-batch loss
-on its own (the loss type applied to the micro-batch alone):
+Sample unit and g_i, by the loss type (algorithm/loss_types.py: each type's `sample_weights` and
+`step_weighting`, which the module passes on): the loss of a micro-batch is a weighted mean of one value per
+completion, g_i is the gradient of that micro-batch loss on its own, and B_i is the weights' effective sample size
+(sum w)^2 / sum w^2 (equal weights: the completions; weights n_j, the trained tokens: (sum n)^2 / sum n^2).
 
-- `grpo`: the mean over completions of each completion's token-mean loss: equal weights, B_i = completions.
-- `dr_grpo`: the mean over completions of (token sum / max_completion_length): equal weights, B_i = completions.
-- `bnpo`: the micro-batch's token mean = completions' token means weighted by their trained tokens n_j;
-  B_i = its effective sample size (sum n)^2 / sum n^2.
-- `dapo`: the step's loss is the token sum over the whole step / N_step = the mean over ALL the step's
-  completions of (token sum / nbar), nbar = N_step / completions in the step (a constant within the step). The
-  micro-batch's own loss is the mean of that same per-completion value over its completions: equal weights,
-  B_i = completions, and g_i = (B_step / (W B_i)) h_i with h_i the gradient Lightning's backward sees.
-  (The module multiplies dapo's micro-batch loss by accumulate x world size so the summed gradient is the
-  step's token mean; dividing by the micro-batch's share B_i / B_step undoes exactly that.)
+- `step_weighting = "micro_batch"`: Lightning averages the step's m micro-batch losses, so G_big = sum_i a_i g_i
+  with a_i = 1/m, and 1/B_b = sum_i a_i^2 / B_i gives B_b = m B_s.
+- `step_weighting = "sample"`: the step's loss is one mean over ALL the step's completions (a token sum over the
+  step / N_step = the mean of token sum / nbar, nbar = N_step / completions in the step, a constant within the
+  step). The micro-batch's own loss is the mean of that value over its completions, and the module multiplies
+  the micro-batch loss by accumulate x world size so the summed gradient is the step's mean: g_i =
+  (B_step / (W B_i)) h_i with h_i the gradient Lightning's backward sees, a_i = B_i / B_step, and B_b = B_step.
 
-In general G_big = sum_i a_i g_i with sum_i a_i = 1: a_i = 1/m for the losses Lightning averages over
-micro-batches (`step_weighting = "micro_batch"`: grpo, bnpo, dr_grpo) and a_i = B_i / B_step for dapo
-(`"sample"`), so 1/B_b = sum_i a_i^2 / B_i: B_b = m B_s, resp. B_b = B_step. B_b is the whole step's effective
-sample size in both cases (`gns_B_big`); B_s is logged as `gns_B_small`.
+B_b is the whole step's effective sample size in both cases (`gns_B_big`); B_s is logged as `gns_B_small`.
 
 Completions of one prompt share a group-relative advantage and are not independent; micro-batches hold whole
 groups, so the estimates describe batches of groups made of such completions (the unit is still completions).
@@ -231,7 +226,7 @@ class GradientNoiseScaleProbe(Probe):
         sum_sq, sum_sq_per_b2, inv_b, b_step, count, hook_total, empty = totals.tolist()
         world = float(trainer.world_size)
         per_sample = pl_module.step_weighting == "sample"
-        if per_sample:  # dapo: g_i = (B_step / (W B_i)) h_i, a_i = B_i / B_step
+        if per_sample:  # one mean over the step's samples: g_i = (B_step / (W B_i)) h_i, a_i = B_i / B_step
             mean_sq = (b_step / world) ** 2 * sum_sq_per_b2 / count
         else:  # Lightning's mean over micro-batches: g_i = m h_i, a_i = 1 / (m W)
             mean_sq = float(trainer.accumulate_grad_batches) ** 2 * sum_sq / count
