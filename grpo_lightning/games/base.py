@@ -63,6 +63,16 @@ class TwoPlayerGame(ABC):
         """Over: a game has an outcome exactly when it is done."""
         return self.outcome is not None
 
+    def check_not_done(self) -> None:
+        """`step` on a finished game is a mistake of the caller's, not a move: raised, never scored."""
+        if self.done:
+            raise RuntimeError("the game is over; reset it")
+
+    def move_in(self, reply: str) -> str | None:
+        """The bracketed move of a reply to the current turn (None: it has none); a finished game refuses."""
+        self.check_not_done()
+        return bracketed_move(reply)
+
     payoff_unit: str | None = None
     """What `payoff` counts when it is more than the outcome (Kuhn Poker: `chips`); None: the outcome is the whole
     result, and the evaluation reports no payoff of its own."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
-from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move
+from grpo_lightning.games.base import StepResult, TwoPlayerGame
 from grpo_lightning.games.exact import best_response_value
 from grpo_lightning.games.registry import register_game
 
@@ -122,10 +122,8 @@ class KuhnPoker(TwoPlayerGame):
         )
 
     def step(self, reply: str) -> StepResult:
-        if self.done:
-            raise RuntimeError("the game is over; reset it")
         seat = self.current_player
-        move = bracketed_move(reply)
+        move = self.move_in(reply)
         if move is None or move not in self.legal_moves():
             self._finish(-1 if seat == 0 else 1)
             return StepResult(illegal=True, done=True, outcome=self._outcome)

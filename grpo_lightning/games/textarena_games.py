@@ -325,8 +325,7 @@ class TextArenaGame(TwoPlayerGame):
         return list(wrapper.full_observations.get(player, [])), render
 
     def step(self, reply: str) -> StepResult:
-        if self.done:
-            raise RuntimeError("the game is over; reset it")
+        self.check_not_done()
         mover = self.current_player
         self._hook_state()
         self._flagged.clear()

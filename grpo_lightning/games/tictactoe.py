@@ -22,7 +22,7 @@ import random
 import re
 
 from grpo_lightning.distributed import derive_seed
-from grpo_lightning.games.base import StepResult, TwoPlayerGame, bracketed_move
+from grpo_lightning.games.base import StepResult, TwoPlayerGame
 from grpo_lightning.games.registry import register_game
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
@@ -133,10 +133,8 @@ class TicTacToe(TwoPlayerGame):
         )
 
     def step(self, reply: str) -> StepResult:
-        if self.done:
-            raise RuntimeError("the game is over; reset it")
+        move = self.move_in(reply)
         seat = self.to_move
-        move = bracketed_move(reply)
         cell = CELL.match(move) if move is not None else None
         if cell is None or self.board[int(cell.group(1))] != ".":
             self._outcome = (-1.0, 1.0) if seat == 0 else (1.0, -1.0)
