@@ -165,6 +165,7 @@ NOT_CONFIG_KEYS = {
 # `group=option` where the option is a file of the reader's own config directory (hydra.searchpath examples).
 USER_OPTIONS = {
     "variant=pairs": "docs/extending.md's my_pkg/conf/variant/pairs.yaml",
+    "data=sums": "docs/extending.md's my_pkg/conf/data/sums.yaml",
     "experiment=mine": "docs/configuration.md's sweep from a package of your own",
 }
 FILE_SUFFIX = re.compile(r"\.(py|md|yaml|json|ckpt|safetensors|gguf|png|csv|txt|log|bin|so|ipynb|toml)$")
@@ -533,6 +534,28 @@ def check_callbacks(callbacks_module, capsys):
     assert capsys.readouterr().out == "round 4: 2 rollouts\n"
 
 
+def check_sources(sources_module) -> None:
+    """The page's data source: its problems are the sums of their questions' terms, the test split shares no
+    question with training, its checker reads the reply's number, and the interface's defaults hold."""
+    from grpo_lightning.data.source import DataSource
+
+    sums = sources_module.Sums()
+    assert isinstance(sums, DataSource)
+    train, test = sums.load(), sums.test_split(path=None, num_problems=4).load()
+    assert (len(train), len(test)) == (70, 30)
+    assert not {p.question for p in train} & {p.question for p in test}
+    for problem in train + test:
+        a, b = map(int, re.fullmatch(r"What is (\d) \+ (\d)\?", problem.question).groups())
+        assert problem.answer == str(a + b) and problem.solution.endswith(f"#### {a + b}")
+    assert sums.messages("What is 1 + 2?")[0]["content"].startswith("What is 1 + 2?\n")
+    right, wrong = sums.checker().check("3 + 4 = 7\n#### 7", "7"), sums.checker().check("#### 8", "7")
+    assert (right.correct, right.strict, wrong.correct, wrong.strict) == (True, True, False, False)
+    assert (sums.gives_records, sums.has_solutions, sums.card_tags) == (False, True, ())
+    assert sums.card_description() == sums.describe() == "one-digit sums (train)"
+    with pytest.raises(ValueError, match=r"data.dataset.split must be one of train, test \(got 'dev'\)"):
+        sources_module.Sums(split="dev")
+
+
 def check_declared_keys(settings_module, tmp_path: Path) -> None:
     """The page's declaration: the config check names a bad key of a node whose `_target_` is the page's class,
     with the same message as the class's own constructor."""
@@ -589,8 +612,11 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
     import grpo_lightning.models.sources as sources
 
     page, written = my_pkg
-    assert {p.name for p in written} == {"variants.py", "callbacks.py", "losses.py", "pairs.yaml"}
+    assert {p.name for p in written} == {
+        "variants.py", "callbacks.py", "losses.py", "pairs.yaml", "sources.py", "sums.yaml", "probes.py"
+    }  # fmt: skip
     check_declared_keys(importlib.import_module("my_pkg.variants"), tmp_path)
+    check_sources(importlib.import_module("my_pkg.sources"))
     check_pairs(importlib.import_module("my_pkg.variants"), tmp_path)
     check_callbacks(importlib.import_module("my_pkg.callbacks"), capsys)
     check_loss_type()
@@ -605,7 +631,7 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sources, "endpoint_reachable", lambda url, timeout_s: False)  # a Hub id: no network here
 
     assert len(page.commands) >= 5, page.commands
-    variants = []
+    variants, sources = [], []
     for number, (line, command) in enumerate(page.commands):
         for placeholder, value in PLACEHOLDERS.items():
             command = command.replace(placeholder, value.format(folder=folder))
@@ -615,9 +641,68 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
             raise AssertionError(f"docs/extending.md:{line}: {command}\n{type(err).__name__}: {err}") from err
         if cfg.variant._target_.startswith("my_pkg."):
             variants.append(instantiate(cfg.variant))
+        if cfg.data.dataset._target_.startswith("my_pkg."):
+            sources.append(instantiate(cfg.data.dataset))
     capsys.readouterr()
+    assert [type(s).__name__ for s in sources] == ["Sums", "Sums"], sources  # the command line's and data=sums
     # variant._target_=...: variant=grpo's num_generations (G) comes along; variant=pairs: its own file's 2
     assert sorted(v.settings.num_generations for v in variants) == [2, 8], variants
+
+
+def test_the_extending_probe_reads_the_forward_and_changes_nothing(my_pkg, tiny_cfg):
+    """The page's probe on a tiny run (2 rounds, 2 micro-batches an optimizer step): what it logs each step is the
+    plain forward's -mean log p of the step's trained tokens, and the parameters after training are bitwise those
+    of the same run without it."""
+    import importlib
+
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from grpo_lightning.app.train import build_run
+    from tests.probes.brute_force import StepBatches, plain_logprobs
+
+    class PlainSurprise(StepBatches):
+        """-mean log p of each step's trained tokens by a plain forward of the policy before the step (the model's
+        own logits, float64 log-softmax; tests/probes/brute_force.py), under a forked RNG."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.values: list[float] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            total, tokens = 0.0, 0
+            with torch.no_grad(), torch.random.fork_rng():
+                for batch in self.batches:
+                    logp = plain_logprobs(pl_module.policy, batch, pl_module.temperature)  # [B, C]
+                    trained = batch.completion_mask.bool()
+                    total -= float(logp[trained].sum())
+                    tokens += int(trained.sum())
+            self.values.append(total / tokens)
+
+    surprise_cls = importlib.import_module("my_pkg.probes").Surprise
+    shape = ("eval.enabled=false", "data.prompts_per_round=2", "data.groups_per_micro_batch=1")
+
+    def trained(cfg, *extra):
+        run = build_run(cfg)
+        run.trainer.callbacks.extend(extra)
+        run.fit()
+        params = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
+        return run, params
+
+    _, base = trained(tiny_cfg(*shape))
+    truth = PlainSurprise()
+    cfg = tiny_cfg(*shape, "+probe.surprise._target_=my_pkg.probes.Surprise")
+    run, probed = trained(cfg, truth)
+    (probe,) = [cb for cb in run.trainer.callbacks if isinstance(cb, surprise_cls)]
+    assert run.module.forward_observers == []  # it left at teardown
+    assert len(truth.values) == 2 and len(truth.batches) == 2  # two steps of two micro-batches
+    assert probe.values == pytest.approx(truth.values, rel=1e-5)  # float32 forwards by two code paths
+    acc = EventAccumulator(f"{cfg.paths.output_dir}/tensorboard")
+    acc.Reload()
+    logged = [e.value for e in acc.Scalars("probe/surprise/token_mean")]
+    assert logged == pytest.approx(probe.values, rel=1e-6)  # tensorboard keeps float32
+    assert base.keys() == probed.keys()
+    assert all(torch.equal(base[n], probed[n]) for n in base)
 
 
 def test_the_command_check_rejects_what_the_cli_rejects(tmp_path):

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from grpo_lightning.accel.completion_forward import completion_logprobs_with_entropy
 from grpo_lightning.accel.entropy_terms import entropy_and_logit_grad, token_entropy
-from grpo_lightning.probes.base import Probe, ProbedModule
+from grpo_lightning.probes.base import ForwardNeed, ForwardProbe, ProbedModule
 
 __all__ = ["EntropyProbe", "RunningAgreement", "entropy_and_logit_grad", "pearson", "token_entropy"]
 
@@ -100,7 +100,7 @@ class RunningAgreement:
         return cxy / math.sqrt(cxx * cyy) if cxx > 0 and cyy > 0 else float("nan")
 
 
-class EntropyProbe(Probe):
+class EntropyProbe(ForwardProbe):
     """Logs `probe/entropy/*` every `every_n_steps` optimizer steps; never changes training."""
 
     def __init__(
@@ -121,6 +121,8 @@ class EntropyProbe(Probe):
         self.last_metrics: dict[str, float] = {}
         self._agreement = {"cov": RunningAgreement(), "first_order": RunningAgreement()}
         self._params: list[torch.nn.Parameter] = []
+        self._active = False
+        """Whether the running micro-batch's step is measured (`every_n_steps`)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -134,22 +136,28 @@ class EntropyProbe(Probe):
         self._stepped = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_start(self, trainer: L.Trainer, pl_module: ProbedModule) -> None:
+        super().on_fit_start(trainer, pl_module)
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
 
     def teardown(self, trainer: L.Trainer, pl_module: ProbedModule, stage: str) -> None:
-        pl_module.entropy_observer, pl_module.entropy_grad = None, False
+        super().teardown(trainer, pl_module, stage)
+        self._active = False
         self._params = []
 
     def on_train_batch_start(self, trainer, pl_module: ProbedModule, batch, batch_idx: int) -> None:
-        active = trainer.global_step % self.every_n_steps == 0
-        pl_module.entropy_observer = self._observe if active else None
-        pl_module.entropy_grad = active and self.first_order
-        if active and self.measure_actual:
+        self._active = trainer.global_step % self.every_n_steps == 0
+        if self._active and self.measure_actual:
             self._batches.append(batch)
 
     # ---- per micro-batch (called from training_step with this forward's entropies) ------------------------
-    def _observe(self, logp: Tensor, terms, batch) -> None:  # [B, C], EntropyTerms
+    def forward_need(self, batch) -> ForwardNeed | None:
+        """The entropies of a measured step's micro-batches, with their gradient terms for `first_order`."""
+        if not self._active:
+            return None
+        return "entropy_gradient" if self.first_order else "entropy"
+
+    def observe_forward(self, batch, logp: Tensor, terms) -> None:  # [B, C], EntropyTerms
         mask = batch.completion_mask  # [B, C]
         entropy = terms.entropy * mask  # [B, C] float64
         tokens = mask.sum(-1)  # [B]
@@ -186,7 +194,7 @@ class EntropyProbe(Probe):
 
     # ---- per optimizer step --------------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer, pl_module: ProbedModule, optimizer) -> None:
-        if pl_module.entropy_observer is None or not self._seq_entropy:
+        if not self._active or not self._seq_entropy:
             return
         self._stepped = True
         self._lr = optimizer.param_groups[0]["lr"]
@@ -209,7 +217,7 @@ class EntropyProbe(Probe):
             batch_size=1,
             sync_dist=distributed,
         )
-        pl_module.entropy_observer = None
+        self._active = False
         self._reset()
 
     def _step_metrics(self) -> dict[str, float]:

@@ -38,6 +38,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import lightning as L
 import torch
@@ -56,6 +57,18 @@ log = logging.getLogger(__name__)
 
 
 SCHEDULE_KINDS = ("constant", "linear", "cosine")
+ForwardNeed = Literal["logprobs", "entropy", "entropy_gradient"]  # each more than the last
+
+
+class ForwardObserver(Protocol):
+    """What the training step calls on every observer added (a probe reading the forward: probes/base.py
+    `ForwardProbe`). Why observers, not flags a probe sets here: the module names no probe; any probe can read."""
+
+    def forward_need(self, batch: RolloutBatch) -> ForwardNeed | None:
+        """What it needs of this micro-batch's forward; None: it does not observe this one."""
+
+    def observe_forward(self, batch: RolloutBatch, logp: Tensor, terms: EntropyTerms | None) -> None:
+        """The micro-batch, its log-probs [B, C] (in the loss's graph) and entropy terms (None if none needed)."""
 
 
 @dataclass(frozen=True)
@@ -111,9 +124,7 @@ class GRPOModule(L.LightningModule):
         self.forward_settings = forward_settings if forward_settings is not None else ForwardSettings()
         """How the training forward computes log-probs (`perf.forward`; accel/completion_forward.py)."""
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
-        self.entropy_observer: Callable[[Tensor, EntropyTerms, RolloutBatch], None] | None = None  # set by probes
-        self.entropy_grad = False
-        """Whether the entropy observer also needs the gradient of the entropies (set with it by the probe)."""
+        self.forward_observers: list[ForwardObserver] = []  # called with each training forward, in order added
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -187,27 +198,36 @@ class GRPOModule(L.LightningModule):
         return self.loss_fn.step_weighting
 
     # ---- training ------------------------------------------------------------------------------------------
+    def add_forward_observer(self, observer: ForwardObserver) -> None:
+        """Call `observer` with every training micro-batch's forward (a probe, at the start of fit)."""
+        self.forward_observers.append(observer)
+
+    def remove_forward_observer(self, observer: ForwardObserver) -> None:
+        """Stop calling `observer` (a probe, at teardown); one that was never added is no error."""
+        self.forward_observers = [o for o in self.forward_observers if o is not observer]
+
     def step_forward(self, batch: RolloutBatch) -> tuple[Tensor, EntropyTerms | None]:  # [B, C], terms
-        """The training step's forward: completion log-probs [B, C], and the token entropies of the same logits
-        when a probe observes them or the entropy bonus needs them (None otherwise; the log-probs are bitwise the
-        same either way)."""
+        """The training step's forward: log-probs [B, C], and the same logits' token entropies where an observer or
+        the entropy bonus needs them (the log-probs bitwise the same either way); then each observer is called."""
+        observing = [(o, need) for o in self.forward_observers if (need := o.forward_need(batch)) is not None]
         bonus = self.loss_fn.entropy_coef != 0
-        if self.entropy_observer is None and not bonus:
-            return self.policy_forward(self.policy, batch)[1], None
-        logp, terms = call_as_forward(
-            self.policy,
-            completion_logprobs_with_entropy,
-            self.policy,
-            batch,
-            self.temperature,
-            batch.completion_mask,
-            self.forward_settings.share_prefix,
-            self.forward_settings.logits_chunk_tokens,
-            self.forward_settings.runs_by_length,
-            with_grad=self.entropy_grad or bonus,
-        )
-        if self.entropy_observer is not None:
-            self.entropy_observer(logp, terms, batch)
+        if not bonus and all(need == "logprobs" for _, need in observing):
+            logp, terms = self.policy_forward(self.policy, batch)[1], None
+        else:
+            logp, terms = call_as_forward(
+                self.policy,
+                completion_logprobs_with_entropy,
+                self.policy,
+                batch,
+                self.temperature,
+                batch.completion_mask,
+                self.forward_settings.share_prefix,
+                self.forward_settings.logits_chunk_tokens,
+                self.forward_settings.runs_by_length,
+                with_grad=bonus or any(need == "entropy_gradient" for _, need in observing),
+            )
+        for observer, _ in observing:
+            observer.observe_forward(batch, logp, terms)
         return logp, terms
 
     def entropy_bonus(self, batch: RolloutBatch, terms: EntropyTerms) -> tuple[Tensor, Tensor]:  # [], []
