@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from grpo_lightning.app.train import train  # noqa: E402
 from grpo_lightning.errors import RunInterrupted, TrainingStopped  # noqa: E402
-from grpo_lightning.rewards.pipeline import check_moved_overrides  # noqa: E402
+from grpo_lightning.moved_keys import check_moved_overrides  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from grpo_lightning.__main__ import check_run_dir, describe
 from grpo_lightning.__main__ import run as run_cli
 from grpo_lightning.app.train import train
-from grpo_lightning.rewards.pipeline import check_moved_overrides
+from grpo_lightning.moved_keys import check_moved_overrides
 from tests.conftest import CONF_DIR, make_cfg
 from tests.forked_cli import cli_run
 
@@ -643,8 +643,12 @@ def test_a_refused_run_leaves_the_other_runs_directory_as_it_was(tmp_path, other
     from grpo_lightning.training.checkpointing import RunLock
 
     run = tmp_path / "run"
-    for name, text in {".hydra/config.yaml": "seed: 7\n", ".hydra/overrides.yaml": "- seed=7\n",
-                       "__main__.log": "[the other run's log]\n", "checkpoints/last.ckpt": "its checkpoint"}.items():
+    for name, text in {
+        ".hydra/config.yaml": "seed: 7\n",
+        ".hydra/overrides.yaml": "- seed=7\n",
+        "__main__.log": "[the other run's log]\n",
+        "checkpoints/last.ckpt": "its checkpoint",
+    }.items():
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(text)  # fmt: skip
     lock = RunLock(run) if other_run == "running" else None

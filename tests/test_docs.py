@@ -25,7 +25,7 @@ from omegaconf import OmegaConf, open_dict
 
 from grpo_lightning.config_docs import reference as config_reference
 from grpo_lightning.config_docs import yaml_comments
-from grpo_lightning.rewards.pipeline import MOVED_KEYS, check_moved_overrides
+from grpo_lightning.moved_keys import MOVED_KEYS, check_moved_overrides
 from tests.conftest import CONF_DIR, ROOT, make_cfg
 
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

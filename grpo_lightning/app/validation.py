@@ -31,8 +31,9 @@ from grpo_lightning.app.run_settings import RunSettings
 from grpo_lightning.data.source import DataSource
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.generation.placement import shards_weights, world_size
+from grpo_lightning.moved_keys import check_moved_keys
 from grpo_lightning.rewards.base import Stage
-from grpo_lightning.rewards.pipeline import TERM_KEYS, check_moved_keys
+from grpo_lightning.rewards.pipeline import TERM_KEYS
 from grpo_lightning.schema import (
     ConfigRules,
     declared,

@@ -14,13 +14,9 @@ from grpo_lightning.algorithm.advantages import group_advantages
 from grpo_lightning.algorithm.losses import GRPOLoss
 from grpo_lightning.algorithm.rollouts import collate_rollouts
 from grpo_lightning.generation.base import SamplingConfig
+from grpo_lightning.moved_keys import check_moved_keys, check_moved_overrides
 from grpo_lightning.rewards.gsm8k import AnswerFormat, GSM8KReward, OverlongPenalty
-from grpo_lightning.rewards.pipeline import (
-    RewardTermError,
-    build_reward,
-    check_moved_keys,
-    check_moved_overrides,
-)
+from grpo_lightning.rewards.pipeline import RewardTermError, build_reward
 from grpo_lightning.rewards.transforms import (
     Clip,
     EMABaseline,
@@ -332,7 +328,7 @@ def test_a_term_that_returns_a_non_number_or_nan_is_an_error_naming_it(target, m
         ({"terms": {"x": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat", "weight": "a"}}},
          r"reward\.terms\.x\.weight"),
         ({"terms": {"g": {"_target_": "grpo_lightning.rewards.gsm8k.GSM8KReward", "format_bonus": 2}}},
-         r"reward\.terms\.g: format_bonus must be in \[0, 1\)"),
+         r"reward\.terms\.g\.format_bonus must be in \[0, 1\)"),
         ({"terms": {"total": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}}}, "reserved"),
         ({"terms": {"a": {"_target_": "grpo_lightning.rewards.gsm8k.AnswerFormat"}}, "scale_rewards": "group"},
          r"reward\.scale_rewards: unknown key"),
