@@ -13,7 +13,7 @@ Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` per arm and seed, r
   lowest-free-cell rule's), loss rate against `tactic` below 0.886 (the same rule's; docs/selfplay.md);
 - the curve: per arm, the win rate against random and the loss rate against `tactic` at every evaluation, against
   the games the learner has trained on, each seed and their mean, beside what training had to learn from since the
-  evaluation before (the share of groups whose games all ended alike, the gradient norm; each seed's mean);
+  evaluation before (the share of groups whose rewards were all equal, the gradient norm; each seed's mean);
 - the plot: both rates against the games trained on, each run and its control, and for TicTacToe the win target
   and the lowest-free-cell rule's exact win rate.
 
@@ -55,7 +55,8 @@ PAYOFF_RANDOM = "eval/payoff_vs_random"
 PAYOFF_PERFECT = "eval/payoff_vs_perfect"
 TAGS = (WIN, WIN_FIRST, WIN_SECOND, LOSS_TACTIC, WIN_BASE, ILLEGAL, PAYOFF_RANDOM, PAYOFF_PERFECT)
 SIGNAL = ("train/frac_zero_std_groups", "train/grad_norm")
-"""What GRPO has to learn from, a round: the share of groups whose games all ended alike, and the gradient norm."""
+"""What GRPO has to learn from, a round: the share of groups whose rewards were all equal, and the gradient norm
+(`game/groups_alike_frac` counts groups of equal outcomes instead)."""
 ARMS = {
     "trained": (),
     "role": ("reward=selfplay_role",),
@@ -227,7 +228,7 @@ def curve(runs: dict[tuple[str, int], tuple[list[Point], float]]) -> str:
     the loss rate against `tactic`, each seed's (in seed order) and the mean over the seeds that evaluated there."""
     lines = [
         "| arm | games trained on | seeds | win vs random, each seed | mean | loss vs tactic, each seed | mean | "
-        "groups alike since the last evaluation, each seed | gradient norm, each seed |",
+        "groups with equal rewards since the last evaluation, each seed | gradient norm, each seed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in [a for a in ARMS if any(a == r for r, _ in runs)]:

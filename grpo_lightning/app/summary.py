@@ -48,11 +48,14 @@ EVAL_NAMES = (
     "accuracy_strict",
     "win_rate_vs_random",
     "win_rate_vs_base",
+    "loss_rate_vs_tactic",
     "illegal_move_rate",
+    "exploitability",
 )
 """The evaluation metrics the summary compares (eval/<name>; docs/data.md, "Evaluation"): `accuracy` reads the
 answer without regard to its format, `accuracy_strict` only in the asked format, `gsm8k_accuracy` is GSM8K's
-own; self-play's win rates and illegal-move rate (docs/selfplay.md)."""
+own; self-play's win rates, the loss rate against `tactic`, the illegal-move rate and Kuhn Poker's exploitability
+(docs/selfplay.md)."""
 
 
 def render(metrics: dict[str, float], num_rounds: int, num_evals: int, window: int = 3) -> str:
@@ -61,13 +64,7 @@ def render(metrics: dict[str, float], num_rounds: int, num_evals: int, window: i
     labels = [
         ("train_reward", f"train/reward_mean (first {window} -> last {window} of {num_rounds} rounds)"),
         ("train_format_rate", f"rollout/format_rate (first {window} -> last {window} rounds)"),
-        ("eval_format_rate", f"eval/format_rate (first -> last of {num_evals} evaluations)"),
-        ("eval_gsm8k_accuracy", f"eval/gsm8k_accuracy (first -> last of {num_evals} evaluations)"),
-        ("eval_accuracy", f"eval/accuracy (first -> last of {num_evals} evaluations)"),
-        ("eval_accuracy_strict", f"eval/accuracy_strict (first -> last of {num_evals} evaluations)"),
-        ("eval_win_rate_vs_random", f"eval/win_rate_vs_random (first -> last of {num_evals} evaluations)"),
-        ("eval_win_rate_vs_base", f"eval/win_rate_vs_base (first -> last of {num_evals} evaluations)"),
-        ("eval_illegal_move_rate", f"eval/illegal_move_rate (first -> last of {num_evals} evaluations)"),
+        *((f"eval_{name}", f"eval/{name} (first -> last of {num_evals} evaluations)") for name in EVAL_NAMES),
     ]
     for key, label in labels:
         start, end = metrics.get(f"summary/{key}_start"), metrics.get(f"summary/{key}_end")
