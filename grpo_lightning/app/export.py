@@ -17,7 +17,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from grpo_lightning.app.build import build
 from grpo_lightning.data.source import DataSource
 from grpo_lightning.generation.vllm_weights import is_peft_model
 from grpo_lightning.models.sources import ModelSource
@@ -46,11 +45,13 @@ def export_policy(
     metrics: dict[str, float],
     source: ModelSource,
     variant: GRPOVariant,
+    data: DataSource,
 ) -> None:
     """Write the model card (and the merged weights when `export.merged` is set) beside the saved policy.
 
     `source` is the run's `model.source` object: the card names it and tells how to load the base model. `variant`
-    is the run's: the card says how it sampled a prompt's group.
+    is the run's: the card says how it sampled a prompt's group. `data` is the run's data source: the card asks it
+    for its words and tags.
     """
     directory = Path(directory)
     if not directory.is_dir():  # nothing was saved (e.g. the run stopped before training ended)
@@ -63,7 +64,7 @@ def export_policy(
         log.info("merged weights saved to %s", merged_dir)
     is_adapter = is_peft_model(policy)
     model, base = source.describe(), source.base_model_ref()
-    card = model_card(cfg, metrics, model, base, is_adapter, directory, merged_dir, variant)
+    card = model_card(cfg, metrics, model, base, is_adapter, directory, merged_dir, variant, data)
     (directory / "README.md").write_text(card)
 
 
@@ -98,12 +99,6 @@ def reward_terms(cfg: DictConfig) -> str:
     return f"terms {terms or 'none'}" + (f"; group transforms {groups}" if groups else "")
 
 
-def data_source(cfg: DictConfig) -> DataSource:
-    """The run's data source (`data.dataset`), built again from its node: the card asks it for its words and
-    tags (`DataSource.card_description`, `card_tags`). Building one reads no data."""
-    return build(cfg.data.dataset)
-
-
 def model_card(
     cfg: DictConfig,
     metrics: dict[str, float],
@@ -113,13 +108,13 @@ def model_card(
     directory: Path,
     merged_dir: Path | None,
     variant: GRPOVariant,
+    data: DataSource,
 ) -> str:
+    """The policy's README.md: what it is, how it was trained, its final metrics, the command, how to load it."""
     loss = cfg.loss
     group = variant.group()
     lora = cfg.model.lora
-    data = data_source(cfg)
     kind = f"LoRA adapter (r={lora.r}, alpha={lora.alpha}, {lora.target_modules})" if is_adapter else "full model"
-    base_for_code = base or "<base model folder>"
     lines = [
         "---",
         "library_name: " + ("peft" if is_adapter else "transformers"),
@@ -160,62 +155,8 @@ def model_card(
         "",
         "## Loading",
         "",
+        *_loading(is_adapter, model, base, directory, merged_dir, lora.r),
     ]
-    if is_adapter:
-        lines += [
-            "With transformers and peft:",
-            "",
-            "```python",
-            "from peft import PeftModel",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'base = AutoModelForCausalLM.from_pretrained("{base_for_code}")',
-            f'model = PeftModel.from_pretrained(base, "{directory}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{directory}")',
-            "```",
-            "",
-        ]
-    if merged_dir or not is_adapter:
-        folder = merged_dir or directory
-        lines += [
-            "With transformers alone" + (" (merged weights)" if is_adapter else "") + ":",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{folder}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{folder}")',
-            "```",
-            "",
-            "With vLLM:",
-            "",
-            "```python",
-            "from vllm import LLM",
-            "",
-            f'llm = LLM(model="{folder}")',
-            "```",
-            "",
-        ]
-    else:
-        lines += [
-            "With vLLM (the adapter through vLLM's LoRA support; or export merged weights with `export.merged=true`"
-            " and pass that folder as `model`):",
-            "",
-            "```python",
-            "from vllm import LLM",
-            "from vllm.lora.request import LoRARequest",
-            "",
-            f'llm = LLM(model="{base_for_code}", enable_lora=True, max_lora_rank={max(lora.r, 8)})',
-            f'outputs = llm.generate(prompts, lora_request=LoRARequest("policy", 1, "{directory}"))',
-            "```",
-            "",
-        ]
-    if base is None:
-        lines += [
-            f"The base model `{model}` exists only in memory; rebuild it with the same `model.source` "
-            "(grpo_lightning.models.sources) to load the adapter.",
-            "",
-        ]
     lines += [
         "## Training configuration",
         "",
@@ -230,3 +171,52 @@ def model_card(
 def _card_config(cfg: DictConfig) -> DictConfig:
     keys = ("seed", "variant", "loss", "model", "generator", "data", "optim", "trainer")
     return OmegaConf.masked_copy(cfg, [k for k in keys if k in cfg])
+
+
+def _loading(is_adapter: bool, model: str, base: str | None, directory: Path, merged_dir: Path | None, r: int):
+    """The card's "Loading" lines: with peft (an adapter), with transformers alone and vLLM (full or merged
+    weights), or vLLM's LoRA support (an adapter without merged weights)."""
+    base_for_code = base or "<base model folder>"
+    lines = _code("With transformers and peft:", PEFT_LOADING.format(base=base_for_code, folder=directory))
+    lines = lines if is_adapter else []
+    if merged_dir or not is_adapter:
+        folder = merged_dir or directory
+        title = "With transformers alone" + (" (merged weights)" if is_adapter else "") + ":"
+        lines += _code(title, FULL_LOADING.format(folder=folder)) + _code(
+            "With vLLM:", VLLM_LOADING.format(folder=folder)
+        )
+    else:
+        title = ("With vLLM (the adapter through vLLM's LoRA support; or export merged weights with "
+                 "`export.merged=true` and pass that folder as `model`):")  # fmt: skip
+        lines += _code(title, VLLM_LORA_LOADING.format(base=base_for_code, rank=max(r, 8), folder=directory))
+    if base is None:
+        lines += [
+            f"The base model `{model}` exists only in memory; rebuild it with the same `model.source` "
+            "(grpo_lightning.models.sources) to load the adapter.",
+            "",
+        ]
+    return lines
+
+
+def _code(title: str, code: str) -> list[str]:
+    return [title, "", "```python", *code.splitlines(), "```", ""]
+
+
+PEFT_LOADING = """from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base}")
+model = PeftModel.from_pretrained(base, "{folder}")
+tokenizer = AutoTokenizer.from_pretrained("{folder}")"""
+FULL_LOADING = """from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{folder}")
+tokenizer = AutoTokenizer.from_pretrained("{folder}")"""
+VLLM_LOADING = """from vllm import LLM
+
+llm = LLM(model="{folder}")"""
+VLLM_LORA_LOADING = """from vllm import LLM
+from vllm.lora.request import LoRARequest
+
+llm = LLM(model="{base}", enable_lora=True, max_lora_rank={rank})
+outputs = llm.generate(prompts, lora_request=LoRARequest("policy", 1, "{folder}"))"""

@@ -132,7 +132,7 @@ class Run:
             saver = self.callbacks.get("save_policy")
             if isinstance(saver, SavePolicy):
                 export_policy(saver.directory, self.cfg, self.module.policy, saver.tokenizer, metrics, self.source,
-                              self.rollout_loop.sampler.variant)  # fmt: skip
+                              self.rollout_loop.sampler.variant, self.datamodule.dataset)  # fmt: skip
         if self.module.diverged:
             raise TrainingStopped(f"training stopped: {self.module.stop_reason}\n{self.checkpoint_before_divergence()}")
         if self.module.stop_reason is not None:

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import pytest
 
+from grpo_lightning.app.build import build
 from grpo_lightning.app.export import model_card
 from grpo_lightning.app.plan import check_model_fits
 from grpo_lightning.app.validation import check_reward_fits_data
@@ -75,7 +76,8 @@ def own_source(cls: type) -> list[str]:
     ids=["gsm8k", "gsm8k-hub", "reasoning-gym", "games", "own"],
 )  # fmt: skip
 def test_the_model_card_takes_the_sources_words_and_tags(tmp_path, overrides, words, tags):
-    card = model_card(make_cfg(tmp_path, overrides), {}, "model", None, True, tmp_path, None, BaselineGRPO())
+    cfg = make_cfg(tmp_path, overrides)
+    card = model_card(cfg, {}, "model", None, True, tmp_path, None, BaselineGRPO(), build(cfg.data.dataset))
     assert f"| data | {words} |" in card.splitlines()
     assert f"tags: [{tags}]" in card.splitlines()
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from grpo_lightning.app.build import build
 from grpo_lightning.app.export import model_card
 from grpo_lightning.app.memory import ModelShape, estimate
 from grpo_lightning.app.run_shape import run_shape
@@ -140,7 +141,7 @@ def test_a_resume_fixes_the_keys_of_the_variants_group(tmp_path):
 )  # fmt: skip
 def test_the_model_card_says_how_the_variant_sampled_a_group(tmp_path, overrides, variant, says):
     cfg = make_cfg(tmp_path, overrides)
-    card = model_card(cfg, {}, "model", None, True, tmp_path, None, variant)
+    card = model_card(cfg, {}, "model", None, True, tmp_path, None, variant, build(cfg.data.dataset))
     (row,) = [line for line in card.splitlines() if line.startswith("| rounds |")]
     assert says in row
     assert f"`variant={variant.name}`" in card
