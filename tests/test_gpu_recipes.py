@@ -32,7 +32,7 @@ def cuda_machine(tmp_path, monkeypatch):
     """Two 80 GiB GPUs, vLLM's CUDA build, and a Hub cache with the Qwen configs (no weights, no network)."""
     from huggingface_hub import constants
 
-    from grpo_lightning.app import memory, validation
+    from grpo_lightning.app import validation
 
     cache = tmp_path / "hub"
     for repo, arch in QWEN.items():
@@ -50,7 +50,6 @@ def cuda_machine(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(memory, "gpu_memory", lambda: 80 * GIB)
     monkeypatch.setattr("grpo_lightning.app.plan.gpu_memory", lambda: 80 * GIB)
     monkeypatch.setattr("grpo_lightning.app.run_shape.gpu_memory", lambda: 80 * GIB)
     monkeypatch.setattr(validation, "check_accelerator", lambda cfg: None)

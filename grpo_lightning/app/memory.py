@@ -21,10 +21,8 @@ linear weight for the length of a generate call: one more copy of most of the we
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -297,24 +295,6 @@ def fit_decode_rows(shape: ModelShape, run: RunShape, gpu_bytes: int | None) -> 
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle * group) else (low, middle)
     return with_rows(low * group)
-
-
-def gpu_memory() -> int | None:
-    """Total bytes of one visible CUDA GPU (the first: a run's GPUs are taken to be alike), None without one."""
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-
-
-def machine_memory() -> int:
-    """Bytes of RAM this process may use: the cgroup's limit where one is set, else the machine's."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            return min(int(text), physical)
-    return physical
 
 
 def check_fits(result: MemoryEstimate, cpu_bytes: int, gpu_bytes: int | None = None) -> None:

@@ -10,13 +10,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from grpo_lightning.app.build import build
+from grpo_lightning.app.machine import gpu_memory, machine_memory
 from grpo_lightning.app.memory import (
     MemoryEstimate,
     check_fits,
     estimate,
     fit_decode_rows,
-    gpu_memory,
-    machine_memory,
     model_shape,
 )
 from grpo_lightning.app.run_shape import RunShape, run_shape

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from grpo_lightning.accel.settings import ForwardSettings, GenerationSettings
 from grpo_lightning.algorithm.losses import GRPOLoss
-from grpo_lightning.app.memory import gpu_memory
+from grpo_lightning.app.machine import gpu_memory
 from grpo_lightning.app.run_settings import ModelSettings, TrainerKeys
 from grpo_lightning.data.datamodule import DataSettings
 from grpo_lightning.generation.base import SamplingConfig

@@ -4,17 +4,37 @@ with the policy's trainable weights as they were pushed, for a checkpoint."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import lightning as L
 import torch
 from torch import nn
 
-from grpo_lightning.generation.base import BackgroundEngine, SamplingCancelled, check_saved_weights
+from grpo_lightning.generation.base import BackgroundEngine, SamplingCancelled, SamplingConfig, check_saved_weights
+from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.types import Completion
 
-if TYPE_CHECKING:
-    from grpo_lightning.generation.vllm import VLLMGenerator
+
+class EngineThreads(Protocol):
+    def set_threads(self, threads: int) -> None: ...
+
+
+class SnapshotSource(Protocol):
+    """What the snapshot uses of its generator (`VLLMGenerator`): its settings, its policy, its engine process
+    and pushing the policy's weights into that engine."""
+
+    sampling: SamplingConfig
+    guard: StaleWeightGuard
+    policy: nn.Module
+    engine: EngineThreads
+
+    def sample(
+        self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
+    ) -> list[list[Completion]]: ...
+
+    def push_weights(self) -> None: ...
+
+    def reseed(self, round_seed: int) -> None: ...
 
 
 class VLLMSnapshot(BackgroundEngine):
@@ -26,7 +46,7 @@ class VLLMSnapshot(BackgroundEngine):
     tensors as they were at the push, for a checkpoint; `load_weights` pushes such a snapshot back.
     """
 
-    def __init__(self, generator: VLLMGenerator) -> None:
+    def __init__(self, generator: SnapshotSource) -> None:
         self.generator = generator
         self.sampling = generator.sampling
         self.guard = generator.guard
