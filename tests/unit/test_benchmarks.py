@@ -416,12 +416,18 @@ def test_variants_tables_by_hand(tmp_path, capsys):
         # paired by seed: 0.625 - 0.5 and 0.25 - 0.5; mean -0.0625, sd 0.1875 sqrt 2, t(1) 12.706:
         # -0.0625 -+ 12.706 x 0.1875
         "| storpo_tree | +0.125, -0.250 | -0.062 | [-2.445, +2.320] | 1 / 0 / 1 |",
-        "| grpo | 0 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | n/a | 0.375 | 25.0 | 10.0 |",
-        "| grpo | 1 | 4 | 5000 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | n/a | 0.625 | 40.0 | 11.0 |",
-        "| storpo_tree | 0 | 5 | 5250 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 0.250 / 0.500 | 0.750 | 10.0 "
-        "| 9.0 |",
-        "| storpo_tree | 1 | 5 | 5250 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 0.000 / 0.000 | 1.000 "
-        "| 12.0 | 8.0 |",
+        # gained from the start (0.125) per 10,000 tokens: grpo 0.375 / 0.5 = 0.75 on both seeds, storpo 0.5 / 0.525
+        # and 0.125 / 0.525; the two differences 0.375 / 0.525 apart: the mean -+ 12.706 x 0.375 / 0.525 / 2
+        "| storpo_tree | 10,000 generated tokens | +0.2024, -0.5119 | -0.1548 | [-4.6926, +4.3831] | 1 / 0 / 1 |",
+        # per optimizer step: grpo 0.375 / 5 = 0.075, storpo 0.5 / 7 and 0.125 / 7; -+ 12.706 x 0.375 / 7 / 2
+        "| storpo_tree | optimizer step | -0.0036, -0.0571 | -0.0304 | [-0.3707, +0.3100] | 0 / 0 / 2 |",
+        # optimizer steps: the last round's step + 1, the final evaluation's step (grpo 5 rounds, storpo 7)
+        "| grpo | 0 | 4 | 5000 | 5 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 3000 | n/a | 0.375 | 25.0 | 10.0 |",
+        "| grpo | 1 | 4 | 5000 | 5 | 0.500 [0.375, 0.625] | 0.250 | 0.750 | 2000 | n/a | 0.625 | 40.0 | 11.0 |",
+        "| storpo_tree | 0 | 5 | 5250 | 7 | 0.625 [0.500, 0.750] | 0.312 | 0.750 | 2250 | 0.250 / 0.500 | 0.750 "
+        "| 10.0 | 9.0 |",
+        "| storpo_tree | 1 | 5 | 5250 | 7 | 0.250 [0.125, 0.375] | 0.125 | 0.750 | not reached | 0.000 / 0.000 "
+        "| 1.000 | 12.0 | 8.0 |",
     ]
     assert "| arm - grpo | final pass@1 difference per seed (0, 1) | mean difference |" in text
     assert "target pass@1: 0.375 (--target); tokens to it: linear interpolation" in text
@@ -436,6 +442,100 @@ def test_variants_say_when_storpo_hardly_branched(tmp_path, capsys):
     assert variants.main([*ARMS_ARGV, "--out", str(tmp_path)]) == 0
     assert "storpo_tree branched from 3.1% of its prompts (mean over runs and rounds)" in capsys.readouterr().out
     assert "its comparison does not test branching" in (tmp_path / "variants.md").read_text()
+
+
+def test_the_storpo_arm_is_the_variant_at_its_defaults():
+    shared = variants.pinned(budget=1000, eval_every=5)
+    arm = compose(variants.arm_overrides("learn_cpu", "storpo", shared, []))
+    default = compose(["experiment=learn_cpu", "variant=storpo"])
+    assert OmegaConf.to_container(arm.variant) == OmegaConf.to_container(default.variant)
+    assert (value(arm, "variant.trees"), value(arm, "variant.max_steps")) == (2, 2)  # by hand: 2 trees, 2 points
+    assert value(compose(variants.arm_overrides("learn_cpu", "storpo_tree", shared, [])), "variant.max_steps") == 4
+    assert variants.DEFAULT_ARMS == ["grpo", "storpo"]
+
+
+@pytest.mark.parametrize("experiment", RECIPES)
+def test_the_step_budget_differs_from_the_token_budget_in_the_budget_keys_only(experiment):
+    tokens = variants.pinned(budget=12_345, eval_every=3)
+    arms = ("grpo", "storpo", "storpo_tree")
+    by_tokens = {a: compose(variants.arm_overrides(experiment, a, tokens, [])) for a in arms}
+    assert variants.rounds_for_steps(by_tokens, 12) == (12, 1)  # one optimizer step a round (the pins)
+    steps = variants.pinned_rounds(12, eval_every=3)
+    by_steps = {a: compose(variants.arm_overrides(experiment, a, steps, [])) for a in arms}
+    for arm in arms:
+        a, b = (leaves(OmegaConf.to_container(c[arm])) for c in (by_tokens, by_steps))  # unresolved
+        differing = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+        assert differing == {"trainer.max_epochs", "max_tokens_generated"}, arm
+        assert (value(by_tokens[arm], "trainer.max_epochs"), value(by_steps[arm], "trainer.max_epochs")) == (1000, 12)
+        assert value(by_tokens[arm], "callbacks.rollout_loop.max_tokens_generated") == 12_345
+        assert value(by_steps[arm], "callbacks.rollout_loop.max_tokens_generated") is None  # what the loop reads
+
+
+def test_the_rounds_of_a_step_budget_follow_the_steps_a_round_takes():
+    """Four optimizer steps a round (16 micro-batches, 4 a step): 12 steps are 3 rounds, 10 no whole number."""
+    shared = variants.pinned(budget=1000, eval_every=5)
+    extra = ["trainer.accumulate_grad_batches=4"]
+    configs = {a: compose(variants.arm_overrides("learn_cpu", a, shared, extra)) for a in ("grpo", "storpo")}
+    assert variants.rounds_for_steps(configs, 12) == (3, 4)
+    with pytest.raises(ValueError, match="--steps 10: not a positive multiple of the 4 optimizer steps a round"):
+        variants.rounds_for_steps(configs, 10)
+    with pytest.raises(SystemExit):  # --budget and --steps: one budget or the other
+        variants.main(["--budget", "1000", "--steps", "4"])
+
+
+def step_runs(out: Path) -> None:
+    """Four rounds of one optimizer step each, evaluated at the start (step 0) and after the last (step 4); grpo's
+    rounds cost 1000 tokens, storpo's 2000.
+
+    grpo   seed 0: 0.125 -> 0.375 over 4000 tokens; seed 1: 0.125 -> 0.25
+    storpo seed 0: 0.125 -> 0.625 over 8000 tokens; seed 1: 0.125 -> 0.5625
+    """
+
+    def e(acc):
+        return ev(acc, acc - 0.125, acc + 0.125, acc / 2, 0.75)
+
+    for arm, per_round, finals in (("grpo", 1000.0, (0.375, 0.25)), ("storpo", 2000.0, (0.625, 0.5625))):
+        for seed, final in enumerate(finals):
+            rounds = {i: per_round * (i + 1) for i in range(4)}
+            write_run(out / f"{arm}_seed{seed}", rounds, {0: e(0.125), 4: e(final)}, fallback=[0.5] * 4)
+
+
+def test_variants_per_step_and_per_token_by_hand(tmp_path):
+    step_runs(tmp_path)
+    argv = ["--experiment", "learn_cpu", "--seeds", "0", "1", "--steps", "4", "--target", "0.25"]
+    assert variants.main([*argv, "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "variants.md").read_text()
+    assert "budget: 4 optimizer steps a run (4 rounds of 1, trainer.max_epochs)" in text
+    assert "| `trainer.max_epochs` | `4` | `4` |" in text  # the settings, as composed
+    assert "| `max_tokens_generated` | `null` | `null` |" in text
+    assert "| `variant.max_steps` | `null` | `2` |" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| grpo", "| storpo"))]
+    assert [r for r in rows if "10,000 generated tokens" in r or "optimizer step |" in r] == [
+        # gained per 10,000 tokens: grpo 0.25 / 0.4 = 0.625 and 0.125 / 0.4 = 0.3125, storpo 0.5 / 0.8 = 0.625 and
+        # 0.4375 / 0.8 = 0.546875: 0 and 0.234375, mean 0.1171875 -+ 12.706 x 0.1171875
+        "| storpo | 10,000 generated tokens | +0.0000, +0.2344 | +0.1172 | [-1.3718, +1.6062] | 1 / 1 / 0 |",
+        # per step: grpo 0.25 / 4 and 0.125 / 4, storpo 0.5 / 4 and 0.4375 / 4: 0.0625 and 0.078125, mean
+        # 0.0703125 -+ 12.706 x 0.0078125
+        "| storpo | optimizer step | +0.0625, +0.0781 | +0.0703 | [-0.0290, +0.1696] | 2 / 0 / 0 |",
+    ]
+    for arm, seed, tokens in (("grpo", 0, 4000), ("grpo", 1, 4000), ("storpo", 0, 8000), ("storpo", 1, 8000)):
+        assert any(r.startswith(f"| {arm} | {seed} | 2 | {tokens} | 4 | ") for r in rows), (arm, seed)  # both budgets
+    assert (tmp_path / "variants.png").stat().st_size > 0
+
+
+def test_a_finished_run_of_another_budget_is_not_read_back(tmp_path, capsys):
+    step_runs(tmp_path)
+    job = [*variants.arm_overrides("learn_cpu", "grpo", variants.pinned_rounds(4, 5), []), "seed=0"]
+    (tmp_path / "grpo_seed0" / ".hydra").mkdir()
+    record = tmp_path / "grpo_seed0" / ".hydra" / "overrides.yaml"
+    record.write_text(json.dumps([*job, "trainer.enable_progress_bar=false"]))  # as the run records them
+    argv = ["--experiment", "learn_cpu", "--seeds", "0", "1", "--out", str(tmp_path)]
+    assert variants.main([*argv, "--steps", "4"]) == 0  # its own budget: read back
+    assert "grpo_seed0: finished before, reading it" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="grpo_seed0 in .* finished with other overrides than this comparison"):
+        variants.main([*argv, "--steps", "8"])
+    with pytest.raises(SystemExit, match="grpo_seed0 in .* finished with other overrides"):
+        variants.main(argv)  # the token budget
 
 
 def test_default_target_is_halfway_to_the_lower_mean_final(tmp_path):
