@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -380,7 +381,7 @@ def check_writable(directory: Path) -> None:
 def check_fresh_or_resume(cfg: DictConfig) -> None:
     """A fresh run never writes into a directory that holds another run's checkpoints, and no run into one that a
     running run holds (its lock: checkpointing.RunLock)."""
-    owner = RunLock.holder(cfg.paths.output_dir)
+    owner = RunLock.holder(cfg.paths.output_dir) if rank_zero_only.rank == 0 else None  # rank 0 holds it for all
     if owner is not None and owner != str(os.getpid()):
         raise ValueError(RunLock.in_use(cfg.paths.output_dir, owner))
     previous = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
