@@ -246,6 +246,24 @@ def test_cli_follows_hydra_conventions(tmp_path):
     assert "loss_type: dr_grpo" in result.stdout and "scale: auto" in result.stdout
 
 
+@pytest.mark.slow
+def test_an_accepted_run_writes_hydras_record_and_its_log(tmp_path):
+    """The run writes what Hydra would have (it no longer does: app/run_record.py): the composed config as
+    composed, Hydra's node and the overrides, and the job's log; the config read back composes to the run's."""
+    import yaml
+
+    run = tmp_path / "run"
+    overrides = ["model=tiny", "trainer.max_epochs=1", "generator.max_new_tokens=8", "data.prompts_per_round=2",
+                 "eval.enabled=false", "trainer.enable_progress_bar=false"]  # fmt: skip
+    result = _cli(f"hydra.run.dir={run}", *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == overrides
+    config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    assert config["trainer"]["max_epochs"] == 1 and config["paths"]["output_dir"] == "${hydra:runtime.output_dir}"
+    assert yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]["run"]["dir"] == str(run)
+    assert "round 0: reward" in (run / "__main__.log").read_text()
+
+
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_tokens_generated_total_adds_up_every_sampled_token(tiny_cfg, max_staleness):
     """Independent count: the completion tokens of every rollout sampled in each round, dynamic sampling's

@@ -275,3 +275,28 @@ def test_import_target_and_settings_from():
     assert sizes == Sizes(3) and names.names == ["x", "y"] and type(names.names) is list
     with pytest.raises(TypeError, match="Thing got unexpected keys: colour"):
         Thing.settings_from({"count": 3, "colour": "red"})
+
+
+def test_settings_of_reads_what_a_node_sets_and_the_declared_defaults_for_the_rest():
+    """`settings_of`: the keys the node sets (interpolations resolved, containers as plain Python), nested settings
+    built the same way, the declared defaults for keys the node leaves out, keys it does not declare ignored."""
+    from dataclasses import dataclass
+
+    from omegaconf import OmegaConf
+
+    from grpo_lightning.schema import integer, setting, settings_of
+
+    @dataclass(frozen=True)
+    class Inner:
+        rank: int = setting(8, integer(1))
+
+    @dataclass(frozen=True)
+    class Outer:
+        size: int = setting(2, integer(1))
+        names: list = setting(factory=list)
+        inner: Inner = setting(factory=Inner)
+
+    node = OmegaConf.create({"size": "${n}", "names": ["a"], "inner": {"rank": 4}, "other": 1, "n": 5})
+    assert settings_of(node, Outer) == Outer(size=5, names=["a"], inner=Inner(rank=4))
+    assert settings_of(OmegaConf.create({}), Outer) == Outer()
+    assert type(settings_of(node, Outer).names) is list
