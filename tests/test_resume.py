@@ -123,7 +123,7 @@ def final_state(run_dir: Path) -> dict:
         "adam": ckpt["optimizer_states"][0]["state"],
         "global_step": ckpt["global_step"],
         "epoch": ckpt["epoch"],
-        "variant": ckpt["callbacks"]["RolloutCallback"]["ranks"][0].get("variant") or {},
+        "variant": ckpt["callbacks"]["RolloutLoop"]["ranks"][0].get("variant") or {},
     }
 
 

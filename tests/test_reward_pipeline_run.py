@@ -32,6 +32,6 @@ def test_each_reward_term_is_logged_beside_the_total_and_ema_state_is_checkpoint
     acc.Reload()
     assert {"reward/vowels_mean", "reward/overlong_mean", "reward/total_mean"} <= set(acc.Tags()["scalars"])
     ckpt = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
-    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("RolloutCallback"))
+    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("RolloutLoop"))
     ema = state["ranks"][0]["reward"]["reward.group_transforms.ema"]
     assert ema["rounds"] == 2 and isinstance(ema["value"], float)

@@ -231,7 +231,7 @@ def ddp_run(run_dir: Path, *extra: str) -> Path:
 def pools(run_dir: Path) -> list[dict]:
     """Each rank's pool as its checkpoint holds it (rank 0 writes every rank's part)."""
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    return [part["variant"]["pool"] for part in ckpt["callbacks"]["RolloutCallback"]["ranks"]]
+    return [part["variant"]["pool"] for part in ckpt["callbacks"]["RolloutLoop"]["ranks"]]
 
 
 @pytest.fixture(scope="module")

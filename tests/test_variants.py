@@ -31,7 +31,7 @@ def test_a_registered_toy_variant_trains_through_config_alone(tiny_cfg):
     assert VARIANTS["toy_pairs"] is PairsPerPrompt
     run = build_run(tiny_cfg("variant._target_=tests.test_variants.PairsPerPrompt", "~variant.num_generations"))
     rollout_callback = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
-    assert isinstance(rollout_callback.variant, PairsPerPrompt)
+    assert isinstance(rollout_callback.sampler.variant, PairsPerPrompt)
     before = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
     metrics = run.fit()
     assert [len(mb) for mb in run.datamodule.micro_batches] == [2, 2]  # 2 prompts x 2 samples
