@@ -37,7 +37,7 @@ def ensure_cached(target: Path, write: Callable[[Path], None], origin: str) -> P
     """`target`, a whole entry: as found, else written by `write(folder)` (a complete `save_pretrained` folder,
     converted from `origin`, the file named in messages). A damaged entry is rebuilt once (module docstring);
     a first conversion is checked at its next use."""
-    if target.is_dir() and damage(target) is None:
+    if whole_without_lock(target):
         return target
     lock = acquire_conversion_lock(target)
     try:
@@ -53,6 +53,16 @@ def ensure_cached(target: Path, write: Callable[[Path], None], origin: str) -> P
     finally:
         lock.release()
     return target
+
+
+def whole_without_lock(target: Path) -> bool:
+    """Whether the entry is whole, asked without the lock: another process may be moving a damaged entry aside
+    while this one reads it (a file that vanishes mid-check); the answer is then no, and the caller asks again
+    under the lock, where nobody writes."""
+    try:
+        return target.is_dir() and damage(target) is None
+    except FileNotFoundError:
+        return False
 
 
 def damage(target: Path) -> DamagedFile | None:

@@ -255,3 +255,25 @@ def test_two_processes_finding_the_same_damage_rebuild_once(tmp_path, saved, cap
     assert results == [target, target] and len(writes) == 1
     assert (target / "model.safetensors").read_bytes() == expected
     assert len([r for r in caplog.records if r.name == "grpo_lightning.models.cache"]) == 1
+
+
+def test_an_entry_vanishing_during_the_unlocked_check_is_asked_again_under_the_lock(tmp_path, saved, monkeypatch):
+    """Another process moving a damaged entry aside while this one reads it (a file gone mid-check) is no error:
+    the entry is checked again under the lock, found whole, and neither written nor warned about."""
+    from grpo_lightning.models import cache
+
+    target = tmp_path / "cache" / "entry"
+    target.parent.mkdir()
+    saved.rename(target)
+    real, calls = cache.check_saved_folder, []
+
+    def vanishing_once(folder):
+        calls.append(folder)
+        if len(calls) == 1:
+            raise FileNotFoundError(folder / "tokenizer_config.json")
+        return real(folder)
+
+    monkeypatch.setattr(cache, "check_saved_folder", vanishing_once)
+    written = []
+    assert ensure_cached(target, written.append, origin="the.gguf") == target
+    assert written == [] and len(calls) == 2
