@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_lightning.accel.activation_checkpointing import enable_activation_checkpointing
 from grpo_lightning.accel.fused_lora import install_fused_lora_forward
+from grpo_lightning.accel.settings import ForwardSettings
 from grpo_lightning.app.build import build, first_line
 from grpo_lightning.app.plan import Plan, accumulate_grad_batches, check_model_fits
 from grpo_lightning.data.datamodule import RolloutDataModule
@@ -23,16 +24,17 @@ from grpo_lightning.schema import import_target
 from grpo_lightning.training.checkpointing import AtomicCheckpointIO, check_resumable
 
 
-def build_policy(cfg: DictConfig, source, datamodule, loss, plan: Plan, ckpt_path: Path | None):
+def build_policy(
+    cfg: DictConfig, source, datamodule, loss, plan: Plan, ckpt_path: Path | None, forward_settings: ForwardSettings
+):
     """The model loaded and wrapped for training (LoRA or full, its frozen reference when the loss needs one),
-    the training forward's levers installed; with `ckpt_path`, checked against the checkpoint's model. Returns
-    (policy, reference, tokenizer, run_info)."""
+    the training forward's levers (`perf.forward`, the module's own settings) installed; with `ckpt_path`,
+    checked against the checkpoint's model. Returns (policy, reference, tokenizer, run_info)."""
     with torch.random.fork_rng():  # loading (and a first-run GGUF conversion) must not move the seeded RNG
         model, tokenizer = load_model(source, cfg)
     check_model_fits(cfg, model, tokenizer, datamodule)
     lora = LoraSettings(**cfg.model.lora)
     policy, reference = wrap_policy(model, lora, loss.needs_reference)
-    forward_settings = build(cfg.perf.forward)  # training-forward levers (docs/performance.md)
     if forward_settings.fused_lora:
         install_fused_lora_forward(policy)  # no-op without LoRA layers
     if forward_settings.activation_checkpointing:

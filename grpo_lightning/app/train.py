@@ -262,7 +262,9 @@ def _build_run(
     probes = build_probes(cfg, plan)
     loggers = build_loggers(cfg)  # before the model loads: a tracker's setting that its constructor refuses fails now
 
-    policy, reference, tokenizer, run_info = build_policy(cfg, source, datamodule, loss, plan, ckpt_path)
+    forward_settings = build(cfg.perf.forward)  # training-forward levers (docs/performance.md)
+    parts = build_policy(cfg, source, datamodule, loss, plan, ckpt_path, forward_settings)
+    policy, reference, tokenizer, run_info = parts
     rows = {"batch_size": plan.decode_rows_per_call} if cfg.generator.get("batch_size") == "auto" else {}
     generator = build(
         cfg.generator,
@@ -281,7 +283,7 @@ def _build_run(
         total_steps=plan.rounds * plan.optimizer_steps_per_round,
         run_info=run_info,
         fixed_settings=settings,
-        forward_settings=build(cfg.perf.forward),
+        forward_settings=forward_settings,
     )
     variant.bind_data(datamodule.dataset, tokenizer, datamodule.settings.max_prompt_tokens)
     evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
