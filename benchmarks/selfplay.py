@@ -22,7 +22,15 @@ Arms (`--arms`, default `trained`), each the recipe with its credit choice (docs
 - `trained`: the recipe as it is (reward=selfplay, the group's games the baseline);
 - `role`: reward=selfplay_role (the role baseline, then a batch z-score);
 - `rae`: reward=selfplay_rae (SPIRAL's role-conditioned advantage alone);
-- `last_move`: reward=selfplay with per-move credit (`reward.terms.outcome.discount=0.5`).
+- `last_move`: reward=selfplay with per-move credit (`reward.terms.outcome.discount=0.5`);
+- TicTacToe's spread levers, each alone (docs/selfplay.md "Keeping the spread"): `shuffled` (the legal moves
+  listed in a seeded random order, `data.dataset.game=tictactoe_shuffled`), `entropy` (`loss.entropy_coef=0.01`),
+  `kl` (`loss.beta=0.04`), `noisy_opponents` (`tactic` and `perfect` in the training pool, each playing a random
+  move with probability 0.3); `levers`: all four.
+
+Beside the rates: per run, the spread GRPO learns from (`game/move_entropy`, `game/groups_alike_frac`), each
+averaged over the first and the second half of the rounds; for Kuhn Poker, the exact exploitability
+(`eval/exploitability`) at the start and the end, against the control's and the simple rules' 1/3.
 
 The control (`--control lr0`, the default) is the same recipe with `optim.optimizer.lr=0`, one a seed for every arm
 (lr=0 trains nothing, whatever the reward). `--control start` runs none: an lr=0 run never changes its weights,
@@ -34,6 +42,8 @@ start). A seed whose lr=0 run has finished in the output folder is compared with
     python benchmarks/selfplay.py                         # seeds 0 1 2, trained + lr=0 controls
     python benchmarks/selfplay.py --seeds 1 2 --control start   # half the compute: control = each run's start
     python benchmarks/selfplay.py --arms trained rae last_move --seeds 0 --control start   # the credit choices
+    python benchmarks/selfplay.py --arms shuffled entropy kl noisy_opponents --seeds 0 --control start \
+        trainer.max_epochs=5                              # the spread levers alone, 160 games each
 """
 
 from __future__ import annotations
@@ -54,16 +64,35 @@ ILLEGAL = "eval/illegal_move_rate"
 PAYOFF_RANDOM = "eval/payoff_vs_random"
 PAYOFF_PERFECT = "eval/payoff_vs_perfect"
 TAGS = (WIN, WIN_FIRST, WIN_SECOND, LOSS_TACTIC, WIN_BASE, ILLEGAL, PAYOFF_RANDOM, PAYOFF_PERFECT)
+EXPLOITABILITY = "eval/exploitability"
+SIMPLE_RULES_EXPLOITABILITY = 1 / 3
+"""Kuhn Poker: the least exploitable of the simple rules, always check and call a bet, or always bet and call (1/3
+chips a hand each; uniform random 11/24, check and fold 1; tests/unit/test_kuhn_exploitability.py, exact)."""
+SPREAD = ("game/move_entropy", "game/groups_alike_frac")
+"""The spread GRPO learns from, every round: the entropy of the moves chosen per position, the share of groups
+whose games all ended alike (docs/selfplay.md)."""
 SIGNAL = ("train/frac_zero_std_groups", "train/grad_norm")
 """What GRPO has to learn from, a round: the share of groups whose rewards were all equal, and the gradient norm
 (`game/groups_alike_frac` counts groups of equal outcomes instead)."""
+NOISY_OPPONENTS = ("variant.fixed_opponents=[random,tactic,perfect]", "variant.scripted_epsilon=0.3")
+SPREAD_LEVERS = {
+    "shuffled": ("data.dataset.game=tictactoe_shuffled",),
+    "entropy": ("loss.entropy_coef=0.01",),
+    "kl": ("loss.beta=0.04",),
+    "noisy_opponents": NOISY_OPPONENTS,
+}
+"""TicTacToe's spread levers, each alone (docs/selfplay.md "Keeping the spread"): the legal-move list in a seeded
+random order, the entropy bonus, the KL term to the base, and `tactic` and `perfect` in the training pool playing a
+random move with probability 0.3."""
 ARMS = {
     "trained": (),
     "role": ("reward=selfplay_role",),
     "rae": ("reward=selfplay_rae",),
     "last_move": ("reward.terms.outcome.discount=0.5",),
+    **SPREAD_LEVERS,
+    "levers": tuple(o for overrides in SPREAD_LEVERS.values() for o in overrides),
 }
-"""Each arm's overrides on top of the recipe (the credit it trains with)."""
+"""Each arm's overrides on top of the recipe: the credit it trains with, or a spread lever (`levers`: all four)."""
 LOWEST_FREE_CELL = {"win_vs_random": 0.611, "loss_vs_tactic": 0.886}
 """The lowest-free-cell rule's exact rates, both seats averaged (tests/unit/test_exact_results.py)."""
 WIN_TARGET = 0.80
@@ -90,6 +119,8 @@ class Point:
     rates: dict[str, tuple[float, float, float]]
     signal: dict[str, float]
     """The means of SIGNAL over the rounds since the previous evaluation (empty at the first)."""
+    exploitability: float | None = None
+    """Kuhn Poker: the policy's exact exploitability, chips a hand (no interval: computed, not sampled)."""
 
 
 def games_per_round(run_dir: Path) -> int:
@@ -118,8 +149,22 @@ def evaluations(run_dir: Path) -> list[Point]:
             }
             if values[""] is not None:
                 rates[tag] = (values[""], values["_ci95_low"], values["_ci95_high"])
-        points.append(Point(step, step * games, rates, signal))
+        exploitability = dict(run.scalars.get(EXPLOITABILITY, [])).get(step)
+        points.append(Point(step, step * games, rates, signal, exploitability))
     return points
+
+
+def spread_halves(run_dir: Path) -> dict[str, tuple[float | None, float | None]]:
+    """Per SPREAD metric, its mean over the first half of the run's rounds and over the second (rounds 0-4 and 5-9
+    of 10; the middle round of an odd count goes to the second half); None where the run logged none."""
+    run = read_run(run_dir)
+    halves = {}
+    for tag in SPREAD:
+        values = sorted(run.scalars.get(tag, []))
+        cut = len(values) // 2
+        means = [sum(v for _, v in part) / len(part) if part else None for part in (values[:cut], values[cut:])]
+        halves[tag] = (means[0], means[1])
+    return halves
 
 
 def finished_runs(out: Path, arms: list[str]) -> set[tuple[str, int]]:
@@ -166,6 +211,10 @@ def report(
     payoffs = [
         "| seed | arm | control | chips vs random, start -> end | beyond | chips vs perfect, start -> end | beyond |",
         "|---|---|---|---|---|---|---|",
+    ]
+    exploits = [
+        "| seed | arm | control | exploitability, start -> end | end - control | below the simple rules' 1/3 |",
+        "|---|---|---|---|---|---|",
     ]
     lines = [
         "| seed | arm | win vs random, start -> end | first seat, end | second seat, end | loss vs tactic, end | "
@@ -215,12 +264,39 @@ def report(
                     for tag in (PAYOFF_RANDOM, PAYOFF_PERFECT)
                 ]
                 payoffs.append(f"| {seed} | {arm} | {kind} | {' | '.join(cells)} |")
+            if points[-1].exploitability is not None:  # Kuhn Poker
+                first, last, base = points[0].exploitability, points[-1].exploitability, control[-1].exploitability
+                exploits.append(
+                    f"| {seed} | {arm} | {kind} | {first:.3f} -> {last:.3f} | "
+                    + (f"{last - base:+.3f}" if base is not None else "n/a")
+                    + f" | {'yes' if last < SIMPLE_RULES_EXPLOITABILITY else 'no'} |"
+                )
         lines.append(row(seed, f"control ({kind})", control, None))
     text = "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST + ".\n\n" + TARGET_TEST
     if len(payoffs) > 2:
         text += "\n\n" + "\n".join(payoffs) + "\n\nbeyond = the 95% interval of the mean chips a hand at the end "
         text += "lies wholly above the control's mean"
+    if len(exploits) > 2:
+        text += "\n\n" + "\n".join(exploits) + "\n\nexploitability = what a best response wins against the "
+        text += "policy's strategy, chips a hand on the seats' mean (0 at an equilibrium; exact, from the model's "
+        text += "probabilities of each legal action); the simple rules' (always check and call, always bet and call) "
+        text += "is 1/3"
     return text
+
+
+def spread_table(halves: dict[tuple[str, int], dict[str, tuple[float | None, float | None]]]) -> str:
+    """Per run: the spread GRPO learns from (SPREAD), its means over the first and the second half of the rounds."""
+
+    def cell(pair: tuple[float | None, float | None]) -> str:
+        return " / ".join("-" if v is None else f"{v:.3f}" for v in pair)
+
+    lines = [
+        "| seed | arm | move entropy (nats), first / second half of the rounds | groups alike, first / second half |",
+        "|---|---|---|---|",
+    ]
+    for (arm, seed), by_tag in sorted(halves.items(), key=lambda item: (item[0][1], list(ARMS).index(item[0][0]))):
+        lines.append(f"| {seed} | {arm} | {cell(by_tag[SPREAD[0]])} | {cell(by_tag[SPREAD[1]])} |")
+    return "\n".join(lines)
 
 
 def curve(runs: dict[tuple[str, int], tuple[list[Point], float]]) -> str:
@@ -286,7 +362,9 @@ def plot(runs: dict[tuple[str, int], tuple[list[Point], float]], controls: dict[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="selfplay_tictactoe")
-    parser.add_argument("--arms", nargs="+", default=["trained"], choices=list(ARMS), help="the credit choices")
+    parser.add_argument(
+        "--arms", nargs="+", default=["trained"], choices=list(ARMS), help="the credit choices and spread levers"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--control", choices=("lr0", "start"), default="lr0")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/selfplay"))
@@ -328,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             first = next(points for (_, s), (points, _) in sorted(runs.items()) if s == seed)
             controls[seed] = (first[:1], "start")
     text = f"experiment={args.experiment}, arms {args.arms}, seeds {sorted(controls)}\n\n" + report(runs, controls)
+    halves = {key: spread_halves(args.out / f"{key[0]}_seed{key[1]}") for key in runs}
+    if any(v is not None for by_tag in halves.values() for pair in by_tag.values() for v in pair):
+        text += "\n\nThe spread (means over each half of the run's rounds):\n\n" + spread_table(halves)
     text += "\n\nThe curve (rates at each evaluation, by the games trained on before it):\n\n" + curve(runs)
     if notes:
         text += "\n\n" + "\n".join(f"- {n}" for n in notes)

@@ -262,14 +262,17 @@ GAMES_CONFIG = {"data": {"prompts_per_round": 4}, "variant": {"games_per_group":
 """16 games a round: an evaluation at step 2 comes after 32 training games."""
 
 
-def selfplay_run(run_dir, evals, wall_s, train=None):
-    """A finished self-play run of GAMES_CONFIG; `train`: `train/<name>` values at rounds 0, 1, ... by name."""
+def selfplay_run(run_dir, evals, wall_s, train=None, game=None):
+    """A finished self-play run of GAMES_CONFIG; `train` and `game`: `train/<name>` and `game/<name>` values at
+    rounds 0, 1, ... by name."""
     write_run(run_dir, {0: 10.0, 1: 20.0}, evals, wall_s=wall_s, config=GAMES_CONFIG)
-    if train:
+    logged = {f"train/{name}": values for name, values in (train or {}).items()}
+    logged |= {f"game/{name}": values for name, values in (game or {}).items()}
+    if logged:
         writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        for name, values in train.items():
+        for tag, values in logged.items():
             for step, value in enumerate(values):
-                writer.add_scalar(f"train/{name}", value, step)
+                writer.add_scalar(tag, value, step)
         writer.close()
 
 
@@ -347,12 +350,59 @@ def test_selfplay_chips_table_by_hand(tmp_path):
         "payoff_vs_random": 0.3, "payoff_vs_random_ci95_low": 0.2, "payoff_vs_random_ci95_high": 0.4,
         "payoff_vs_perfect": -0.15, "payoff_vs_perfect_ci95_low": -0.3, "payoff_vs_perfect_ci95_high": 0.0,
     }  # fmt: skip
-    selfplay_run(tmp_path / "trained_seed0", {0: start, 2: end}, 300)
-    selfplay_run(tmp_path / "control_seed0", {0: start, 2: start}, 300)
-    assert selfplay.main(["--seeds", "0", "--out", str(tmp_path)]) == 0
+    selfplay_run(tmp_path / "trained_seed0", {0: start | {"exploitability": 0.5}, 2: end | {"exploitability": 0.25}},
+                 300)  # fmt: skip
+    selfplay_run(tmp_path / "control_seed0", {0: start | {"exploitability": 0.5}, 2: start | {"exploitability": 0.5}},
+                 300)  # fmt: skip
+    selfplay_run(tmp_path / "trained_seed1", {0: start | {"exploitability": 0.5}, 2: end | {"exploitability": 0.375}},
+                 300)  # fmt: skip
+    # seed 0's finished lr=0 run is its control either way; seed 1 has none: its start
+    assert selfplay.main(["--seeds", "0", "1", "--control", "start", "--out", str(tmp_path)]) == 0
     rows = [line for line in (tmp_path / "selfplay.md").read_text().splitlines() if line.startswith("| ")]
     assert "| 0 | trained | lr=0 | -0.100 [-0.200, 0.000] -> 0.300 [0.200, 0.400] | yes | " \
            "-0.200 [-0.300, -0.100] -> -0.150 [-0.300, 0.000] | no |" in rows  # fmt: skip
+    # exploitability: 0.25 is below the simple rules' 1/3, 0.375 is not; seed 1's control is its own start (0.5)
+    assert "| 0 | trained | lr=0 | 0.500 -> 0.250 | -0.250 | yes |" in rows
+    assert "| 1 | trained | start | 0.500 -> 0.375 | -0.125 | no |" in rows
+
+
+def test_selfplay_spread_by_halves_of_the_rounds(tmp_path):
+    """The spread table: each metric's mean over the first half of the rounds (0, 1) and the second (2, 3, 4): 5
+    rounds, the middle one in the second half. A lever arm reads like any other; a run that logged no spread has
+    no table."""
+    start = game_eval(0.125, 0.0625, 0.25, 0.5, 0.375, 0.625)
+    end = game_eval(0.5, 0.375, 0.625, 0.0, 0.0, 0.05)
+    spread = {"move_entropy": [1.0, 0.5, 0.25, 0.25, 1.0], "groups_alike_frac": [0.75, 0.25, 0.5, 0.5, 0.5]}
+    selfplay_run(tmp_path / "entropy_seed0", {0: start, 2: end}, 300, game=spread)
+    selfplay_run(tmp_path / "trained_seed0", {0: start, 2: end}, 300)
+    args = ["--arms", "trained", "entropy", "--seeds", "0", "--control", "start", "--out", str(tmp_path)]
+    assert selfplay.main(args) == 0
+    text = (tmp_path / "selfplay.md").read_text()
+    assert "| 0 | entropy | 0.750 / 0.500 | 0.500 / 0.500 |" in text.splitlines()
+    assert "| 0 | trained | - / - | - / - |" in text.splitlines()
+    selfplay_run(tmp_path / "none" / "trained_seed0", {0: start, 2: end}, 300)
+    assert selfplay.main(["--seeds", "0", "--control", "start", "--out", str(tmp_path / "none")]) == 0
+    assert "The spread" not in (tmp_path / "none" / "selfplay.md").read_text()
+
+
+def test_spread_levers_compose_alone_and_together():
+    """Each lever arm changes only its own keys of the recipe, and `levers` sets all of them."""
+    from grpo_lightning.studies.jobs import compose
+
+    recipe = compose(["experiment=selfplay_tictactoe"])
+    arms = {arm: compose(["experiment=selfplay_tictactoe", *selfplay.ARMS[arm]]) for arm in selfplay.SPREAD_LEVERS}
+    arms["levers"] = compose(["experiment=selfplay_tictactoe", *selfplay.ARMS["levers"]])
+    assert arms["shuffled"].data.dataset.game == "tictactoe_shuffled" and recipe.data.dataset.game == "tictactoe"
+    assert arms["entropy"].loss.entropy_coef == 0.01 and recipe.loss.entropy_coef == 0.0
+    assert arms["kl"].loss.beta == 0.04 and recipe.loss.beta == 0.0
+    assert list(arms["noisy_opponents"].variant.fixed_opponents) == ["random", "tactic", "perfect"]
+    assert arms["noisy_opponents"].variant.scripted_epsilon == 0.3 and recipe.variant.scripted_epsilon == 0.0
+    for arm in selfplay.SPREAD_LEVERS:
+        assert arms[arm].loss.entropy_coef == (0.01 if arm == "entropy" else 0.0)
+        assert arms[arm].loss.beta == (0.04 if arm == "kl" else 0.0)
+    every = arms["levers"]
+    assert every.data.dataset.game == "tictactoe_shuffled" and every.variant.scripted_epsilon == 0.3
+    assert (every.loss.entropy_coef, every.loss.beta) == (0.01, 0.04)
 
 
 def test_the_control_from_the_start_is_flat_over_the_trained_run(tmp_path):
