@@ -50,13 +50,19 @@ def check_weights(folder: Path) -> None:
         check_torch_archive(path)
 
 
+def check_saved_files(folder: Path) -> None:
+    """Raise DamagedFile for the first JSON file (config, tokenizer, generation config) or weights file of
+    `folder` that is not whole."""
+    for path in sorted(folder.glob("*.json")):
+        check_json(path)
+    check_weights(folder)
+
+
 def check_saved_folder(folder: Path) -> None:
     """Raise DamagedFile unless `folder` holds a config.json and every weights and JSON file in it is whole."""
     if not (folder / "config.json").is_file():
         raise DamagedFile(folder / "config.json", "missing")
-    for path in sorted(folder.glob("*.json")):
-        check_json(path)
-    check_weights(folder)
+    check_saved_files(folder)
 
 
 def check_json(path: Path) -> None:

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from grpo_lightning.models.architectures import ARCHITECTURES, known_config
 from grpo_lightning.models.cache import ensure_cached
-from grpo_lightning.models.integrity import SAFETENSORS_WEIGHTS, TORCH_WEIGHTS, DamagedFile, check_weights
+from grpo_lightning.models.integrity import SAFETENSORS_WEIGHTS, TORCH_WEIGHTS, DamagedFile, check_saved_files
 from grpo_lightning.schema import check_settings, choice, integer, number, optional, setting, text
 
 log = logging.getLogger(__name__)
@@ -177,10 +177,12 @@ class LocalSource(ModelSource):
         return f"local:{self.path}"
 
     def check_available(self) -> None:
-        """Every weights file whole (models/integrity.py: headers and sizes, no tensor read), before anything
-        loads; a truncated or damaged one is named (with its first incomplete tensor) instead of a traceback."""
+        """Every weights file whole (models/integrity.py: headers and sizes, no tensor read) and every JSON file
+        (the tokenizer's, the generation config) parsed, before anything loads; a truncated or damaged one is named
+        (a weights file with its first incomplete tensor) instead of a traceback. A binary tokenizer model
+        (SentencePiece's `tokenizer.model`) is not checked: its format has no structure to read cheaply."""
         try:
-            check_weights(Path(self.path).expanduser())
+            check_saved_files(Path(self.path).expanduser())
         except DamagedFile as err:
             raise ValueError(
                 f"model.source.path: {err}; save the model there again with save_pretrained, or copy it again"

@@ -143,6 +143,22 @@ def test_a_truncated_local_model_is_one_line_naming_the_file_exit_2(tmp_path, sa
     assert "(truncated)" in line and "save_pretrained" in line
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_damaged_tokenizer_file_of_a_local_model_is_one_line_naming_it(tmp_path, saved, name):
+    """The truth: transformers' own tokenizer loader refuses the truncated file (with a traceback naming none)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_bad_input import assert_clean_failure, cli
+
+    truncate(saved / name)
+    with pytest.raises(Exception):  # noqa: B017 (whatever transformers raises: the point is that it refuses)
+        AutoTokenizer.from_pretrained(saved)
+    result = cli("model=local", f"model.source.path={saved}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_clean_failure(result, code=2)
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: model.source.path: {saved / name} is damaged or truncated: not valid JSON")
+
+
 def test_a_damaged_local_model_is_refused_by_load_too(saved):
     source = LocalSource(path=str(saved))
     source.check_available()  # whole: passes
