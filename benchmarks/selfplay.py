@@ -49,6 +49,7 @@ start). A seed whose lr=0 run has finished in the output folder is compared with
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,12 +203,60 @@ def targets(end: dict[str, tuple[float, float, float]]) -> tuple[str, str]:
     return ("yes" if win_met else "no"), loss_met
 
 
-def report(
-    runs: dict[tuple[str, int], tuple[list[Point], float]],
-    controls: dict[int, tuple[list[Point], str]],
-) -> str:
-    """`runs`: (arm, seed) -> (evaluations, wall seconds); `controls`: seed -> (the control's evaluations, its kind,
-    `lr=0` or `start`)."""
+Runs = dict[tuple[str, int], tuple[list[Point], float]]
+"""(arm, seed) -> (the run's evaluations, its wall seconds)."""
+Controls = dict[tuple[str, int], tuple[list[Point], str]]
+"""(arm, seed) -> (the evaluations the run is compared with, their kind: `lr=0` or `start`)."""
+
+
+def pick_controls(runs: Runs, lr0: dict[int, list[Point]]) -> tuple[Controls, list[str]]:
+    """Each run's control and the notes on the lr=0 runs (`lr0`: seed -> a finished lr=0 run's evaluations).
+
+    The lr=0 run is the recipe's, so it controls the runs that start where it does (a credit arm, a loss lever);
+    an arm that evaluates other prompts (the shuffled list) starts elsewhere and is compared with its own start,
+    which is what its lr=0 run would play at every evaluation."""
+    controls: Controls = {}
+    notes = []
+    for (arm, seed), (points, _) in sorted(runs.items()):
+        control = lr0.get(seed)
+        if control is not None and control[0].rates == points[0].rates:
+            controls[arm, seed] = (control, "lr=0")
+        else:
+            controls[arm, seed] = (points[:1], "start")
+    for seed, control in sorted(lr0.items()):
+        compared = [arm for (arm, s), (_, kind) in sorted(controls.items()) if s == seed and kind == "lr=0"]
+        same = bool(compared) and all(p.rates == control[0].rates for p in control)
+        notes.append(
+            f"seed {seed}: every evaluation of the lr=0 run {'equals' if same else 'DIFFERS from'} the trained "
+            "runs' start-of-run evaluation"
+        )
+        others = [arm for (arm, s), (_, kind) in sorted(controls.items()) if s == seed and kind == "start"]
+        if others:
+            notes.append(
+                f"seed {seed}: {', '.join(others)} started elsewhere than the lr=0 run (other prompts) and "
+                "is compared with its own start"
+            )
+    return controls, notes
+
+
+def control_rows(runs: Runs, controls: Controls, seed: int) -> list[tuple[str, list[Point]]]:
+    """The distinct controls of a seed's runs, labelled: `lr=0`; `start` when every run compared with its start
+    starts alike, else `start of <arms>` for each group of runs that start alike."""
+    keys = sorted((key for key in runs if key[1] == seed), key=lambda key: list(ARMS).index(key[0]))
+    rows = [("lr=0", controls[k][0]) for k in keys if controls[k][1] == "lr=0"][:1]
+    groups: dict[str, tuple[list[str], list[Point]]] = {}
+    for arm, _ in (k for k in keys if controls[k][1] == "start"):
+        points = controls[arm, seed][0]
+        groups.setdefault(repr(points[0].rates), ([], points))[0].append(arm)
+    if len(groups) == 1:
+        rows.append(("start", next(iter(groups.values()))[1]))
+    else:
+        rows += [(f"start of {', '.join(arms)}", points) for arms, points in groups.values()]
+    return rows
+
+
+def report(runs: Runs, controls: Controls) -> str:
+    """Every run against its control (`pick_controls`)."""
     payoffs = [
         "| seed | arm | control | chips vs random, start -> end | beyond | chips vs perfect, start -> end | beyond |",
         "|---|---|---|---|---|---|---|",
@@ -233,16 +282,16 @@ def report(
             f"| {seed} | {arm} | {fmt(start.get(WIN))} -> {fmt(end.get(WIN))} | {fmt(end.get(WIN_FIRST))} | "
             f"{fmt(end.get(WIN_SECOND))} | {fmt(end.get(LOSS_TACTIC))} | {fmt(end.get(WIN_BASE))} | "
             f"{fmt(start.get(ILLEGAL))} -> {fmt(end.get(ILLEGAL))} | "
-            f"{'' if seconds is None else f'{seconds / 60:.1f} min'} |"
+            f"{'' if seconds is None or math.isnan(seconds) else f'{seconds / 60:.1f} min'} |"
         )
 
     for seed in sorted({seed for _, seed in runs}):
-        control, kind = controls[seed]
         for (arm, s), (points, wall) in sorted(
             runs.items(), key=lambda item: (item[0][1], list(ARMS).index(item[0][0]))
         ):
             if s != seed:
                 continue
+            control, kind = controls[arm, seed]
             lines.append(row(seed, arm, points, wall))
             t, c = points[-1].rates, control[-1].rates
             win_beyond = "yes" if beyond(t[WIN], c[WIN], True) else "no"
@@ -271,7 +320,8 @@ def report(
                     + (f"{last - base:+.3f}" if base is not None else "n/a")
                     + f" | {'yes' if last < SIMPLE_RULES_EXPLOITABILITY else 'no'} |"
                 )
-        lines.append(row(seed, f"control ({kind})", control, None))
+        for label, points in control_rows(runs, controls, seed):
+            lines.append(row(seed, f"control ({label})", points, None))
     text = "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST + ".\n\n" + TARGET_TEST
     if len(payoffs) > 2:
         text += "\n\n" + "\n".join(payoffs) + "\n\nbeyond = the 95% interval of the mean chips a hand at the end "
@@ -327,8 +377,7 @@ def curve(runs: dict[tuple[str, int], tuple[list[Point], float]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict[tuple[str, int], tuple[list[Point], float]], controls: dict[int, tuple[list[Point], str]],
-         path: Path) -> None:  # fmt: skip
+def plot(runs: Runs, controls: Controls, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,12 +389,13 @@ def plot(runs: dict[tuple[str, int], tuple[list[Point], float]], controls: dict[
         for (arm, seed), (points, _) in sorted(runs.items()):
             ax.plot([p.games for p in points if tag in p.rates], [p.rates[tag][0] for p in points if tag in p.rates],
                     "-o", label=f"{arm} seed {seed}")  # fmt: skip
-        for seed, (points, kind) in sorted(controls.items()):
-            xs = [p.games for p in points if tag in p.rates]
-            ys = [p.rates[tag][0] for p in points if tag in p.rates]
-            if len(xs) == 1:  # the start evaluation, held level
-                xs, ys = [xs[0], last_games], ys * 2
-            ax.plot(xs, ys, ":", label=f"control ({kind}) seed {seed}")
+        for seed in sorted({seed for _, seed in runs}):
+            for label, points in control_rows(runs, controls, seed):
+                xs = [p.games for p in points if tag in p.rates]
+                ys = [p.rates[tag][0] for p in points if tag in p.rates]
+                if len(xs) == 1:  # the start evaluation, held level
+                    xs, ys = [xs[0], last_games], ys * 2
+                ax.plot(xs, ys, ":", label=f"control ({label}) seed {seed}")
         if tag == WIN and any(LOSS_TACTIC in p.rates for points, _ in runs.values() for p in points):  # TicTacToe
             ax.axhline(WIN_TARGET, color="grey", linestyle="--", linewidth=0.8, label="target")
             ax.axhline(LOWEST_FREE_CELL["win_vs_random"], color="grey", linestyle="-.", linewidth=0.8,
@@ -387,25 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         for arm, extra in arms.items()
     ]
     run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
-    runs, controls, notes = {}, {}, []
+    runs: Runs = {}
     for arm, seed in sorted(finished_runs(args.out, args.arms) | {(a, s) for a in args.arms for s in args.seeds}):
         run_dir = args.out / f"{arm}_seed{seed}"
         runs[arm, seed] = (evaluations(run_dir), wall_seconds(run_dir))
-    for seed in sorted({seed for _, seed in runs}):
-        starts = [points[0].rates for (_, s), (points, _) in sorted(runs.items()) if s == seed]
-        control_dir = args.out / f"control_seed{seed}"
-        if finished(control_dir):
-            control = evaluations(control_dir)
-            controls[seed] = (control, "lr=0")
-            same = all(p.rates == start for p in control for start in starts)
-            notes.append(
-                f"seed {seed}: every evaluation of the lr=0 run {'equals' if same else 'DIFFERS from'} the trained "
-                "runs' start-of-run evaluation"
-            )
-        else:
-            first = next(points for (_, s), (points, _) in sorted(runs.items()) if s == seed)
-            controls[seed] = (first[:1], "start")
-    text = f"experiment={args.experiment}, arms {args.arms}, seeds {sorted(controls)}\n\n" + report(runs, controls)
+    seeds = sorted({seed for _, seed in runs})
+    lr0 = {s: evaluations(args.out / f"control_seed{s}") for s in seeds if finished(args.out / f"control_seed{s}")}
+    controls, notes = pick_controls(runs, lr0)
+    text = f"experiment={args.experiment}, arms {args.arms}, seeds {seeds}\n\n" + report(runs, controls)
     halves = {key: spread_halves(args.out / f"{key[0]}_seed{key[1]}") for key in runs}
     if any(v is not None for by_tag in halves.values() for pair in by_tag.values() for v in pair):
         text += "\n\nThe spread (means over each half of the run's rounds):\n\n" + spread_table(halves)

@@ -677,3 +677,28 @@ def test_storpo_branching_counts_each_rule_and_both_is_their_union(capsys):
     token_rules = next(x for x in out.splitlines() if x.strip().startswith("step_rule=uncertainty | fixed"))
     lengths = [int(x.split(" tokens: ")[0].rsplit(", ", 1)[1]) for x in shown]
     assert float(token_rules.split("tokens) ")[1]) == sum(n >= 2 for n in lengths) / 8  # every completion of 2+
+
+
+def test_an_arm_that_starts_elsewhere_is_compared_with_its_own_start(tmp_path):
+    """The lr=0 run is the recipe's: it controls the runs that start where it does (`trained`, `entropy`), and a
+    shuffled-list run, whose prompts differ, starts elsewhere and is compared with its own start: its win rate
+    0.25 -> 0.375 is +0.125 over its start (0.25), not +0.25 over the lr=0 run's 0.125."""
+    start = game_eval(0.125, 0.0625, 0.25, 0.5, 0.375, 0.625)
+    other_start = game_eval(0.25, 0.125, 0.375, 0.5, 0.375, 0.625)
+    end = game_eval(0.375, 0.3125, 0.4375, 0.25, 0.125, 0.375)
+    selfplay_run(tmp_path / "control_seed0", {0: start, 2: start}, 300)
+    selfplay_run(tmp_path / "trained_seed0", {0: start, 2: end}, 300)
+    selfplay_run(tmp_path / "entropy_seed0", {0: start, 2: end}, 300)
+    selfplay_run(tmp_path / "shuffled_seed0", {0: other_start, 2: end}, 300)
+    args = ["--arms", "trained", "shuffled", "entropy", "--seeds", "0", "--out", str(tmp_path)]
+    assert selfplay.main(args) == 0
+    text = (tmp_path / "selfplay.md").read_text()
+    rows = text.splitlines()
+    assert "| 0 | trained | lr=0 | +0.250 | yes | n/a | n/a | -0.250 | yes | no | n/a |" in rows  # 0.3125 > 0.125
+    assert "| 0 | entropy | lr=0 | +0.250 | yes | n/a | n/a | -0.250 | yes | no | n/a |" in rows
+    assert "| 0 | shuffled | start | +0.125 | yes | n/a | n/a | -0.250 | yes | no | n/a |" in rows  # 0.3125 > 0.25
+    controls = [row.split(" | ")[1] for row in rows if row.startswith("| 0 | control")]
+    assert controls == ["control (lr=0)", "control (start)"]
+    assert "seed 0: every evaluation of the lr=0 run equals the trained runs' start-of-run evaluation" in text
+    assert "seed 0: shuffled started elsewhere than the lr=0 run (other prompts) and is compared with its own start" \
+        in text  # fmt: skip
