@@ -37,7 +37,9 @@ The control (`--control lr0`, the default) is the same recipe with `optim.optimi
 and the game evaluation samples under a fixed seed (`eval.seed`), so its every evaluation plays exactly the games of
 the trained run's start-of-run evaluation (tests/unit/test_selfplay.py checks that two evaluations of unchanged
 weights are identical, and the table says whether a finished lr=0 run's evaluations all equal its trained run's
-start). A seed whose lr=0 run has finished in the output folder is compared with it either way.
+start). A seed whose lr=0 run has finished in the output folder is compared with it either way. The lr=0 run is
+the recipe's: an arm that evaluates other prompts (`shuffled`, `levers`) starts elsewhere and is compared with its
+own start, which is what its own lr=0 run would play at every evaluation.
 
     python benchmarks/selfplay.py                         # seeds 0 1 2, trained + lr=0 controls
     python benchmarks/selfplay.py --seeds 1 2 --control start   # half the compute: control = each run's start
