@@ -403,6 +403,8 @@ def test_spread_levers_compose_alone_and_together():
     every = arms["levers"]
     assert every.data.dataset.game == "tictactoe_shuffled" and every.variant.scripted_epsilon == 0.3
     assert (every.loss.entropy_coef, every.loss.beta) == (0.01, 0.04)
+    kuhn = compose(["experiment=selfplay_kuhn", *selfplay.ARMS["loss_levers"]])
+    assert (kuhn.loss.entropy_coef, kuhn.loss.beta, kuhn.data.dataset.game) == (0.01, 0.04, "kuhn_poker")
 
 
 def test_the_control_from_the_start_is_flat_over_the_trained_run(tmp_path):
