@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_lightning.studies.analysis import read_run
+from grpo_lightning.studies.analysis import RunData, read_run
 from grpo_lightning.studies.jobs import Job, compose, finished, run_jobs, wall_seconds
 
 WIN = "eval/win_rate_vs_random"
@@ -137,10 +137,9 @@ def games_per_round(run_dir: Path) -> int:
     return int(cfg.data.prompts_per_round) * int(cfg.variant.games_per_group)
 
 
-def evaluations(run_dir: Path) -> list[Point]:
+def evaluations(run: RunData) -> list[Point]:
     """Every evaluation of a run, in step order (rate, low, high of each of TAGS it logged)."""
-    run = read_run(run_dir)
-    games = games_per_round(run_dir)
+    games = games_per_round(run.path)
     steps = sorted({s for s, _ in run.scalars.get(WIN, [])})
     points = []
     for previous, step in zip([None, *steps[:-1]], steps, strict=True):
@@ -159,10 +158,9 @@ def evaluations(run_dir: Path) -> list[Point]:
     return points
 
 
-def spread_halves(run_dir: Path) -> dict[str, tuple[float | None, float | None]]:
+def spread_halves(run: RunData) -> dict[str, tuple[float | None, float | None]]:
     """Per SPREAD metric, its mean over the first half of the run's rounds and over the second (rounds 0-4 and 5-9
     of 10; the middle round of an odd count goes to the second half); None where the run logged none."""
-    run = read_run(run_dir)
     halves = {}
     for tag in SPREAD:
         values = sorted(run.scalars.get(tag, []))
@@ -442,14 +440,20 @@ def main(argv: list[str] | None = None) -> int:
     ]
     run_jobs(args.out, jobs, parallel=not args.sequential, force=args.force)
     runs: Runs = {}
+    read: dict[tuple[str, int], RunData] = {}
     for arm, seed in sorted(finished_runs(args.out, args.arms) | {(a, s) for a in args.arms for s in args.seeds}):
         run_dir = args.out / f"{arm}_seed{seed}"
-        runs[arm, seed] = (evaluations(run_dir), wall_seconds(run_dir))
+        read[arm, seed] = read_run(run_dir)  # read once: the evaluations and the spread
+        runs[arm, seed] = (evaluations(read[arm, seed]), wall_seconds(run_dir))
     seeds = sorted({seed for _, seed in runs})
-    lr0 = {s: evaluations(args.out / f"control_seed{s}") for s in seeds if finished(args.out / f"control_seed{s}")}
+    lr0 = {
+        s: evaluations(read_run(args.out / f"control_seed{s}"))
+        for s in seeds
+        if finished(args.out / f"control_seed{s}")
+    }
     controls, notes = pick_controls(runs, lr0)
     text = f"experiment={args.experiment}, arms {args.arms}, seeds {seeds}\n\n" + report(runs, controls)
-    halves = {key: spread_halves(args.out / f"{key[0]}_seed{key[1]}") for key in runs}
+    halves = {key: spread_halves(run) for key, run in read.items()}
     if any(v is not None for by_tag in halves.values() for pair in by_tag.values() for v in pair):
         text += "\n\nThe spread (means over each half of the run's rounds):\n\n" + spread_table(halves)
     text += "\n\nThe curve (rates at each evaluation, by the games trained on before it):\n\n" + curve(runs)
