@@ -9,8 +9,9 @@ Runs `python -m grpo_lightning experiment=<recipe> seed=<s>` per arm and seed, r
   illegal-move rate with its interval;
 - per arm and seed, the run's end against its control: whether the win rate against random rose and the loss rate
   against `tactic` and the illegal-move rate fell beyond the intervals (the test is stated in the table);
-- per arm and seed, the play targets: win rate against random >= 0.80 with its interval's low end above 0.611 (the
-  lowest-free-cell rule's), loss rate against `tactic` below 0.886 (the same rule's; docs/selfplay.md);
+- per arm and seed, for TicTacToe, the play targets: win rate against random >= 0.80 with its interval's low end
+  above 0.611 (the lowest-free-cell rule's), loss rate against `tactic` below 0.886 (the same rule's;
+  docs/selfplay.md);
 - the curve: per arm, the win rate against random and the loss rate against `tactic` at every evaluation, against
   the games the learner has trained on, each seed and their mean, beside what training had to learn from since the
   evaluation before (the share of groups whose rewards were all equal, the gradient norm; each seed's mean);
@@ -207,6 +208,14 @@ def targets(end: dict[str, tuple[float, float, float]]) -> tuple[str, str]:
 
 Runs = dict[tuple[str, int], tuple[list[Point], float]]
 """(arm, seed) -> (the run's evaluations, its wall seconds)."""
+
+
+def has_play_targets(runs: Runs) -> bool:
+    """Whether the play targets (`targets`) apply: they are the lowest-free-cell rule's rates in TicTacToe, whose
+    evaluation plays `tactic`; Kuhn Poker's plays `perfect` and is judged by its exploitability instead."""
+    return any(LOSS_TACTIC in p.rates for points, _ in runs.values() for p in points)
+
+
 Controls = dict[tuple[str, int], tuple[list[Point], str]]
 """(arm, seed) -> (the evaluations the run is compared with, their kind: `lr=0` or `start`)."""
 
@@ -287,6 +296,7 @@ def report(runs: Runs, controls: Controls) -> str:
             f"{'' if seconds is None or math.isnan(seconds) else f'{seconds / 60:.1f} min'} |"
         )
 
+    play_targets = has_play_targets(runs)
     for seed in sorted({seed for _, seed in runs}):
         for (arm, s), (points, wall) in sorted(
             runs.items(), key=lambda item: (item[0][1], list(ARMS).index(item[0][0]))
@@ -306,7 +316,7 @@ def report(runs: Runs, controls: Controls) -> str:
             gaps.append(
                 f"| {seed} | {arm} | {kind} | {t[WIN][0] - c[WIN][0]:+.3f} | {win_beyond} | {tactic_gap} | "
                 f"{tactic_beyond} | {t[ILLEGAL][0] - c[ILLEGAL][0]:+.3f} | {illegal_beyond} | "
-                f"{' | '.join(targets(t))} |"
+                f"{' | '.join(targets(t) if play_targets else ('n/a', 'n/a'))} |"
             )
             if PAYOFF_RANDOM in t:  # a game with a payoff of its own (Kuhn Poker's chips)
                 cells = [
@@ -324,7 +334,9 @@ def report(runs: Runs, controls: Controls) -> str:
                 )
         for label, points in control_rows(runs, controls, seed):
             lines.append(row(seed, f"control ({label})", points, None))
-    text = "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST + ".\n\n" + TARGET_TEST
+    text = "\n".join(lines) + "\n\n" + "\n".join(gaps) + "\n\n" + BEYOND_TEST + "."
+    if play_targets:
+        text += "\n\n" + TARGET_TEST
     if len(payoffs) > 2:
         text += "\n\n" + "\n".join(payoffs) + "\n\nbeyond = the 95% interval of the mean chips a hand at the end "
         text += "lies wholly above the control's mean"
@@ -398,7 +410,7 @@ def plot(runs: Runs, controls: Controls, path: Path) -> None:
                 if len(xs) == 1:  # the start evaluation, held level
                     xs, ys = [xs[0], last_games], ys * 2
                 ax.plot(xs, ys, ":", label=f"control ({label}) seed {seed}")
-        if tag == WIN and any(LOSS_TACTIC in p.rates for points, _ in runs.values() for p in points):  # TicTacToe
+        if tag == WIN and has_play_targets(runs):
             ax.axhline(WIN_TARGET, color="grey", linestyle="--", linewidth=0.8, label="target")
             ax.axhline(LOWEST_FREE_CELL["win_vs_random"], color="grey", linestyle="-.", linewidth=0.8,
                        label="lowest free cell, exact")  # fmt: skip

@@ -319,6 +319,7 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
     assert "| 1 | rae | start | +0.725 | yes | -0.500 | yes | -0.500 | yes | yes | yes |" in rows  # 0.6 < 1.0
     assert "| 1 | last_move | start | +0.375 | yes | -0.150 | yes | -0.500 | yes | no | rate only |" in rows
     assert "seed 0: every evaluation of the lr=0 run equals the trained runs' start-of-run evaluation" in text
+    assert "targets: win vs random >= 0.80" in text  # TicTacToe's: its evaluation plays `tactic`
     curve = text[text.index("| arm | games trained on") :].split("\n\n")[0].splitlines()[2:]
     assert (
         curve
@@ -364,6 +365,9 @@ def test_selfplay_chips_table_by_hand(tmp_path):
     # exploitability: 0.25 is below the simple rules' 1/3, 0.375 is not; seed 1's control is its own start (0.5)
     assert "| 0 | trained | lr=0 | 0.500 -> 0.250 | -0.250 | yes |" in rows
     assert "| 1 | trained | start | 0.500 -> 0.375 | -0.125 | no |" in rows
+    # TicTacToe's play targets (the lowest-free-cell rule's rates) are not a poker game's: no verdict, no legend
+    assert "| 0 | trained | lr=0 | +0.100 | no | n/a | n/a | -0.200 | yes | n/a | n/a |" in rows
+    assert "targets:" not in (tmp_path / "selfplay.md").read_text()
 
 
 def test_selfplay_spread_by_halves_of_the_rounds(tmp_path):
