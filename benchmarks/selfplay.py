@@ -101,6 +101,9 @@ ARMS = {
 `loss_levers`: the entropy bonus and the KL term, the two that apply to any game)."""
 LOWEST_FREE_CELL = {"win_vs_random": 0.611, "loss_vs_tactic": 0.886}
 """The lowest-free-cell rule's exact rates, both seats averaged (tests/unit/test_exact_results.py)."""
+TARGET_GAMES = ("tictactoe", "tictactoe_shuffled")
+"""The games the play targets are set for (`data.dataset.game`): TicTacToe's rules, whose lowest-free-cell rates
+the targets are; Kuhn Poker is judged by its exploitability instead."""
 WIN_TARGET = 0.80
 BEYOND_TEST = (
     "beyond = the trained run's 95% Wilson interval at the end lies wholly on the better side of its control's "
@@ -210,12 +213,6 @@ Runs = dict[tuple[str, int], tuple[list[Point], float]]
 """(arm, seed) -> (the run's evaluations, its wall seconds)."""
 
 
-def has_play_targets(runs: Runs) -> bool:
-    """Whether the play targets (`targets`) apply: they are the lowest-free-cell rule's rates in TicTacToe, whose
-    evaluation plays `tactic`; Kuhn Poker's plays `perfect` and is judged by its exploitability instead."""
-    return any(LOSS_TACTIC in p.rates for points, _ in runs.values() for p in points)
-
-
 Controls = dict[tuple[str, int], tuple[list[Point], str]]
 """(arm, seed) -> (the evaluations the run is compared with, their kind: `lr=0` or `start`)."""
 
@@ -266,8 +263,9 @@ def control_rows(runs: Runs, controls: Controls, seed: int) -> list[tuple[str, l
     return rows
 
 
-def report(runs: Runs, controls: Controls) -> str:
-    """Every run against its control (`pick_controls`)."""
+def report(runs: Runs, controls: Controls, play_targets: bool) -> str:
+    """Every run against its control (`pick_controls`), with the play targets' verdicts where `play_targets` (the
+    runs play one of `TARGET_GAMES`)."""
     payoffs = [
         "| seed | arm | control | chips vs random, start -> end | beyond | chips vs perfect, start -> end | beyond |",
         "|---|---|---|---|---|---|---|",
@@ -296,7 +294,6 @@ def report(runs: Runs, controls: Controls) -> str:
             f"{'' if seconds is None or math.isnan(seconds) else f'{seconds / 60:.1f} min'} |"
         )
 
-    play_targets = has_play_targets(runs)
     for seed in sorted({seed for _, seed in runs}):
         for (arm, s), (points, wall) in sorted(
             runs.items(), key=lambda item: (item[0][1], list(ARMS).index(item[0][0]))
@@ -391,7 +388,7 @@ def curve(runs: dict[tuple[str, int], tuple[list[Point], float]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: Runs, controls: Controls, path: Path) -> None:
+def plot(runs: Runs, controls: Controls, path: Path, play_targets: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -410,7 +407,7 @@ def plot(runs: Runs, controls: Controls, path: Path) -> None:
                 if len(xs) == 1:  # the start evaluation, held level
                     xs, ys = [xs[0], last_games], ys * 2
                 ax.plot(xs, ys, ":", label=f"control ({label}) seed {seed}")
-        if tag == WIN and has_play_targets(runs):
+        if tag == WIN and play_targets:
             ax.axhline(WIN_TARGET, color="grey", linestyle="--", linewidth=0.8, label="target")
             ax.axhline(LOWEST_FREE_CELL["win_vs_random"], color="grey", linestyle="-.", linewidth=0.8,
                        label="lowest free cell, exact")  # fmt: skip
@@ -437,10 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args(argv)
     try:  # a missing recipe or a bad override fails now, not an hour later
-        for arm in args.arms:
-            compose([f"experiment={args.experiment}", *ARMS[arm], *args.overrides])
+        games = {compose([f"experiment={args.experiment}", *ARMS[arm], *args.overrides]).data.dataset.game
+                 for arm in args.arms}  # fmt: skip
     except ValueError as e:
         parser.error(str(e))
+    play_targets = games <= set(TARGET_GAMES)
     args.out.mkdir(parents=True, exist_ok=True)
     arms = {arm: ARMS[arm] for arm in args.arms} | (
         {"control": ("optim.optimizer.lr=0",)} if args.control == "lr0" else {}
@@ -464,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if finished(args.out / f"control_seed{s}")
     }
     controls, notes = pick_controls(runs, lr0)
-    text = f"experiment={args.experiment}, arms {args.arms}, seeds {seeds}\n\n" + report(runs, controls)
+    text = f"experiment={args.experiment}, arms {args.arms}, seeds {seeds}\n\n" + report(runs, controls, play_targets)
     halves = {key: spread_halves(run) for key, run in read.items()}
     if any(v is not None for by_tag in halves.values() for pair in by_tag.values() for v in pair):
         text += "\n\nThe spread (means over each half of the run's rounds):\n\n" + spread_table(halves)
@@ -473,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         text += "\n\n" + "\n".join(f"- {n}" for n in notes)
     print(text)
     (args.out / "selfplay.md").write_text(text + "\n")
-    plot(runs, controls, args.out / "selfplay.png")
+    plot(runs, controls, args.out / "selfplay.png", play_targets)
     print(f"wrote {args.out / 'selfplay.md'} and {args.out / 'selfplay.png'}")
     return 0
 

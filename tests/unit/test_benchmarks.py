@@ -358,7 +358,8 @@ def test_selfplay_chips_table_by_hand(tmp_path):
     selfplay_run(tmp_path / "trained_seed1", {0: start | {"exploitability": 0.5}, 2: end | {"exploitability": 0.375}},
                  300)  # fmt: skip
     # seed 0's finished lr=0 run is its control either way; seed 1 has none: its start
-    assert selfplay.main(["--seeds", "0", "1", "--control", "start", "--out", str(tmp_path)]) == 0
+    args = ["--experiment", "selfplay_kuhn", "--seeds", "0", "1", "--control", "start", "--out", str(tmp_path)]
+    assert selfplay.main(args) == 0
     rows = [line for line in (tmp_path / "selfplay.md").read_text().splitlines() if line.startswith("| ")]
     assert "| 0 | trained | lr=0 | -0.100 [-0.200, 0.000] -> 0.300 [0.200, 0.400] | yes | " \
            "-0.200 [-0.300, -0.100] -> -0.150 [-0.300, 0.000] | no |" in rows  # fmt: skip
