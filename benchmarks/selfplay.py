@@ -211,8 +211,6 @@ def targets(end: dict[str, tuple[float, float, float]]) -> tuple[str, str]:
 
 Runs = dict[tuple[str, int], tuple[list[Point], float]]
 """(arm, seed) -> (the run's evaluations, its wall seconds)."""
-
-
 Controls = dict[tuple[str, int], tuple[list[Point], str]]
 """(arm, seed) -> (the evaluations the run is compared with, their kind: `lr=0` or `start`)."""
 

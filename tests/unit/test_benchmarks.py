@@ -319,7 +319,7 @@ def test_selfplay_tables_by_hand(tmp_path, capsys):
     assert "| 1 | rae | start | +0.725 | yes | -0.500 | yes | -0.500 | yes | yes | yes |" in rows  # 0.6 < 1.0
     assert "| 1 | last_move | start | +0.375 | yes | -0.150 | yes | -0.500 | yes | no | rate only |" in rows
     assert "seed 0: every evaluation of the lr=0 run equals the trained runs' start-of-run evaluation" in text
-    assert "targets: win vs random >= 0.80" in text  # TicTacToe's: its evaluation plays `tactic`
+    assert "targets: win vs random >= 0.80" in text  # the default experiment's game is TicTacToe
     curve = text[text.index("| arm | games trained on") :].split("\n\n")[0].splitlines()[2:]
     assert (
         curve
