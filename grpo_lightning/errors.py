@@ -13,3 +13,14 @@ class RunInterrupted(Exception):
 
 class TrainingStopped(Exception):
     """The run stopped itself (non-finite or divergence guard); the CLI prints it and exits 1."""
+
+
+class EngineFailed(TrainingStopped):
+    """An inference engine or server failed at run time (killed, unanswering, its weights changed by another
+    writer): one line, exit 1. `resumable`: whether resuming from the last checkpoint can succeed as things stand
+    (a run that started its servers starts new ones; a server of one's own must be back first: the message says
+    so); the run appends the resume command only then."""
+
+    def __init__(self, message: str, resumable: bool = True) -> None:
+        super().__init__(message)
+        self.resumable = resumable

@@ -19,6 +19,12 @@ Three places read parameters outside a module's own `forward`, and each is made 
 - weights pushed to an inference engine are gathered one decoder layer at a time (`gathered_in_pieces`), so a
   push never holds a second full copy of the weights.
 
+Outside sampling every call of the backbone gathers each decoder layer (and its backward reduce-scatters them), so
+every process must call it as often as the others. The training and scoring forwards run it once per micro-batch
+(`ForwardSettings.one_backbone_call`, set by the training module when it shards): the CPU's runs by length and
+shared prompts call it a number of times that depends on the rows, which differ between processes (self-play's
+turns), and the processes would wait at different collectives.
+
 Checkpoints hold the trainable parameters only, gathered one tensor at a time into one file on rank 0, and are
 restored before the rollout loop samples the resumed round (`FullyShardedStrategy`).
 """

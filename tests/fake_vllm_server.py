@@ -15,16 +15,27 @@ COMPLETION = [11, 12, 13]
 
 
 class FakeServer:
-    def __init__(self, tokenize, max_model_len: int = 512, model: str = "/models/tiny") -> None:
+    def __init__(self, tokenize, max_model_len: int = 1024, model: str = "/models/tiny", scorer=None) -> None:
         self.tokenize = tokenize
         self.max_model_len = max_model_len
         self.model = model
+        self.scorer = scorer
+        """prompt token ids -> the log-prob of each token after the first (the weights the server holds); None:
+        every log-prob 0 (weights no policy has)."""
         self.requests: list[tuple[str, dict | None]] = []
         self.weight_version: str | None = "default"
         self.adapters: list[str] = []
         self.deliver_adapters = True
         self.answer_as: str | None = None
         """Answer completions as this model (an adapter the server still holds)."""
+        self.logprobs_mode = "processed_logprobs"
+        self.lora_config: dict | None = {"max_lora_rank": 16}
+        self.weight_transfer_config: dict | None = {"backend": "grpo_files"}
+        self.dev_routes = True
+        self.api_key: str | None = None
+        """Routes under /v1 answer 401 without this bearer token (vLLM's --api-key)."""
+        self.updating = False
+        """Inside a weight update (between /start_weight_update and /finish_weight_update)."""
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -41,10 +52,37 @@ class FakeServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def _answer(self, method: str, path: str, body: dict | None):
+    def _answer(self, method: str, path: str, body: dict | None, headers=None):
         self.requests.append((f"{method} {path}", body))
         if path == "/health":
             return {}
+        if (
+            path.startswith("/v1/")
+            and self.api_key
+            and (headers or {}).get("Authorization") != f"Bearer {self.api_key}"
+        ):
+            return 401, {"error": {"message": "Unauthorized"}}
+        if path.startswith("/server_info"):
+            if not self.dev_routes:
+                return 404, {"detail": "Not Found"}
+            return {
+                "vllm_config": {
+                    "model_config": {
+                        "model": self.model, "max_model_len": self.max_model_len, "logprobs_mode": self.logprobs_mode,
+                    },
+                    "lora_config": self.lora_config,
+                    "weight_transfer_config": self.weight_transfer_config,
+                }
+            }  # fmt: skip
+        if path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+            return {"success": True, "new_version": body["new_version"]}
+        if path == "/start_weight_update":
+            if self.updating:
+                return 500, {"error": {"message": "Worker failed with error 'start_weight_update called while a weight "
+                                       "update is already active. Call finish_weight_update first.'"}}  # fmt: skip
+            self.updating = True
+            return {"message": "Weight update started"}
         if path == "/v1/models":
             return {
                 "data": [{"id": self.model, "max_model_len": self.max_model_len}] + [{"id": a} for a in self.adapters]
@@ -54,9 +92,11 @@ class FakeServer:
         if path == "/weight_info":
             return {"weight_version": self.weight_version}
         if path == "/finish_weight_update":
-            self.weight_version = body.get("weight_version")
+            self.updating = False
+            if body.get("weight_version") is not None:
+                self.weight_version = body.get("weight_version")
             return {"message": "Weight update finished"}
-        if path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/reset_prefix_cache"):
+        if path in ("/init_weight_transfer_engine", "/update_weights", "/reset_prefix_cache"):
             return {}
         if path == "/v1/load_lora_adapter":
             if self.deliver_adapters:
@@ -69,6 +109,12 @@ class FakeServer:
         if path == "/v1/completions":
             if body["model"] not in (self.model, *self.adapters) and self.answer_as is None:
                 return 404, {"error": {"message": f"The model `{body['model']}` does not exist."}}
+            if body.get("prompt_logprobs") is not None:
+                ids = body["prompt"]
+                scores = self.scorer(ids) if self.scorer is not None else [0.0] * (len(ids) - 1)
+                prompt_logprobs = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(ids[1:], scores, strict=True)]
+                return {"model": body["model"], "choices": [{"index": 0, "token_ids": [1], "prompt_logprobs":
+                        prompt_logprobs, "logprobs": None, "finish_reason": "length"}]}  # fmt: skip
             choices = [
                 {
                     "index": j,
@@ -91,7 +137,7 @@ class FakeServer:
             def _reply(self, method: str) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
-                answer = server._answer(method, self.path, body)
+                answer = server._answer(method, self.path, body, dict(self.headers))
                 code, answer = answer if isinstance(answer, tuple) else (200, answer)
                 data = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
                 self.send_response(code)

@@ -2,9 +2,11 @@
 and builders."""
 
 import copy
+import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import lightning as L
@@ -154,3 +156,35 @@ class KillRank(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.global_rank == self.rank and trainer.current_epoch == self.at_round:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StallRank(L.Callback):
+    """Process `rank` stops for `seconds` when round `at_round` starts training, after writing its pid to
+    `<directory>/stalled<rank>`: the other processes wait for it at their next collective (a rank out of step:
+    tests/test_launch.py)."""
+
+    def __init__(self, rank: int, at_round: int, seconds: float, directory: str) -> None:
+        self.rank, self.at_round, self.seconds, self.directory = rank, at_round, seconds, directory
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == self.rank and trainer.current_epoch == self.at_round:
+            Path(self.directory, f"stalled{self.rank}").write_text(str(os.getpid()))
+            time.sleep(self.seconds)
+
+
+class RecordTrainedBatches(L.Callback):
+    """Writes `<directory>/batches<rank>.json`: each trained micro-batch's round, completion lengths and whether
+    two of its rows share a prompt (what the CPU's forward levers split the backbone calls by; tests/test_fsdp.py)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.batches: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from grpo_lightning.accel.completion_forward import completion_lengths, shared_prompts
+
+        shared = shared_prompts(batch) is not None
+        self.batches.append({"round": trainer.current_epoch, "lengths": completion_lengths(batch), "shared": shared})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        Path(self.directory, f"batches{trainer.global_rank}.json").write_text(json.dumps(self.batches))

@@ -6,6 +6,7 @@ import pytest
 from hydra.utils import get_class, instantiate
 
 from grpo_lightning.accel import ForwardSettings, GenerationSettings
+from grpo_lightning.app.launch import trainer_node
 from grpo_lightning.rewards.pipeline import build_reward
 from tests.conftest import CONF_DIR, make_cfg
 
@@ -67,7 +68,7 @@ def test_option_composes_and_instantiates(tmp_path, group, option):
     if group == "experiment":  # '# @package _global_' bundles: they set keys across groups, not a node
         assert "experiment" not in cfg and instantiate(cfg.variant) is not None
         return
-    node = cfg[group]
+    node = trainer_node(cfg) if group == "trainer" else cfg[group]  # as the run builds it: the timeout is its own
     if group == "model":
         source = instantiate(node.source)  # builds the source object, loads nothing
         assert source.describe()

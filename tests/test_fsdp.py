@@ -7,10 +7,17 @@ logged, and for resume a straight run of the same length.
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import pytest
 import torch
 
-from tests.test_ddp import run, scalars
+from grpo_lightning.accel.completion_forward import length_runs
+from tests.forked_cli import cli_run
+from tests.test_ddp import ROOT, run, scalars
+from tests.test_selfplay_run import SELFPLAY
 
 FSDP = ["trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu"]
 FULL = ["model.lora.enabled=false", "loss.beta=0.04", "optim.optimizer.lr=0.05"]  # a reference, sharded as well
@@ -73,3 +80,33 @@ def test_fsdp_resume_continues_exactly(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     c = torch.load(split["dir"] / "rank0.pt")
     assert any(not torch.equal(a[n], c[n]) for n in a)  # the third round trained
+
+
+def cpu_backbone_calls(batch: dict) -> int:
+    """The backbone calls the CPU's forward levers (`perf=cpu_fast`: runs by length, shared prompts) would make for
+    a recorded micro-batch, counted from accel/completion_forward.py's rules."""
+    runs = length_runs(batch["lengths"])
+    return 1 + sum(length > 1 for _, length in runs) if batch["shared"] else len(runs)
+
+
+@pytest.mark.slow
+def test_fsdp_selfplay_ends_though_ranks_train_on_different_turns(tmp_path):
+    """Self-play's games end after different numbers of turns on each rank, so the ranks' micro-batches differ in
+    rows and lengths. Each backbone call gathers every decoder layer (a collective): with the CPU levers the ranks
+    would make different numbers of calls and wait for each other for ever. The sharded run makes one call per
+    forward and ends; a regression stops at trainer.collective_timeout_s instead of at the test's timeout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    start = time.monotonic()
+    result = cli_run(
+        f"hydra.run.dir={tmp_path}", *SELFPLAY, *FSDP, "trainer.collective_timeout_s=60",
+        "+callbacks.batches._target_=tests.helpers.RecordTrainedBatches", f"+callbacks.batches.directory={tmp_path}",
+        cwd=ROOT, env=env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert time.monotonic() - start < 300
+    ranks = [json.loads((tmp_path / f"batches{r}.json").read_text()) for r in (0, 1)]
+    assert [len(batches) for batches in ranks] == [2, 2]  # 2 rounds, one micro-batch each, on both ranks
+    # the hazard was there: in some round the CPU levers would have made different numbers of backbone calls
+    assert any(cpu_backbone_calls(a) != cpu_backbone_calls(b) for a, b in zip(*ranks, strict=True))
+    assert (tmp_path / "policy").is_dir()

@@ -47,3 +47,35 @@ def test_abort_stops_the_run(tiny_cfg):
     with pytest.raises(RuntimeError, match="rollout/logp_diff_mean = 0.5"):
         run.fit()
     assert run.trainer.current_epoch == 0  # stopped after the first round
+
+
+class AnotherModelGenerator(OffsetLogprobGenerator):
+    """Log-probs 3 nats off, as another checkpoint's are, with the bound servers declare (generator=vllm_server)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard.another_model = 1.0
+
+    def generate(self, *args, **kwargs) -> list[list[Completion]]:
+        groups = HFGenerator.generate(self, *args, **kwargs)
+        return [[Completion(c.token_ids, [x - 3.0 for x in c.logprobs], c.finished) for c in g] for g in groups]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_round_another_model_sampled_is_never_trained_on(tiny_cfg, accumulate):
+    """Whatever on_stale says (warn, the default): the run stops before the round's first update, every trainable
+    parameter as it was (the truth: a copy taken before fit), with one micro-batch per step or two."""
+    import torch
+
+    from grpo_lightning.errors import EngineFailed
+
+    cfg = tiny_cfg(QUICK, f"generator._target_={__name__}.AnotherModelGenerator",
+                   f"trainer.accumulate_grad_batches={accumulate}", "data.groups_per_micro_batch=1")  # fmt: skip
+    run = build_run(cfg)
+    before = {n: p.detach().clone() for n, p in run.module.policy.named_parameters() if p.requires_grad}
+    with pytest.raises(EngineFailed, match=r"round 0: rollout/logp_diff_mean = 3 before any update") as err:
+        run.fit()
+    assert not err.value.resumable
+    after = dict(run.module.policy.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert run.trainer.global_step == 0

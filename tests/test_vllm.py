@@ -48,7 +48,7 @@ def engine_cli_args(llama_dir) -> list[str]:
         f"model.source.path={llama_dir}",
         "trainer.enable_progress_bar=false",
         "generator.max_new_tokens=16",
-        "generator.max_model_len=512",
+        "generator.max_model_len=1024",  # generator=vllm_server checks it holds data.max_prompt_tokens + 16
         "generator.kv_cache_gib=0.25",
         f"generator.logp_diff_threshold={LOGP_DIFF_BOUND}",
         "generator.on_stale=abort",

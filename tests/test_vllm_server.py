@@ -25,7 +25,7 @@ from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _load, _logp_diff, _prompts, 
 
 pytestmark = pytest.mark.vllm
 
-SERVER = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 0.25}
+SERVER = {"dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 0.25}
 
 
 def _perturb(policy, seed: int) -> None:

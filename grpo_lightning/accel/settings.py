@@ -7,6 +7,7 @@ GPU's choice (docs/gpu.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from grpo_lightning.schema import boolean, check_settings, choice, integer, optional, setting
@@ -63,6 +64,13 @@ class ForwardSettings:
     @classmethod
     def plain(cls) -> ForwardSettings:
         return cls(share_prefix=False, logits_chunk_tokens=None, runs_by_length=False, fused_lora=False)
+
+    def one_backbone_call(self) -> ForwardSettings:
+        """These levers with the backbone run once per forward over every row: without the runs by length and the
+        shared prompts, whose number of backbone calls depends on the rows (their lengths, their prompts). A
+        sharded policy (trainer=fsdp) needs it: each call gathers every decoder layer, a collective that every
+        process must issue as often as the others."""
+        return dataclasses.replace(self, share_prefix=False, runs_by_length=False)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ A loss type owns:
 * `step_weighting` and `step_loss`: how micro-batches combine under Lightning's accumulation and DDP's gradient mean;
 * `sample_weights`: each completion's weight in the loss, in the type's sample unit (the GNS probe's B, the ESS);
 * `advantage_scale`: what `reward.transforms.normalize.scale: auto` means for it;
-* `check`: settings the type cannot run with, named by key.
+* `check`: settings the type cannot run with, named by key; `options` (its own node, `loss.<name>`) and `requires`
+  (values of other keys it runs with only, which its preset `loss=<name>` sets), checked against the loss node
+  in `loss_options.py`.
 
 `losses.GRPOLoss` keeps what every type shares: the ratio (token or sequence level), the rollout correction and the
 k3 KL. Sources for each type are in its class docstring.
@@ -25,7 +27,7 @@ import functools
 import importlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -105,10 +107,27 @@ class LossType(ABC):
     `num_items_in_batch`, TRL issue #3021) rather than by something of the micro-batch."""
     advantage_scale: ClassVar[str] = "group"
     """What the advantage normalisation's `scale: auto` means: `group` (divide by the group's std) or `none`."""
+    options: ClassVar[str | None] = None
+    """The loss node's sub-node this type reads its own settings from (`sapo`: `loss.sapo.*`, a `LossTypeOptions`
+    field); a loss of another type refuses that node."""
+    requires: ClassVar[Mapping[str, tuple[Any, str]]] = {}
+    """Keys below `loss.` this type runs with at one value only, as `{key: (value, why)}`; its preset sets them,
+    and a composed config holding another value (another preset with `loss.loss_type` changed) is refused, never
+    changed (`loss_options.config_problems`)."""
 
     def check(self, loss: Any) -> None:  # noqa: B027 - no constraint by default
         """Raise a one-line ValueError naming the key for settings of `loss` (the `loss` node's `GRPOLoss`) this
-        type cannot run with."""
+        type cannot run with (another type's options: `loss_options.check_options`)."""
+
+    def requirement_problem(self, key: str, value: Any) -> str:
+        """The line refusing `loss.<key>=<value>`, which this type does not run with (`requires`)."""
+        needed, why = self.requires[key]
+        preset = f"choose its preset, loss={self.name}, which sets it, or " if _REGISTRY.get(self.name) is self else ""
+        shown, need = ("null" if v is None else str(v).lower() if isinstance(v, bool) else v for v in (value, needed))
+        return (
+            f"loss.{key}={shown} with loss_type {self.name}: {why}, so loss.loss_type={self.name} runs only with "
+            f"loss.{key}={need}; {preset}set loss.{key}={need}"
+        )
 
     # ---- the per-token term --------------------------------------------------------------------------------------
     def policy_term(self, x: PolicyInputs, loss: Any) -> Tensor:  # broadcastable to [B, T]
@@ -248,6 +267,8 @@ class SoftGate(SequenceMean):
     unclipped one at r = 1 and fades smoothly away from it. Aggregated as `grpo` (each sequence's token mean). No
     clip, so no clip ratio."""
 
+    options = "sapo"
+
     def policy_term(self, x: PolicyInputs, loss: Any) -> Tensor:
         tau = torch.where(x.adv > 0, loss.sapo.temperature_pos, loss.sapo.temperature_neg)
         return -torch.sigmoid(tau * (x.ratio - 1.0)) * 4.0 / tau * x.adv
@@ -290,12 +311,12 @@ class GammaSequenceWeight(StepTokenMean):
     vLLM importance ratio into w; here the rollout correction stays a separate factor (`loss.rollout_correction`),
     so VESPO runs with it off."""
 
+    options = "vespo"
+    requires = {"rollout_correction.enabled": (False, "VESPO weighs whole sequences by their own importance weight")}
+
     def check(self, loss: Any) -> None:
-        if loss.rollout_correction.active:
-            raise ValueError(
-                "loss.rollout_correction.enabled=true with loss_type vespo: VESPO weighs whole sequences by their "
-                "own importance weight; turn the rollout correction off (loss.rollout_correction.enabled=false)"
-            )
+        if loss.rollout_correction.active:  # `auto` too where it resolves on (the config check refuses any `auto`)
+            raise ValueError(self.requirement_problem("rollout_correction.enabled", loss.rollout_correction.enabled))
 
     def policy_term(self, x: PolicyInputs, loss: Any) -> Tensor:
         with torch.no_grad():

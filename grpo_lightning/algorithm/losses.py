@@ -28,12 +28,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_lightning.algorithm.loss_options import check_options, config_problems
 from grpo_lightning.algorithm.loss_types import LossType, LossTypeOptions, PolicyInputs, loss_type_problem
 from grpo_lightning.algorithm.loss_types import loss_type as get_loss_type
 from grpo_lightning.algorithm.rollout_correction import CorrectionWeights, RolloutCorrection
-from grpo_lightning.schema import check_settings, choice, integer, number, setting
+from grpo_lightning.schema import ConfigRules, check_settings, choice, integer, number, setting
 
 IS_LEVELS = ("token", "sequence")
+
+
+def entropy_bonus(value) -> str | None:
+    """The rule of `loss.entropy_coef`: the weight of a bonus, >= 0. A negative value would minimise entropy (an
+    entropy penalty, as entropy-minimisation objectives do), which the key does not offer: it is refused, not
+    taken as a sign."""
+    problem = number(low=0)(value)
+    if problem is None:
+        return None
+    return (
+        f"{problem}, the weight of an entropy bonus (the loss minus it x the entropy): a negative value would "
+        "penalise entropy, which this key does not offer; 0 turns the bonus off"
+    )
 
 
 def selective_log_softmax(
@@ -131,9 +145,10 @@ def _check_inputs(
 
 
 @dataclass(frozen=True)
-class GRPOLoss(LossTypeOptions):
+class GRPOLoss(LossTypeOptions, ConfigRules):
     """Clipped-surrogate GRPO loss with k3 KL; `__call__` maps one micro-batch's log-probs to `LossOutput`. The
-    options of single loss types (`loss.<type>.*`) are declared with the types (`LossTypeOptions`)."""
+    options of single loss types (`loss.<type>.*`) are declared with the types (`LossTypeOptions`), as are the
+    values a type runs with only (`LossType.requires`)."""
 
     loss_type: str = setting("grpo", loss_type_problem)
     beta: float = setting(0.0, number(low=0))
@@ -142,11 +157,20 @@ class GRPOLoss(LossTypeOptions):
     max_completion_length: int = setting(256, integer(1))
     importance_sampling_level: str = setting("token", choice(*IS_LEVELS))
     rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
-    entropy_coef: float = setting(0.0, number())
+    entropy_coef: float = setting(0.0, entropy_bonus)
 
     def __post_init__(self) -> None:
         check_settings(self, "loss")
+        check_options(self, self.kind)
         self.kind.check(self)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The composed `loss` node against its loss type: another type's options, values it does not run with
+        (`loss_options.py`: another preset with `loss.loss_type` changed keeps that preset's values)."""
+        found = config_problems(cfg["loss"])
+        if found:
+            raise ValueError("; ".join(found))
 
     @property
     def kind(self) -> LossType:

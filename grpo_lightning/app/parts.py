@@ -14,6 +14,7 @@ from grpo_lightning.accel.activation_checkpointing import enable_activation_chec
 from grpo_lightning.accel.fused_lora import install_fused_lora_forward
 from grpo_lightning.accel.settings import ForwardSettings
 from grpo_lightning.app.build import build, first_line
+from grpo_lightning.app.launch import bounded_strategy, trainer_node
 from grpo_lightning.app.plan import Plan, accumulate_grad_batches, check_model_fits
 from grpo_lightning.data.datamodule import RolloutDataModule
 from grpo_lightning.generation.placement import world_size
@@ -140,13 +141,16 @@ def build_callbacks(
 
 
 def build_trainer(cfg: DictConfig, accumulate: int, callbacks: list[L.Callback], loggers: list) -> L.Trainer:
-    """The `trainer` node with the run's callbacks, the `logger` group's loggers and the atomic checkpoint writer."""
+    """The `trainer` node with the run's callbacks, the `logger` group's loggers and the atomic checkpoint writer;
+    its strategy waits at most `trainer.collective_timeout_s` at a collective (app/launch.py)."""
+    strategy = bounded_strategy(cfg)
     return build(
-        cfg.trainer,
+        trainer_node(cfg),
         callbacks=callbacks,
         logger=loggers or False,
         accumulate_grad_batches=accumulate,
         plugins=[AtomicCheckpointIO()],
+        **({} if strategy is None else {"strategy": strategy}),
     )
 
 

@@ -35,3 +35,18 @@ def write_run_record(cfg: DictConfig) -> None:
     handler = logging.FileHandler(output_dir / f"{hydra_cfg.hydra.job.name}.log")  # Hydra resets it per job
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger().addHandler(handler)
+
+
+SECRET_KEYS = (("generator", "api_key"),)
+"""Keys whose values come from the environment and must stay out of every record and tracker."""
+
+
+def without_secrets(params: dict) -> dict:
+    """The resolved config `params` with each of `SECRET_KEYS` that is set replaced by '<set>' (in place)."""
+    for *parents, leaf in SECRET_KEYS:
+        node = params
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) is not None:
+            node[leaf] = "<set>"
+    return params

@@ -128,6 +128,8 @@ class TrainerKeys:
     accelerator: str = setting("cpu", choice(*ACCELERATORS))
     devices: int | str | list[int] = setting(1, devices)
     num_nodes: int = setting(1, integer(1))
+    collective_timeout_s: float = setting(1800.0, number(above=0))
+    """Read by app/launch.py (the strategy's process-group timeout), never passed to the Trainer."""
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ def eval_rows(cfg: DictConfig, world: int) -> int:
 def run_shape(cfg: DictConfig, group: GroupShape, rollouts_per_round: int) -> RunShape:
     """The estimate's view of a composed, validated config and of the variant's group. With
     `generator.batch_size=auto` the decode rows are `decode_rows`' (plan.py fits them to the GPU)."""
-    from grpo_lightning.generation.placement import trainer_devices, world_size
+    from grpo_lightning.generation.placement import shards_weights, trainer_devices, world_size
 
     model, trainer = settings_of(cfg.model, ModelSettings), settings_of(cfg.trainer, TrainerKeys)
     data, sampling = settings_of(cfg.data, DataSettings), settings_of(cfg.generator, SamplingConfig)
@@ -143,7 +143,7 @@ def run_shape(cfg: DictConfig, group: GroupShape, rollouts_per_round: int) -> Ru
         shared_prompt=group.shared_prompt,
         groups_per_micro_batch=data.groups_per_micro_batch,
         rollouts_per_round=rollouts_per_round,
-        share_prefix=forward.share_prefix,
+        share_prefix=forward.share_prefix and not shards_weights(cfg.trainer),  # trainer=fsdp: one backbone call
         logits_chunk_tokens=forward.logits_chunk_tokens,
         activation_checkpointing=forward.activation_checkpointing,
         engine=kind,

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo_lightning import openmp
 from grpo_lightning.app.build import build
 from grpo_lightning.app.export import export_policy
+from grpo_lightning.app.launch import collective_timed_out_stop, end_started_processes
 from grpo_lightning.app.parts import (
     build_callbacks,
     build_data,
@@ -34,13 +35,13 @@ from grpo_lightning.app.parts import (
 )
 from grpo_lightning.app.plan import Plan, make_plan, score_references
 from grpo_lightning.app.quiet import quiet_third_party
-from grpo_lightning.app.run_record import write_run_record
+from grpo_lightning.app.run_record import without_secrets, write_run_record
 from grpo_lightning.app.summary import render as render_summary
 from grpo_lightning.app.summary import summary_metrics
 from grpo_lightning.app.validation import check_fresh_or_resume, check_platform, validate
 from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.distributed import lost_a_process
-from grpo_lightning.errors import RunInterrupted, TrainingStopped
+from grpo_lightning.distributed import collective_timed_out, lost_a_process
+from grpo_lightning.errors import EngineFailed, RunInterrupted, TrainingStopped
 from grpo_lightning.generation.placement import trainer_devices
 from grpo_lightning.models.lora import LoraSettings
 from grpo_lightning.training import tracking
@@ -100,14 +101,22 @@ class Run:
                 self.lock.release()
 
     def _fit(self) -> dict[str, float]:
-        tracking.log_hparams(self.trainer.loggers, OmegaConf.to_container(self.cfg, resolve=True))
+        tracking.log_hparams(self.trainer.loggers, without_secrets(OmegaConf.to_container(self.cfg, resolve=True)))
         if self.ckpt_path is not None:
             rank_zero_print(f"resuming from {self.ckpt_path}")
         output_dir = Path(self.cfg.paths.output_dir).resolve()
         last = output_dir / "checkpoints" / "last.ckpt"
         try:
             self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=self.ckpt_path, weights_only=False)
+        except EngineFailed as err:
+            if not err.resumable:
+                raise
+            resume = last if last.is_file() else "<none yet: start again>"
+            raise EngineFailed(f"{err}\nresume: python -m grpo_lightning <same overrides> ckpt_path={resume}") from None
         except RuntimeError as err:
+            if collective_timed_out(err):  # trainer.collective_timeout_s passed (app/launch.py)
+                end_started_processes(self.trainer)
+                raise collective_timed_out_stop(err, self.cfg, last) from None
             if self.trainer.world_size == 1 or not lost_a_process(err):
                 raise
             reason = str(err).strip().splitlines()[0][:200]

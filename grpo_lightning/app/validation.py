@@ -2,70 +2,45 @@
 files or the platform.
 
 Each key's type and range is declared once, in the settings dataclass of what it configures
-(grpo_lightning/schema.py); `check_rules` walks the composed config and checks every declared key, so a mistake
-fails in a second with a message naming the key rather than minutes later, deep inside a constructor, a model
-load or a training step. What is left here spans more than one key: combinations (the temperature against half
-precision, STORPO's step range, a data path and its test split), the platform (vLLM's build, CUDA, the trainer's
-devices), files (data files' encodings, the cache and output directories) and resuming. Each failure is a
-ValueError whose message names the config key and what to do (the CLI prints it as one line; several mistakes are
-joined with "; "). Values that are legal but probably not meant (a near-zero temperature) get a warning instead.
+(grpo_lightning/schema.py); `check_rules` walks the composed config and checks every declared key
+(grpo_lightning/config_keys.py, which also names the keys nothing takes), so a mistake fails in a second with a
+message naming the key rather than minutes later, deep inside a constructor, a model load or a training step.
+What is left here spans more than one key: combinations (the temperature against half precision, STORPO's step
+range, a data path and its test split), the platform (vLLM's build, CUDA, the trainer's devices), files (data
+files' encodings, the cache and output directories) and resuming. Each failure is a ValueError whose message
+names the config key and what to do (the CLI prints it as one line; several mistakes are joined with "; ").
+Values that are legal but probably not meant (a near-zero temperature) get a warning instead.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import importlib.util
-import inspect
 import logging
 import os
-import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+from grpo_lightning.app.launch import check_launch
 from grpo_lightning.app.run_settings import RunSettings
+from grpo_lightning.config_keys import ABSENT, configured_targets, lookup, node_problems
 from grpo_lightning.data.source import DataSource
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
 from grpo_lightning.generation.placement import shards_weights, world_size
 from grpo_lightning.moved_keys import check_moved_keys
 from grpo_lightning.rewards.base import Stage
 from grpo_lightning.rewards.pipeline import TERM_KEYS
-from grpo_lightning.schema import (
-    ConfigRules,
-    declared,
-    import_target,
-    nested_schema,
-    problems,
-    schemas_of,
-    target_class,
-)
+from grpo_lightning.schema import target_class
 from grpo_lightning.training.checkpointing import RunLock
 from grpo_lightning.training.overlap import optimizer_steps_per_round, staleness_problem
 from grpo_lightning.training.tracking import writer_for
 
 log = logging.getLogger(__name__)
 
-ABSENT = object()
-WIRED = re.compile(r"\$\{[\w.]+\}")
-"""An interpolation that only refers to another key (`${generator.max_new_tokens}`), not a resolver's."""
-
 
 # ---- every declared key ------------------------------------------------------------------------------------------
-def lookup(cfg: DictConfig, key: str):
-    """The value at a dotted key, ABSENT when the key (or a parent) is not in the config or is `???`."""
-    node: Any = cfg
-    for part in key.split("."):
-        if not isinstance(node, DictConfig) or part not in node or OmegaConf.is_missing(node, part):
-            return ABSENT
-        node = node[part]
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-
-
 def check_rules(cfg: DictConfig) -> list[str]:
     """Every declared key of the composed config against its rule (grpo_lightning/schema.py): the top level and
     third-party nodes by `RunSettings` (app/run_settings.py), every node with a `_target_` by its target's settings. A
@@ -74,136 +49,17 @@ def check_rules(cfg: DictConfig) -> list[str]:
 
 
 def check_unknown_keys(cfg: DictConfig) -> None:
-    """Every key of the composed config that nothing takes (`unknown_keys`), in one ValueError. Run after the checks
-    of combinations, whose messages say more when a recipe's keys sit under another option (self-play's keys
-    under variant=grpo)."""
-    found = node_problems(cfg, "", (RunSettings,), unknown=True)
+    """Every key of the composed config that nothing takes (`config_keys.unknown_keys`), in one ValueError. Run
+    after the checks of combinations, whose messages say more when a recipe's keys sit under another option
+    (self-play's keys under variant=grpo)."""
+    found = node_problems(cfg, "", (RunSettings,), unknown=True, more_keys=reward_term_keys)
     if found:
         raise ValueError("; ".join(found))
 
 
-def node_problems(node: DictConfig, path: str, schemas: tuple[type, ...], unknown: bool = False) -> list[str]:
-    """The problems of one node (at dotted `path`) and of the nodes below it, `schemas` declaring its keys unless
-    its own `_target_` names a declaration: the declared keys' rules, or with `unknown` the keys nothing takes."""
-    target = node.get("_target_") if "_target_" in node else None
-    if isinstance(target, str):
-        schemas = target_schemas(target) or schemas
-    values, children = {}, {}
-    mappings = values_with_mappings(schemas)  # a mapping-valued key (engine_kwargs): its rule checks it
-    for key in node:
-        if not isinstance(key, str) or key.startswith("_") or OmegaConf.is_missing(node, key):
-            continue
-        try:
-            value = node[key]
-        except OmegaConfBaseException:  # an interpolation that resolves only in a Hydra run (${hydra:...})
-            continue
-        if OmegaConf.is_interpolation(node, key) and WIRED.fullmatch(str(node._get_node(key)._value())):
-            continue  # a node or a key wired from elsewhere (loss.max_completion_length: ${generator.max_new_tokens}):
-            # checked, and named, where it is written
-        if isinstance(value, DictConfig) and key not in mappings:
-            children[key] = value
-        else:
-            values[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    if unknown:
-        found = unknown_keys(node, path, schemas, target)
-    else:
-        found = [problem for schema in schemas for problem in problems(values, schema, path)]
-    for key, child in children.items():
-        child_path = f"{path}.{key}" if path else key
-        found += node_problems(child, child_path, tuple(s for s in [nested_schema(schemas, key)] if s), unknown)
-    return found
-
-
-def unknown_keys(node: DictConfig, path: str, schemas: tuple[type, ...], target: Any) -> list[str]:
-    """Keys of `node` that nothing takes, each named with the closest key that exists (`+model.lora.rank=4`: did
-    you mean model.lora.r?), before anything is built: the keys a node's `_target_` accepts (its parameters, or
-    its declared settings when it takes `**keys`), the declared keys of a node without one, and at the top level
-    the run's own keys and nodes. A target that passes unknown keys on (`**kwargs`, undeclared) accepts any."""
-    known = accepted_keys(path, schemas, target)
-    if known is None:
-        return []
-    found = []
-    for key in node:
-        if not isinstance(key, str) or key.startswith("_") or key in known:
-            continue
-        child = node._get_node(key)
-        if path and isinstance(child, DictConfig) and "_target_" in child:  # a component of its own, built by it
-            continue
-        where = f"{path}.{key}" if path else key
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        if close:
-            hint = f"; did you mean {path + '.' if path else ''}{close[0]}?"
-        else:
-            shown = sorted(known)
-            hint = f" (it takes {', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''})" if path else ""
-        found.append(f"{where} is not a key of {path or 'the config'}{hint}")
-    return found
-
-
-def accepted_keys(path: str, schemas: tuple[type, ...], target: Any) -> set[str] | None:
-    """The keys `node` may hold (see `unknown_keys`); None when any key is accepted."""
-    names = {name for schema in schemas for name in declared(schema)}
-    if path.startswith("reward.terms.") and path.count(".") == 2:
-        names |= TERM_KEYS
-    if not path:
-        return names | top_level_nodes()
-    if isinstance(target, str):
-        built = import_target(target)
-        if built is None:
-            return None  # build() names the target that does not import
-        try:
-            parameters = inspect.signature(built).parameters.values()
-        except (TypeError, ValueError):
-            return None
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-        if takes_any and not names:
-            return None
-        return names | {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    return names or None
-
-
-@functools.cache
-def top_level_nodes() -> frozenset[str]:
-    """The top-level nodes a run's config may hold: conf/config.yaml's own keys, its config groups, Hydra's."""
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    own = OmegaConf.load(conf / "config.yaml")
-    groups = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
-    return frozenset({str(k) for k in own} | groups | {"hydra"})
-
-
-def values_with_mappings(schemas: tuple[type, ...]) -> set[str]:
-    """Keys declared with a mapping rule (`mapping_of`): their value is a node, checked as one value."""
-    return {
-        name
-        for schema in schemas
-        for name, f in declared(schema).items()
-        if getattr(f.metadata["rule"], "takes_mapping", False)
-    }
-
-
-def target_schemas(target: str) -> tuple[type, ...]:
-    """The settings declaring a `_target_`'s keys; () when the target does not import (build() reports it)."""
-    found = import_target(target)
-    return schemas_of(found) if found is not None else ()
-
-
-def configured_targets(node: DictConfig) -> list[type[ConfigRules]]:
-    """The classes with rules across the config (`ConfigRules`) that the `_target_`s of `node` and the nodes below
-    it name, in config order, once each (a node wired from elsewhere, `${data.dataset}`, counts where written)."""
-    found: list[type[ConfigRules]] = []
-    target = target_class(node.get("_target_")) if "_target_" in node else None
-    if target is not None and issubclass(target, ConfigRules):
-        found.append(target)
-    for key in node:
-        if not isinstance(key, str) or OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
-            continue
-        try:
-            child = node[key]
-        except OmegaConfBaseException:  # an interpolation that resolves only in a Hydra run (${hydra:...})
-            continue
-        if isinstance(child, DictConfig):
-            found += [cls for cls in configured_targets(child) if cls not in found]
-    return found
+def reward_term_keys(path: str) -> frozenset[str]:
+    """Keys of a `reward.terms.<name>` node that the reward pipeline takes itself (its weight)."""
+    return TERM_KEYS if path.startswith("reward.terms.") and path.count(".") == 2 else frozenset()
 
 
 def check_components(cfg: DictConfig) -> None:
@@ -243,6 +99,7 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
         raise ValueError(f"optim.optimizer._target_: cannot import {target!r}")
     if platform:
         check_platform(cfg)
+        check_launch(cfg)  # what started this process against trainer.devices x trainer.num_nodes (app/launch.py)
     check_logger_packages(cfg)
     check_cache_dir(cfg.paths.cache_dir)
     check_writable(Path(cfg.paths.output_dir))

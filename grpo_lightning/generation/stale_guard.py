@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from grpo_lightning.errors import EngineFailed
 from grpo_lightning.schema import choice, number, optional
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ THRESHOLD_RULE = optional(number(above=0))
 vllm_settings.py)."""
 ACTION_RULE = choice(*ACTIONS)
 """`generator.on_stale`."""
+ANOTHER_MODEL_LOGP_DIFF = 1.0
+"""A round's `rollout/logp_diff_mean` above this many nats means another model sampled it, whatever `on_stale`
+says: the stale-weight threshold (0.05) sits near what bf16 engines give honestly, while a server of another
+checkpoint with the policy's tokenizer measured 10.2-10.7, one whose base a full push of another run replaced 7-9,
+and a stale adapter one optimizer step old stays below 0.1. Generators that sample from another process's weights
+declare it (`generator.another_model_logp_diff`)."""
 
 
 class StaleWeightGuard:
@@ -39,8 +46,10 @@ class StaleWeightGuard:
         threshold: float | None = 0.05,
         on_stale: str = "warn",
         is_fresh: Callable[[], bool] | None = None,
+        another_model: float | None = None,
     ) -> None:
-        """`threshold` None disables the guard; `is_fresh()` is asked once a round is sampled."""
+        """`threshold` None disables the guard; `is_fresh()` is asked once a round is sampled; `another_model`: the
+        `rollout/logp_diff_mean` above which a fresh round stops the run whatever `on_stale` says (None: never)."""
         keys = [("logp_diff_threshold", THRESHOLD_RULE, threshold), ("on_stale", ACTION_RULE, on_stale)]
         for key, rule, value in keys:
             problem = rule(value)
@@ -48,6 +57,7 @@ class StaleWeightGuard:
                 raise ValueError(f"generator.{key} {problem} (got {value!r})")
         self.threshold = threshold
         self.on_stale = on_stale
+        self.another_model = another_model
         self.is_fresh = is_fresh
         self.flagged: list[tuple[int, float]] = []
         """(round, logp_diff_mean) of every round over the threshold."""
@@ -57,6 +67,18 @@ class StaleWeightGuard:
         """The rollout loop, right after sampling a round: remember whether it came from freshly pushed weights
         (`stale`: it was sampled from older weights on purpose, beside the previous round's training)."""
         self._fresh = not stale and (self.is_fresh() if self.is_fresh is not None else True)
+
+    def check_another_model(self, round_index: int, value: float) -> None:
+        """The rollout loop, before round `round_index`'s first update: stop the run, whatever `on_stale` says, when
+        its `rollout/logp_diff_mean` (over all ranks) is what another model's samples give."""
+        if self.another_model is None or not self._fresh or value <= self.another_model:
+            return
+        raise EngineFailed(
+            f"round {round_index}: {METRIC} = {value:.4g} before any update, above generator.another_model_logp_diff"
+            f" = {self.another_model:g}: the engine sampled from another model's weights (a server serving or given "
+            "other weights), and the round was not trained on; check what the server serves",
+            resumable=False,
+        )
 
     def check(self, round_index: int, value: float | None) -> None:
         """The rollout loop, at the end of round `round_index`: judge its `rollout/logp_diff_mean` (over all ranks)."""

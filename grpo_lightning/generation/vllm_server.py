@@ -16,26 +16,27 @@ After each optimizer step, one process (rank 0) pushes the weights to every serv
   `grpo_files` backend on a CPU (vllm_file_transfer.py, in vLLM's registry through this package's plugin) or vLLM's
   NCCL backend between GPUs (`generator.weight_transfer=nccl`).
 
-Versions. Every push is a version `<run>:<n>`; every completion records the version that sampled it
-(`Completion.weight_version`). Before a process samples from a server it asks the server which version it holds
-(`/weight_info`, or the adapters `/v1/models` lists): a restarted server is given the current weights first. A
-completion older than `generator.max_staleness` (`rollout.max_staleness`) allows stops the run in one line naming
-the server: the check that catches an adapter that was never delivered, which otherwise looks like slow learning.
+Trust. Before a run trains on a server's samples: every server is checked at start (vllm_server_checks.py: its
+tokenizer, length, log-prob mode, LoRA or weight-transfer setup, architecture) and claimed by this run alone
+(vllm_server_claim.py); after the first push, its log-probs of a probe text must equal the trainer's. Every push is
+a version written into the server's weight version with the run's claim; every completion records the version
+that sampled it (`Completion.weight_version`). Before and after a process samples from a server it reads the
+server's version (`/weight_info`, and for adapters the ones `/v1/models` lists): a restarted server is given the
+current weights first; a version of another writer stops the run, nothing sampled there trained on. A completion
+older than `generator.max_staleness` (`rollout.max_staleness`) allows stops the run in one line naming the server:
+the check that catches an adapter that was never delivered, which otherwise looks like slow learning.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import socket
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import lightning as L
 import torch
@@ -44,9 +45,18 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.distributed import derive_seed, is_distributed, rank_and_world
+from grpo_lightning.errors import EngineFailed
 from grpo_lightning.generation.base import Generator, SamplingConfig, eos_token_ids, truncate
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
-from grpo_lightning.generation.vllm_io import engine_model_path, free_port, installed_platform
+from grpo_lightning.generation.vllm_io import engine_model_path, installed_platform
+from grpo_lightning.generation.vllm_server_checks import (
+    ServerNeeds,
+    check_server,
+    check_weights,
+    probe_ids,
+    trainer_probe_logprobs,
+)
+from grpo_lightning.generation.vllm_server_claim import Claim, RunClaims, first_process
 from grpo_lightning.generation.vllm_server_process import (
     ServerLaunch,
     ServerProcess,
@@ -56,24 +66,22 @@ from grpo_lightning.generation.vllm_server_process import (
 )
 from grpo_lightning.generation.vllm_server_weights import (
     FILE_BACKEND,
-    MergedPolicy,
     ServerClient,
     ServerError,
-    check_server,
     load_adapter,
     loaded_models,
+    push_nccl,
     push_weight_files,
 )
-from grpo_lightning.generation.vllm_settings import ServerSettings, engine_lora_rank
+from grpo_lightning.generation.vllm_settings import ServerSettings, check_server_config, engine_lora_rank
 from grpo_lightning.generation.vllm_weights import drain, is_peft_model, policy_weights
-from grpo_lightning.schema import (
-    settings_of,
-)
 from grpo_lightning.sharding import is_sharded, save_policy
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
 
+INTERRUPTED_UPDATE = "already active"
+"""What vLLM answers a `/start_weight_update` while an earlier update was never finished."""
 URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
 """Where the process that started the servers tells the training processes Lightning starts after it (they
 inherit its environment) which URLs to use: `<generator.log_dir>|<url>,<url>`."""
@@ -104,17 +112,15 @@ class VLLMServerGenerator(Generator):
             raise ValueError("generator.lora_sync=adapter needs a LoRA policy (model.lora.enabled=true)")
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.tokenizer = tokenizer
-        self.guard = StaleWeightGuard(s.logp_diff_threshold, s.on_stale)
+        self.guard = StaleWeightGuard(s.logp_diff_threshold, s.on_stale, another_model=s.another_model_logp_diff)
         self.callbacks: list[L.Callback] = []
         self.model_path = engine_model_path(model, s.model_path)
         self.log_dir = Path(s.log_dir).expanduser().resolve()
         self.servers: list[ServerProcess] = []
         self.launches: list[ServerLaunch] = []
         """How each started server was launched (a server restarted in place is launched the same way)."""
-        self.clients = [ServerClient(url, s.request_timeout_s) for url in self._urls()]
+        self.clients = [ServerClient(url, s.request_timeout_s, s.api_key) for url in self._urls()]
         self.transfer_dir = transfer_dir(s.transfer_dir, [c.url for c in self.clients], owner=self)
-        self.run_id = hashlib.blake2b(str(self.log_dir).encode(), digest_size=4).hexdigest()
-        """Names this run's versions alike on every training process (they share the run folder)."""
         self.version = 0
         """Pushes made so far; completions sampled after push n record version n."""
         self.adapter_name: str | None = None
@@ -126,31 +132,64 @@ class VLLMServerGenerator(Generator):
         """vLLM's NCCL trainer engine for each server (`weight_transfer=nccl`), made at the first push."""
         self.sync_s: list[float] = []
         """Seconds each push took (the benchmark reads them)."""
+        self.claims = RunClaims(self.clients, str(self.log_dir.parent), s.claim_ttl_s, self._lock)
+        """This run's claims on its servers (vllm_server_claim.py)."""
+        needs = self._needs()
         for client in self.clients:
-            self.served_model = check_server(client, self.tokenizer, self.sampling.max_new_tokens, self.model_path)
+            self.served_model = check_server(client, self.tokenizer, needs, self.model_path)
+        if first_process():
+            self.claims.take()
         log.info("vLLM servers: %s (%s sync)", ", ".join(c.url for c in self.clients), self.sync_kind)
+
+    def _needs(self) -> ServerNeeds:
+        s = self.settings
+        adapter = s.lora_sync == "adapter"
+        config = getattr(self.policy, "config", None)
+        return ServerNeeds(
+            max_prompt_tokens=s.max_prompt_tokens,
+            max_new_tokens=self.sampling.max_new_tokens,
+            sync="adapter" if adapter else "full",
+            lora_rank=engine_lora_rank(self.policy.peft_config[self.policy.active_adapter].r) if adapter else 0,
+            transfer_backend=None if adapter else self.transfer_backend,
+            model_config=config.to_dict() if config is not None else None,
+        )
+
+    @property
+    def run_id(self) -> str:
+        """The run's claim nonce: it names the run's versions and adapters on every server."""
+        return self.claims.nonce
+
+    def _held(self, client: ServerClient, restarted_ok: bool = False) -> Claim | None:
+        """The server's claim, checked to be this run's (`RunClaims.check`); a server that does not answer stops
+        the run in one line."""
+        return self.claims.check(client, self._ask(client, client.weight_version), restarted_ok)
+
+    def _ask(self, client: ServerClient, call):
+        """A request between rounds' samples: a server that does not answer stops the run in one line."""
+        try:
+            return call()
+        except ServerError as err:
+            raise self._failed(client, "does not answer", err) from None
+
+    def _failed(self, client: ServerClient, what: str, err: ServerError) -> EngineFailed:
+        """The one line for a server that failed mid-run, with honest advice: a server the run started is started
+        anew by a resumed run; a server of one's own must answer again first."""
+        started = next((server for server in self.servers if server.url == client.url), None)
+        if started is not None and not started.alive():
+            return EngineFailed(
+                f"generator: the vLLM server the run started at {client.url} exited (code {started.process.returncode};"
+                f" its log: {started.log_path}); a resumed run starts new servers"
+            )
+        timeout = f"; no answer within generator.request_timeout_s={self.settings.request_timeout_s:g} s"
+        hint = timeout if "timed out" in str(err) else ""
+        advice = "a resumed run starts new servers" if started is not None else "resume once it answers again"
+        return EngineFailed(f"generator: the vLLM server at {client.url} {what} ({err}){hint}; {advice}")
 
     # ---- the config check (before anything is built or loaded) -----------------------------------------------
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
-        """Servers started by an external launcher's processes cannot be found by the others: with several
-        processes started by torchrun or SLURM, `generator.urls` must name them."""
-        settings = settings_of(cfg.generator, ServerSettings)
-        if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
-            engine_lora_rank(cfg.model.lora.r)
-        bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
-        if bound:
-            raise ValueError(
-                f"rollout.max_staleness={bound} samples the next round beside the trainer, which generator="
-                "vllm_server does not do yet; set rollout.max_staleness=0 (the servers already sample beside every "
-                "training process)"
-            )
-        if settings.urls is None and int(cfg.trainer.get("num_nodes", 1) or 1) > 1:
-            raise ValueError(
-                "generator.urls is null, so the run would start its vLLM servers on one node, which the processes "
-                "of the other nodes cannot find: start `vllm serve` yourself and list the servers in generator.urls "
-                "(docs/scaling.md)"
-            )
+        """The server keys against each other and the run (vllm_settings.check_server_config)."""
+        check_server_config(cfg)
 
     @classmethod
     def check_platform(cls, cfg: DictConfig) -> None:
@@ -232,7 +271,11 @@ class VLLMServerGenerator(Generator):
             self._pool.submit(self._complete, order[i % len(order)], prefix, num_samples, budget, greedy, seed)
             for i, (prefix, budget, seed) in enumerate(zip(prefixes, budgets, seeds, strict=True))
         ]
-        return [future.result() for future in futures]
+        out = [future.result() for future in futures]
+        if self.version > 0:  # every server that sampled still holds this run's weights: no other writer came between
+            for client in order[: len(prefixes)]:
+                self._held(client)
+        return out
 
     def _complete(
         self, client: ServerClient, prefix: list[int], n: int, budget: int, greedy: bool, seed: int
@@ -256,10 +299,7 @@ class VLLMServerGenerator(Generator):
         try:
             answer = client.post("/v1/completions", body)
         except ServerError as err:
-            raise RuntimeError(
-                f"generator: the vLLM server at {client.url} failed a completion request ({err}); the run stops "
-                "and resumes from its last checkpoint (ckpt_path=<run dir>)"
-            ) from None
+            raise self._failed(client, "failed a completion request", err) from None
         served_by = answer.get("model")
         version = self._version_of(served_by)
         if self.version - version > self.settings.max_staleness:
@@ -291,6 +331,26 @@ class VLLMServerGenerator(Generator):
             return int(served_by.removeprefix(prefix))
         return self.version
 
+    def _first_push_checks(self) -> None:
+        """After the first push, every server's log-probs of the probe text must equal the trainer's (every process
+        runs the trainer's forward: a sharded policy's is collective; the first process asks the servers)."""
+        ids = probe_ids(self.tokenizer)
+        ours = trainer_probe_logprobs(self.policy, ids)
+        problem = [None]
+        if rank_and_world()[0] == 0:
+            tolerance = self.settings.logp_diff_threshold or self.settings.another_model_logp_diff
+            model = self._adapter_name(self.version) if self.settings.lora_sync == "adapter" else self.served_model
+            try:
+                for client in self.clients:
+                    diff = check_weights(client, model, ids, ours, tolerance)
+                    log.info("the vLLM server at %s serves the policy's weights (probe diff %.3g)", client.url, diff)
+            except ValueError as err:
+                problem = [str(err)]
+        if is_distributed():  # every process stops alike, with the same line
+            torch.distributed.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise ValueError(problem[0])
+
     # ---- weights ---------------------------------------------------------------------------------------------
     def sync_weights(self, policy: nn.Module) -> None:
         """Push the policy's weights (rank 0, to every server), every round; the other processes wait for it."""
@@ -300,6 +360,11 @@ class VLLMServerGenerator(Generator):
 
     def push_weights(self) -> None:
         rank, _ = rank_and_world()
+        first = self.version == 0
+        if first and is_distributed():  # the first process's claim names every version
+            shared = [self.claims.nonce]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self.claims.nonce = shared[0]
         self.version += 1
         if rank == 0:
             start = time.perf_counter()
@@ -313,6 +378,8 @@ class VLLMServerGenerator(Generator):
             torch.distributed.barrier()  # no process samples before every server holds the new version
         if self.settings.lora_sync == "adapter":
             self.adapter_name = self._adapter_name(self.version)
+        if first:
+            self._first_push_checks()
 
     def _take_part_in_push(self) -> None:
         """What a process that pushes nothing runs while rank 0 pushes to one server: the same gathers."""
@@ -322,47 +389,44 @@ class VLLMServerGenerator(Generator):
             drain(policy_weights(self.policy, adapted_only=False))
 
     def _adapter_name(self, version: int) -> str:
+        """`policy-<claim>-v<n>`: the run's own name on a shared server, whatever other runs loaded there."""
         return f"policy-{self.run_id}-v{version}"
 
     def _push(self, client: ServerClient) -> None:
+        """One push to one server, under this run's claim (a server another writer claimed stops the run first)."""
         with self._lock:
+            if self.version > 1:
+                self._held(client, restarted_ok=True)
             try:
                 if self.settings.lora_sync == "adapter":
                     folder = self.transfer_dir / "adapters" / self._adapter_name(self.version)
                     save_policy(self.policy, folder)
                     load_adapter(client, self._adapter_name(self.version), folder, self.adapter_name)
-                elif self.transfer_backend == FILE_BACKEND:
-                    client.init_weight_transfer_engine({})  # no rendezvous: cheap, and a restarted server needs it
-                    weights = policy_weights(self.policy, adapted_only=False)
-                    push_weight_files(client, weights, self.transfer_dir / "weights", self._version_tag())
-                    client.post("/reset_prefix_cache")
+                    client.post("/update_weight_version", {"new_version": self.claims.render(self.version)})
                 else:
-                    self._push_nccl(client)
+                    try:
+                        self._push_full(client)
+                    except ServerError as err:
+                        if INTERRUPTED_UPDATE not in str(err):
+                            raise
+                        # A run killed mid-push left the server inside a weight update (vLLM has no route to abort
+                        # one). The server is this run's (claimed at start), so the update was this run's earlier
+                        # process's or an expired claim's: finished here; the push rewrites every weight it wrote.
+                        log.warning("the vLLM server at %s was inside an interrupted weight update", client.url)
+                        client.finish_weight_update(None)
+                        self._push_full(client)
             except ServerError as err:
-                raise RuntimeError(
-                    f"generator: pushing weights to the vLLM server at {client.url} failed ({err}); the run stops "
-                    "and resumes from its last checkpoint (ckpt_path=<run dir>)"
-                ) from None
+                raise self._failed(client, "failed a weight push", err) from None
 
-    def _version_tag(self) -> str:
-        return f"{self.run_id}:{self.version}"
-
-    def _push_nccl(self, client: ServerClient) -> None:
-        """vLLM's NCCL trainer engine, driven through this client (vLLM must be installed in the trainer's
-        environment; the rendezvous is made once per server)."""
-        from vllm.distributed.weight_transfer.base import ModuleSource
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        if client.url not in self.nccl_engines:
-            workers = int(client.get("/get_world_size")["world_size"])
-            host = urlparse(client.url).hostname or "127.0.0.1"
-            address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
-            info = NCCLTrainerInitInfo(rank=0, master_address=address, master_port=free_port(), world_size=1 + workers)
-            self.nccl_engines[client.url] = WeightTransferTrainerFactory.trainer_init(
-                init_info=info, client=client, source=ModuleSource(MergedPolicy(self.policy))
-            )
-        self.nccl_engines[client.url].send_weights()
+    def _push_full(self, client: ServerClient) -> None:
+        if self.transfer_backend == FILE_BACKEND:
+            client.init_weight_transfer_engine({})  # no rendezvous: cheap, and a restarted server needs it
+            weights = policy_weights(self.policy, adapted_only=False)
+            folder, stem = self.transfer_dir / "weights", f"{self.run_id}-v{self.version}"
+            push_weight_files(client, weights, folder, self.claims.render(self.version), stem)
+            client.post("/reset_prefix_cache")
+        else:
+            push_nccl(client, self.policy, self.nccl_engines)
 
     def _ensure_current(self, client: ServerClient) -> None:
         """A server that does not hold the current version (restarted since the last push) gets it from rank 0
@@ -370,26 +434,27 @@ class VLLMServerGenerator(Generator):
         racing rank 0: the run resumes from its last checkpoint, and every round starts with a push)."""
         if self.version == 0:
             return
-        try:
-            if self.settings.lora_sync == "adapter":
-                current = self.adapter_name in loaded_models(client)
-            else:
-                current = client.weight_version() == self._version_tag()
-        except ServerError as err:
-            raise RuntimeError(f"generator: the vLLM server at {client.url} does not answer ({err})") from None
+        found = self._held(client, restarted_ok=True)
+        if found is None:  # restarted: the model's own weights, no adapter
+            current = False
+        elif self.settings.lora_sync == "adapter":
+            current = self.adapter_name in self._ask(client, lambda: loaded_models(client))
+        else:
+            current = found.pushes == self.version
         if current:
             return
         rank, _ = rank_and_world()
         if rank != 0 or is_sharded(self.policy):  # a sharded policy is pushed by every process together
-            raise RuntimeError(
+            raise EngineFailed(
                 f"generator: the vLLM server at {client.url} lost weights version {self.version} during the round "
-                "(restarted?); the run stops and resumes from its last checkpoint (ckpt_path=<run dir>)"
+                "(restarted?); a resumed run gives it the weights"
             )
         log.warning("the vLLM server at %s lacks weights version %d: pushing them first", client.url, self.version)
         self._push(client)
 
     def close(self) -> None:
-        """Stop the servers this process started (they also stop when it exits)."""
+        """Stop renewing the claim and stop the servers this process started (they also stop when it exits)."""
+        self.claims.release()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
             server.stop()

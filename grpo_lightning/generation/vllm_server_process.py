@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -26,14 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from grpo_lightning.generation.server_supervisor import GRACE_S
 from grpo_lightning.generation.vllm_io import free_port
 from grpo_lightning.generation.vllm_server_weights import ServerClient, ServerError
-from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, ServerSettings
+from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, ServerSettings, check_transfer_dir
 
 log = logging.getLogger(__name__)
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 """The module `vllm serve` runs."""
+SUPERVISOR = str(Path(__file__).with_name("server_supervisor.py"))
+"""Run as a file between the run and each server it starts: the server stops whole however either ends."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,9 @@ class ServerLaunch:
 
 
 class ServerProcess:
-    """One started server: `url`, its log file, and `stop()`. It dies with the process that started it (Linux
-    parent-death signal) and at exit."""
+    """One started server: `url`, its log file, and `stop()`. It runs under a supervisor
+    (server_supervisor.py) that stops it and its engine processes when the process that started it ends, however
+    it ends (SIGKILL included), and sweeps the engine processes a killed server leaves behind."""
 
     def __init__(self, launch: ServerLaunch, log_path: Path, port: int | None = None) -> None:
         """`port`: where it listens on 127.0.0.1 (None: a free one; a server restarted in place passes its old)."""
@@ -67,11 +71,14 @@ class ServerProcess:
         if launch.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = launch.cuda_devices
         self.command = command
+        supervised = [sys.executable, SUPERVISOR, str(os.getpid()), *command]
         with open(log_path, "ab") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent,
-                preexec_fn=_die_with_parent, start_new_session=True,
+                supervised, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent,
+                start_new_session=True,
             )  # fmt: skip
+        """The supervisor (server_supervisor.py): the leader of the server's process group, alive while the server
+        is."""
         log.info("started vLLM server pid %d at %s (log: %s)", self.process.pid, self.url, log_path)
         weakref.finalize(self, _terminate, self.process)
         atexit.register(_terminate, self.process)
@@ -161,23 +168,18 @@ def last_line(path: Path) -> str:
 
 
 def _terminate(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 10 s."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
+    """Stop the server's whole process group: SIGTERM to the supervisor, which stops the group (SIGKILL after its
+    grace), then SIGKILL to whatever of the group is left, also when the supervisor or the server had already
+    exited (the engine processes a killed server leaves behind stay in its group)."""
+    if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+            process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=GRACE_S + 10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the starting process dies (Linux `PR_SET_PDEATHSIG`)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def server_launches(
@@ -202,11 +204,12 @@ def server_launches(
 
 
 def transfer_dir(setting: str | None, urls: list[str], owner: object) -> Path:
-    """Where adapters and weight chunks are written for the servers to read: `generator.transfer_dir`, or by
-    default, when every server runs on this machine, a folder of this process's in shared memory (/dev/shm: a
-    chunk is written and read at memory speed), removed when `owner` (the generator) goes."""
+    """Where adapters and weight chunks are written for the servers to read: `generator.transfer_dir` (a private
+    folder of the run's inside it when others can write there: `private_folder`), or by default, when every server
+    runs on this machine, a private folder of this process's in shared memory (/dev/shm: a chunk is written and
+    read at memory speed), removed when `owner` (the generator) goes."""
     if setting is not None:
-        return Path(setting).expanduser().resolve()
+        return private_folder(check_transfer_dir(setting), owner)
     remote = [url for url in urls if urlparse(url).hostname not in ("127.0.0.1", "localhost", "::1")]
     if remote:
         raise ValueError(
@@ -217,3 +220,22 @@ def transfer_dir(setting: str | None, urls: list[str], owner: object) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="grpo_vllm_server_", dir=shm if shm.is_dir() else None))
     weakref.finalize(owner, shutil.rmtree, folder, True)
     return folder
+
+
+def private_folder(folder: Path, owner: object) -> Path:
+    """`folder` itself when only its owner can write it; else (a shared folder such as /dev/shm or /tmp, where
+    another local user could create the run's subfolders first and swap the adapters or weight chunks the
+    servers load) a new folder of this run's inside it, made with mode 0700 and checked to be a real directory
+    owned by this user, removed when `owner` goes."""
+    info = folder.stat()
+    if not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return folder
+    private = Path(tempfile.mkdtemp(prefix="grpo_vllm_server_", dir=folder))
+    made = os.lstat(private)
+    if not stat.S_ISDIR(made.st_mode) or made.st_uid != os.geteuid() or stat.S_IMODE(made.st_mode) != 0o700:
+        raise ValueError(
+            f"generator.transfer_dir: the run's private folder {private} is not a directory of this user with mode "
+            "0700; choose a folder only this user can write"
+        )
+    weakref.finalize(owner, shutil.rmtree, private, True)
+    return private

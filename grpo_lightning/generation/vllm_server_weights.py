@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from torch import Tensor, nn
 
@@ -38,17 +39,24 @@ class ServerError(RuntimeError):
 
 
 class ServerClient:
-    """One server's HTTP routes, each call bounded by `timeout_s` (urllib: no client library needed)."""
+    """One server's HTTP routes, each call bounded by `timeout_s` (urllib: no client library needed).
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    `api_key` (`generator.api_key`) goes with every request as a bearer token, as vLLM's `--api-key` and
+    authenticating proxies expect; it is kept out of `repr` and of every message."""
+
+    def __init__(self, url: str, timeout_s: float, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def __repr__(self) -> str:
+        return f"ServerClient({self.url!r})"
 
     def request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            f"{self.url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method, headers=self._headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
                 text = response.read().decode()
@@ -87,16 +95,18 @@ class ServerClient:
         return self.get("/weight_info").get("weight_version")
 
 
-def push_weight_files(client: ServerClient, weights: Iterable[tuple[str, Tensor]], folder: Path, version: str) -> int:
-    """Push (checkpoint name, tensor) pairs through the file backend; returns the bytes sent. A chunk's file is
-    deleted once the server has loaded it, and on any error."""
+def push_weight_files(
+    client: ServerClient, weights: Iterable[tuple[str, Tensor]], folder: Path, version: str, stem: str
+) -> int:
+    """Push (checkpoint name, tensor) pairs through the file backend, finished as `version`; returns the bytes
+    sent. Chunk i is `<stem>.<i>.safetensors`, deleted once the server has loaded it, and on any error."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     sent = 0
     client.start_weight_update()
     for index, chunk in enumerate(chunked(weights, FILE_CHUNK_BYTES)):
-        path = folder / f"{version}.{index}.safetensors"
+        path = folder / f"{stem}.{index}.safetensors"
         try:
             tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in chunk}
             save_file(tensors, str(path))
@@ -122,42 +132,6 @@ def loaded_models(client: ServerClient) -> list[str]:
     return [entry["id"] for entry in client.get("/v1/models").get("data", [])]
 
 
-def shared_folder(path: str | os.PathLike) -> Path:
-    folder = Path(path).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-TOKENIZER_PROBE = "Natalia sold clips to 48 of her friends in April. 7 x 8 = 56 <|im_end|>"
-"""A text both tokenizers must encode alike (the start-up check against another model's server)."""
-
-
-def check_server(client: ServerClient, tokenizer, max_new_tokens: int, model_path: str) -> str:
-    """The id of the model the server serves, after checking it serves one with the policy's tokenizer and room
-    for a round's sequences: one line naming the URL otherwise (before any training)."""
-    try:
-        models = client.get("/v1/models").get("data", [])
-    except ServerError as err:
-        raise ValueError(f"generator.urls: the vLLM server at {client.url} does not answer ({err})") from None
-    if not models:
-        raise ValueError(f"generator.urls: the vLLM server at {client.url} serves no model")
-    served = models[0]
-    max_len = served.get("max_model_len")
-    if isinstance(max_len, int) and max_len < max_new_tokens + 2:
-        raise ValueError(
-            f"the vLLM server at {client.url} has max_model_len {max_len}, below a prompt plus "
-            f"generator.max_new_tokens={max_new_tokens}: serve it with a longer --max-model-len"
-        )
-    theirs = client.post("/tokenize", {"model": served["id"], "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
-    ours = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-    if list(theirs.get("tokens", [])) != list(ours):
-        raise ValueError(
-            f"the vLLM server at {client.url} serves {served['id']!r}, whose tokenizer differs from the policy's "
-            f"({model_path}): serve the policy's model, or set generator.urls to a server that does"
-        )
-    return served["id"]
-
-
 class MergedPolicy(nn.Module):
     """The policy's weights as vLLM checkpoint names, LoRA merged (vLLM's `ModuleSource` reads a module)."""
 
@@ -167,3 +141,23 @@ class MergedPolicy(nn.Module):
 
     def named_parameters(self, *args, **kwargs):
         yield from policy_weights(self.policy, adapted_only=False)
+
+
+def push_nccl(client: ServerClient, policy: nn.Module, engines: dict[str, Any]) -> None:
+    """Full weights through vLLM's NCCL trainer engine, driven through `client` (vLLM must be installed in the
+    trainer's environment); `engines` keeps each server's engine, whose rendezvous is made at its first push."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from grpo_lightning.generation.vllm_io import free_port
+
+    if client.url not in engines:
+        workers = int(client.get("/get_world_size")["world_size"])
+        host = urlparse(client.url).hostname or "127.0.0.1"
+        address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
+        info = NCCLTrainerInitInfo(rank=0, master_address=address, master_port=free_port(), world_size=1 + workers)
+        engines[client.url] = WeightTransferTrainerFactory.trainer_init(
+            init_info=info, client=client, source=ModuleSource(MergedPolicy(policy))
+        )
+    engines[client.url].send_weights()

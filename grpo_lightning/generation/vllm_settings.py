@@ -6,11 +6,15 @@ choices; vllm_io.py the engine and request arguments and the output parsing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from grpo_lightning.generation.placement import parse_device
-from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE
+from grpo_lightning.generation.stale_guard import ACTION_RULE, ANOTHER_MODEL_LOGP_DIFF, THRESHOLD_RULE
 from grpo_lightning.generation.vllm_server_weights import FILE_BACKEND
 from grpo_lightning.schema import (
     SEED_MAX,
@@ -23,6 +27,7 @@ from grpo_lightning.schema import (
     number,
     optional,
     setting,
+    settings_of,
     text,
 )
 
@@ -188,6 +193,13 @@ class ServerSettings:
     seed: int = setting(0, integer(0, SEED_MAX))
     logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
     on_stale: str = setting("warn", ACTION_RULE)
+    another_model_logp_diff: float = setting(ANOTHER_MODEL_LOGP_DIFF, number(above=0))
+    max_prompt_tokens: int = setting(512, integer(1))
+    claim_ttl_s: float = setting(120.0, number(above=0))
+    api_key: str | None = setting(None, optional(text))
+
+    def __repr__(self) -> str:  # the API key stays out of every message and log
+        return "ServerSettings(...)"
 
     def __post_init__(self) -> None:
         check_settings(self, "generator")
@@ -201,3 +213,61 @@ class ServerSettings:
                 f"generator.server_devices lists {len(self.server_devices)} device sets for "
                 f"generator.num_servers={self.num_servers}: give one CUDA_VISIBLE_DEVICES value per server"
             )
+
+
+def check_server_config(cfg) -> None:
+    """generator=vllm_server's keys against each other and the run, before anything loads: the adapter's rank
+    vLLM must hold, an API key only from the environment (a key written in the config would stay in the run's
+    record), `transfer_dir`, the started servers' `max_model_len` against the longest prompt plus
+    `max_new_tokens`, no overlapped rounds yet, and, on several nodes, servers listed in `generator.urls` (servers
+    the first node starts cannot be found by the processes of the others)."""
+    settings = settings_of(cfg.generator, ServerSettings)
+    if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
+        engine_lora_rank(cfg.model.lora.r)
+    raw_key = OmegaConf.to_container(cfg.generator, resolve=False).get("api_key")
+    if raw_key is not None and not (isinstance(raw_key, str) and raw_key.startswith("${oc.env:")):
+        raise ValueError(
+            "generator.api_key is written in the config, where the run's record would keep it: set it in the "
+            "environment instead (VLLM_API_KEY, which generator.api_key reads by default, or "
+            "generator.api_key='${oc.env:YOUR_VARIABLE}')"
+        )
+    if settings.transfer_dir is not None:
+        check_transfer_dir(settings.transfer_dir)
+    need = settings.max_prompt_tokens + int(cfg.generator.max_new_tokens)
+    if settings.urls is None and settings.max_model_len is not None and settings.max_model_len < need:
+        raise ValueError(
+            f"generator.max_model_len={settings.max_model_len} cannot hold the longest prompt (data."
+            f"max_prompt_tokens={settings.max_prompt_tokens}) plus generator.max_new_tokens="
+            f"{cfg.generator.max_new_tokens} = {need}: raise it, or null for the model's own"
+        )
+    bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
+    if bound:
+        raise ValueError(
+            f"rollout.max_staleness={bound} samples the next round beside the trainer, which generator="
+            "vllm_server does not do yet; set rollout.max_staleness=0 (the servers already sample beside every "
+            "training process)"
+        )
+    if settings.urls is None and int(cfg.trainer.get("num_nodes", 1) or 1) > 1:
+        raise ValueError(
+            "generator.urls is null, so the run would start its vLLM servers on one node, which the processes "
+            "of the other nodes cannot find: start `vllm serve` yourself and list the servers in generator.urls "
+            "(docs/scaling.md)"
+        )
+
+
+def check_transfer_dir(setting: str) -> Path:
+    """`generator.transfer_dir`, checked before anything loads: a directory (made if missing) this process can
+    write; one line naming the key otherwise."""
+    folder = Path(setting).expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"generator.transfer_dir: {folder} is a file, not a directory; point it at a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(
+            f"generator.transfer_dir: cannot create {folder} ({err.strerror}); choose a folder this user can write "
+            "and the servers can read"
+        ) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"generator.transfer_dir: {folder} is not writable by this user; choose another folder")
+    return folder

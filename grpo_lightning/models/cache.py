@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
@@ -131,20 +132,19 @@ def sync_folder(folder: Path, files: bool = True) -> None:
 
 
 def acquire_conversion_lock(target: Path) -> FileLock:
-    """The lock beside the converted folder `target`, held: a process that finds another converting waits (saying
-    so) at most CONVERSION_LOCK_TIMEOUT_S; a cache it cannot write, or a lock never released, is one error naming
-    `paths.cache_dir` and the path. (filelock retries forever on a lock file it may not create.)"""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"paths.cache_dir: cannot create {target.parent} ({err.strerror}); {FIX}") from None
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise ValueError(f"paths.cache_dir: {target.parent} is not writable; {FIX}")
-    lock = FileLock(str(target) + ".lock")
+    """The lock beside the converted folder `target`, held. A cache that cannot be written (a folder without write
+    permission, a read-only file system, a lock file of another user) is one error naming `paths.cache_dir` at
+    once, found by writing there (`check_writable`), since `os.access` answers for root what root may do and some
+    filelock versions take a lock file they may not open for one held by another process. Only a lock that another
+    process holds is waited on (saying so), at most CONVERSION_LOCK_TIMEOUT_S."""
+    lock_file = target.with_name(f"{target.name}.lock")
+    check_writable(target.parent, lock_file)
+    lock = FileLock(str(lock_file))
     try:
         lock.acquire(timeout=1)
         return lock
     except Timeout:
+        check_writable(target.parent, lock_file)  # a lock file another process created meanwhile, checked too
         log.info("waiting for %s: another process is converting this model", lock.lock_file)
     except OSError as err:
         raise ValueError(f"paths.cache_dir: cannot lock {lock.lock_file} ({err.strerror}); {FIX}") from None
@@ -152,10 +152,29 @@ def acquire_conversion_lock(target: Path) -> FileLock:
         lock.acquire(timeout=CONVERSION_LOCK_TIMEOUT_S)
     except Timeout:
         raise ValueError(
-            f"paths.cache_dir: {lock.lock_file} stayed locked for {CONVERSION_LOCK_TIMEOUT_S} s: another process "
-            f"holds it, or {target.parent} cannot be written; if no process converts this model, {FIX}"
+            f"paths.cache_dir: {lock.lock_file} stayed locked for {CONVERSION_LOCK_TIMEOUT_S} s by another process; "
+            f"if no process converts this model, remove {lock.lock_file}, or {FIX}"
         ) from None
     return lock
+
+
+def check_writable(folder: Path, lock_file: Path | None = None) -> None:
+    """Raise one line naming `paths.cache_dir` unless a file can be created in `folder` (created when missing) and
+    the existing `lock_file`, where given, opened for writing: the operations a conversion needs, tried."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"paths.cache_dir: cannot create {folder} ({err.strerror}); {FIX}") from None
+    path = folder
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+        if lock_file is not None and lock_file.exists():
+            path = lock_file
+            os.close(os.open(lock_file, os.O_RDWR))
+    except OSError as err:
+        raise ValueError(f"paths.cache_dir: {path} is not writable ({err.strerror}); {FIX}") from None
 
 
 @contextmanager

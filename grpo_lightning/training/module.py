@@ -135,6 +135,8 @@ class GRPOModule(L.LightningModule):
         self._norm_before_step: float | None = None
         self.last_old_logprobs: Tensor | None = None
         """[B, C] the old log-probs the last training step's loss used (the rollout loop's logp agreement)."""
+        self.last_batch: RolloutBatch | None = None
+        """The micro-batch of the last training step (with `last_old_logprobs`)."""
         self.run_info = dict(run_info or {})
         self.fixed_settings = dict(fixed_settings or {})
 
@@ -142,7 +144,12 @@ class GRPOModule(L.LightningModule):
         """trainer=fsdp: shard the policy (and a full reference) over the processes (grpo_lightning/sharding.py). Every
         other strategy sets no device mesh, and the modules stay as they are."""
         mesh = self.device_mesh
-        if mesh is None or is_sharded(self.policy):
+        if mesh is None:
+            return
+        # Every backbone call gathers each decoder layer (a collective), so each process must make as many calls as
+        # the others, whatever the rows of its micro-batch: one per forward (grpo_lightning/sharding.py).
+        self.forward_settings = self.forward_settings.one_backbone_call()
+        if is_sharded(self.policy):
             return
         shard_module(self.policy, mesh["data_parallel"])
         if self.reference is not None:
@@ -243,6 +250,7 @@ class GRPOModule(L.LightningModule):
         logp, terms = self.step_forward(batch)  # [B, C]
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         self.last_old_logprobs = old_logp  # [B, C] the rollout loop compares the unscored ones with the generator's
+        self.last_batch = batch
         ref_logp = self.reference_logprobs(batch)
         mask, gen_logp = batch.completion_mask, batch.gen_logprobs  # the generator's: the rollout correction's
         advantages = batch.loss_advantages  # [B], or [B, C] with per-token credit (STORPO's variant.advantage=tree)

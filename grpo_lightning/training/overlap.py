@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from grpo_lightning.distributed import is_distributed
+from grpo_lightning.distributed import group_timeout, is_distributed
 from grpo_lightning.generation.base import BackgroundEngine, Generator
 from grpo_lightning.schema import check_settings, integer, optional, setting
 
@@ -102,8 +102,9 @@ class BackgroundSampling:
         self.device = device if device is not None else torch.device("cpu")
         """Where the engine copy computes; on a CUDA device the worker enqueues its kernels on a stream of its own."""
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.group = dist.new_group(backend="gloo") if is_distributed() else None
-        """The worker's process group (every rank builds it, in the same order: at the run's start)."""
+        self.group = dist.new_group(backend="gloo", timeout=group_timeout()) if is_distributed() else None
+        """The worker's process group (every rank builds it, in the same order: at the run's start), bounded as the
+        run's own (`trainer.collective_timeout_s`)."""
         self.snapshot_step = 0
         """The optimizer step whose weights the engine holds (the staleness of a round sampled from them)."""
         self._thread: threading.Thread | None = None

@@ -117,6 +117,8 @@ class RolloutLoop(L.Callback):
         """That round's rollouts, once generated."""
         self.agreement = LogpAgreement()
         """Generator / trainer log-prob agreement of the round being trained."""
+        self.agreement_judged = False
+        """Whether this round's agreement was judged against the another-model bound (before its first update)."""
         self.scored = False
         """Whether the round being trained had its old log-probs scored before its first update."""
         self._resume_state: dict | None = None
@@ -171,9 +173,20 @@ class RolloutLoop(L.Callback):
             self.start_next(trainer, pl_module)
         self._train_start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss) -> None:
         if not self.scored:  # one optimizer step per round: the step's own log-probs are the pre-update ones
-            self.agreement.add(pl_module.last_old_logprobs, batch)
+            self.agreement.add(pl_module.last_old_logprobs, pl_module.last_batch)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        """Before the round's first update: a round another model sampled is never trained on (the guard's
+        `another_model` bound, judged on the agreement over every rank, so all stop alike)."""
+        if self.agreement_judged or self.guard.another_model is None:
+            return
+        self.agreement_judged = True
+        sums = torch.tensor([self.agreement.total, self.agreement.count], dtype=torch.float64, device=pl_module.device)
+        total, count = (float(x) for x in trainer.strategy.reduce(sums, reduce_op="sum"))
+        if count > 0:
+            self.guard.check_another_model(trainer.current_epoch, total / count)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The end of a round, in order: its timing and log-prob agreement, the stop check, the next round's
@@ -357,6 +370,7 @@ class RolloutLoop(L.Callback):
             dm.micro_batches_per_round * dm.settings.num_iterations > accumulate
         )  # more than one optimizer step
         self.agreement = LogpAgreement()
+        self.agreement_judged = False
         if self.scored:
             for mb in micro_batches:
                 mb.old_logprobs = pl_module.score_old_logprobs(mb.to(pl_module.device)).float().cpu()  # [B, C]

@@ -180,3 +180,29 @@ def test_entropy_bonus_gradient_equals_autograd_of_the_token_mean_entropy(policy
         torch.testing.assert_close(g, truth[name], rtol=1e-4, atol=1e-9, msg=name)
     real = mask.bool()
     torch.testing.assert_close(terms.entropy[real], entropy.detach()[real], rtol=1e-6, atol=1e-8)
+
+
+def test_one_backbone_call_per_forward_whatever_the_rows(policy, tokenizer, monkeypatch):
+    """`ForwardSettings.one_backbone_call` (what a sharded policy trains with, trainer=fsdp): the backbone runs once,
+    where the default levers run it once per distinct prompt and per run of similar lengths, a number that depends
+    on the rows; the log-probs are the same."""
+    from grpo_lightning.accel import ForwardSettings
+
+    monkeypatch.setattr(forward, "RUN_CALL_COST_TOKENS", 0)
+    batch = make_batch(tokenizer.pad_token_id, groups=((7, 4), (12, 3)), seed=3)
+    backbone, _ = forward.backbone_and_head(policy)
+    calls = []
+    backbone.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+
+    def forward_with(levers: ForwardSettings) -> tuple[torch.Tensor, int]:  # log-probs [B, C], backbone calls
+        calls.clear()
+        _, logp = completion_logits_and_logprobs(
+            policy, batch, 0.7, False, levers.share_prefix, levers.logits_chunk_tokens, levers.runs_by_length
+        )
+        return logp.detach(), len(calls)
+
+    default_logp, default_calls = forward_with(ForwardSettings())
+    one_logp, one_calls = forward_with(ForwardSettings().one_backbone_call())
+    assert default_calls >= 3 and one_calls == 1
+    assert ForwardSettings().one_backbone_call().logits_chunk_tokens == ForwardSettings().logits_chunk_tokens
+    assert torch.allclose(one_logp, default_logp, atol=1e-5)

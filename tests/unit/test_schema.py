@@ -213,7 +213,7 @@ def test_the_declared_defaults_are_the_default_config(tmp_path):
     from omegaconf import DictConfig
 
     from grpo_lightning.app.run_settings import RunSettings
-    from grpo_lightning.app.validation import target_schemas
+    from grpo_lightning.config_keys import target_schemas
     from grpo_lightning.schema import declared, nested_schema
 
     differ = []

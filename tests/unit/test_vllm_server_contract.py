@@ -11,15 +11,30 @@ from pathlib import Path
 
 import pytest
 
+from grpo_lightning.errors import EngineFailed
+from grpo_lightning.generation import vllm_server_claim as claims
 from grpo_lightning.generation.vllm_server import VLLMServerGenerator
+from grpo_lightning.generation.vllm_server_checks import trainer_probe_logprobs
 from grpo_lightning.generation.vllm_server_process import ServerLaunch, start_servers
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from tests.fake_vllm_server import COMPLETION, FakeServer
 
 
+@pytest.fixture(autouse=True)
+def no_settle_delay(monkeypatch):
+    """The claim's read-back waits 0.5-1.5 s against runs that start together (tests/unit/test_vllm_server_trust.py)."""
+    monkeypatch.setattr(claims, "settle_delay", lambda: 0.0)
+
+
+def scorer_of(model):
+    """A fake server's prompt log-probs: those of `model` (the weights it holds)."""
+    return lambda ids: trainer_probe_logprobs(model, ids).tolist()
+
+
 @pytest.fixture
-def servers(tokenizer):
-    made = [FakeServer(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]) for _ in range(2)]
+def servers(tokenizer, tiny_model):
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    made = [FakeServer(encode, scorer=scorer_of(tiny_model)) for _ in range(2)]
     yield made
     for server in made:
         server.close()
@@ -70,12 +85,12 @@ def test_a_full_push_runs_the_four_phases_and_a_restarted_server_gets_the_weight
     gen = generator(tiny_model, tokenizer, servers[:1], tmp_path)
     gen.sync_weights(tiny_model)
     server = servers[0]
-    phases = [p for p in server.paths() if "weight" in p]
+    phases = [p for p in server.paths() if "weight" in p and p != "POST /update_weight_version"]  # not the claim
     assert phases == [
         "POST /init_weight_transfer_engine", "POST /start_weight_update", "POST /update_weights",
         "POST /finish_weight_update",
     ]  # fmt: skip
-    assert server.weight_version == f"{gen.run_id}:1"
+    assert (claims.parse(server.weight_version).nonce, claims.parse(server.weight_version).pushes) == (gen.run_id, 1)
     assert not list((tmp_path / "transfer" / "weights").iterdir())  # each chunk deleted once loaded
     (completion,) = gen.generate([[1, 2]], num_samples=1)[0]
     assert completion.weight_version == 1
@@ -84,7 +99,7 @@ def test_a_full_push_runs_the_four_phases_and_a_restarted_server_gets_the_weight
     gen.generate([[1, 2]], num_samples=1)
     paths = server.paths()
     assert paths.index("POST /finish_weight_update") < paths.index("POST /v1/completions")
-    assert server.weight_version == f"{gen.run_id}:1"
+    assert claims.parse(server.weight_version).pushes == 1
 
 
 def test_an_adapter_is_loaded_under_its_version_and_an_undelivered_one_is_refused(
@@ -112,7 +127,11 @@ def test_an_adapter_is_loaded_under_its_version_and_an_undelivered_one_is_refuse
     [
         ("unreachable", "does not answer"),
         ("tokenizer", "whose tokenizer differs from the policy's"),
-        ("max_model_len", "has max_model_len 4, below a prompt plus generator.max_new_tokens=8"),
+        (
+            "max_model_len",
+            "has max_model_len 4, below the longest prompt (data.max_prompt_tokens=512) plus "
+            "generator.max_new_tokens=8 = 520",
+        ),
     ],
 )
 def test_a_server_that_cannot_serve_the_run_is_refused_in_one_line(
@@ -135,8 +154,9 @@ def test_a_server_that_cannot_serve_the_run_is_refused_in_one_line(
 def test_a_server_killed_mid_round_stops_the_run_naming_it(tmp_path, tiny_model, tokenizer, servers):
     gen = generator(tiny_model, tokenizer, servers[:1], tmp_path)
     servers[0].close()
-    with pytest.raises(RuntimeError, match=f"the vLLM server at {servers[0].url}.*resumes from its last checkpoint"):
+    with pytest.raises(EngineFailed, match=f"the vLLM server at {servers[0].url}.*resume once it answers again") as err:
         gen.generate([[1, 2]], num_samples=1)
+    assert err.value.resumable and "\n" not in str(err.value)
 
 
 @pytest.mark.slow  # starts processes

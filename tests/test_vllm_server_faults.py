@@ -1,0 +1,126 @@
+"""generator=vllm_server against real `vllm serve` servers on 127.0.0.1 (vLLM's CPU build) with the faults of servers
+shared between runs: a server of another model's weights, a second run on a claimed server, a push a killed run
+left open, a server behind an API key, a server killed with SIGKILL, and a run killed with SIGKILL. The fake-server
+tests (tests/unit/test_vllm_server_trust.py) cover each check's message; these hold them against vLLM itself.
+
+Truths: the trainer's own log-probs (a plain float32 forward); the process table (/proc): every process of a
+started server's group, its engine included, is gone after the run or the server ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lightning.errors import EngineFailed
+from grpo_lightning.generation import vllm_server_claim as claims
+from grpo_lightning.generation.vllm_server import VLLMServerGenerator
+from grpo_lightning.generation.vllm_server_process import ServerLaunch, launch_args, server_env, start_servers
+from grpo_lightning.generation.vllm_server_weights import ServerClient
+from tests.processes import group_members, parent_of, wait_gone
+from tests.test_vllm import LOGP_DIFF_BOUND, _load, _logp_diff, _prompts, _vllm
+
+pytestmark = pytest.mark.vllm
+
+API_KEY = "test-key-1234"
+
+
+def launch(model: Path, lora: bool) -> ServerLaunch:
+    args = launch_args(
+        dtype="float32", seed=0, max_model_len=1024, cpu=True, weight_transfer="grpo_files",
+        lora_rank=8 if lora else 0, kv_cache_gib=0.25, extra=["--api-key", API_KEY],
+    )  # fmt: skip
+    return ServerLaunch(str(model), args, server_env())
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory, llama_dir, tokenizer) -> Path:
+    """The test model's architecture and tokenizer with other weights."""
+    policy = _load(llama_dir)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    folder = tmp_path_factory.mktemp("other-llama")
+    policy.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_shared_server_is_checked_claimed_kept_and_stopped_whole(tmp_path, llama_dir, other_model, tokenizer):
+    """One server (LoRA slots and the file backend, behind --api-key) serving another model's weights."""
+    _vllm()
+    (server,) = start_servers([launch(other_model, lora=True)], tmp_path / "server", timeout_s=600)
+    keys = {"urls": [server.url], "api_key": API_KEY, "transfer_dir": str(tmp_path / "t"), "max_new_tokens": 16,
+            "max_prompt_tokens": 256, "request_timeout_s": 60, "temperature": 0.7}  # fmt: skip
+    try:
+        # an adapter on a base with the policy's tokenizer and architecture but other weights: refused by the probe
+        # after the first push (a full push would replace the base: that run trains on its own weights)
+        from grpo_lightning.models.lora import LoraSettings, wrap_policy
+
+        adapted = wrap_policy(_load(llama_dir), LoraSettings(r=4), needs_reference=False)[0]
+        gen = VLLMServerGenerator(adapted, tokenizer, log_dir=str(tmp_path / "adapter" / "v"), lora_sync="adapter",
+                                  **keys)  # fmt: skip
+        with pytest.raises(ValueError, match=f"the vLLM server at {server.url} serves other weights") as err:
+            gen.sync_weights(adapted)
+        print(err.value)
+        gen.close()  # its claim released: the next run takes the server at once
+        # the served model itself: claimed, pushed, sampled at float32 agreement
+        served = _load(other_model)
+        run_a = VLLMServerGenerator(served, tokenizer, log_dir=str(tmp_path / "a" / "v"), **keys)
+        run_a.sync_weights(served)
+        prefixes = _prompts(tokenizer)
+        assert _logp_diff(served, prefixes, run_a.generate(prefixes, num_samples=2)) <= LOGP_DIFF_BOUND
+        # a second run on the same server: refused at start, naming the first
+        with pytest.raises(ValueError, match=f"the vLLM server at {server.url} is in use by another run .*/a on "):
+            VLLMServerGenerator(served, tokenizer, log_dir=str(tmp_path / "b" / "v"), **keys)
+        # a push left open (a run killed mid-push): the next push finishes it and pushes whole
+        ServerClient(server.url, 60, API_KEY).start_weight_update()
+        run_a.sync_weights(served)
+        assert claims.parse(ServerClient(server.url, 60, API_KEY).weight_version()).pushes == 2
+        assert _logp_diff(served, prefixes, run_a.generate(prefixes, num_samples=2)) <= LOGP_DIFF_BOUND
+        # the server killed with SIGKILL: its engine processes go with it, and the run stops in one line
+        members = [pid for pid in group_members(server.process.pid) if pid != server.process.pid]
+        (api,) = [pid for pid in members if parent_of(pid) == server.process.pid]  # the supervisor's child
+        os.kill(api, signal.SIGKILL)
+        assert wait_gone(server.process.pid) == []
+        print(f"server group: {len(members)} processes besides the supervisor before the kill, none after")
+        with pytest.raises(EngineFailed, match=f"the vLLM server at {server.url}") as err:
+            run_a.generate(prefixes, num_samples=2)
+        assert "\n" not in str(err.value)
+    finally:
+        server.stop()
+
+
+def test_a_run_killed_with_sigkill_leaves_no_server_behind(tmp_path, llama_dir):
+    """The process that started a server is SIGKILLed (no atexit, no finalizer runs): the supervisor sees its
+    parent gone and stops the whole group, engine processes included."""
+    _vllm()
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from grpo_lightning.generation.vllm_server_process import ServerLaunch, launch_args, server_env, start_servers
+        args = launch_args(dtype="float32", seed=0, max_model_len=512, cpu=True, weight_transfer=None, lora_rank=0,
+                           kv_cache_gib=0.25, extra=[])
+        (server,) = start_servers([ServerLaunch({str(llama_dir)!r}, args, server_env())], Path({str(tmp_path)!r}), 600)
+        print(server.process.pid, flush=True)
+        time.sleep(600)
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pgid = int(run.stdout.readline())
+        assert len(group_members(pgid)) >= 2  # the supervisor, the API server and its engine
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=30)
+        left = wait_gone(pgid)
+        assert left == [], f"still running after the run was killed: {left}"
+    finally:
+        if run.poll() is None:
+            run.kill()
