@@ -27,6 +27,7 @@ SLOW_FILES = {
     "tests/test_ddp.py",
     "tests/test_failures.py",
     "tests/test_reward_pipeline_run.py",
+    "tests/test_fsdp.py",
 }
 # The slow tier's longest files, longest first: a file's seconds in its worker in one `make test` on a 2-core AMD
 # EPYC Zen 4. `pytest -n` hands them out first (pytest_collection_modifyitems).
