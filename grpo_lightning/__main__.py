@@ -2,8 +2,9 @@
 
 Config and input mistakes (ValueError, OmegaConf key errors) print `error: ...` naming the key and exit 2; a run
 the non-finite or divergence guard, a failed engine or server, or a timed-out collective stopped exits 1; a
-graceful Ctrl-C / SIGTERM stop exits 128 + the signal number. None of them prints a traceback unless HYDRA_FULL_ERROR=1. A run directory that cannot be created is
-checked here, before Hydra creates it (Hydra's own failure is a traceback); a dry run leaves none behind.
+graceful Ctrl-C / SIGTERM stop exits 128 + the signal number. None of them prints a traceback unless
+HYDRA_FULL_ERROR=1. A run directory that cannot be created is checked here, before Hydra creates it (Hydra's own
+failure is a traceback); a dry run leaves none behind.
 """
 
 from __future__ import annotations

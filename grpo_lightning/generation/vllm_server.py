@@ -66,6 +66,7 @@ from grpo_lightning.generation.vllm_server_process import (
 )
 from grpo_lightning.generation.vllm_server_weights import (
     FILE_BACKEND,
+    INTERRUPTED_UPDATE,
     ServerClient,
     ServerError,
     load_adapter,
@@ -80,8 +81,6 @@ from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
 
-INTERRUPTED_UPDATE = "already active"
-"""What vLLM answers a `/start_weight_update` while an earlier update was never finished."""
 URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
 """Where the process that started the servers tells the training processes Lightning starts after it (they
 inherit its environment) which URLs to use: `<generator.log_dir>|<url>,<url>`."""
@@ -368,11 +367,10 @@ class VLLMServerGenerator(Generator):
         self.version += 1
         if rank == 0:
             start = time.perf_counter()
-            for client in self.clients:
-                self._push(client)
+            self._push(self.clients)
             self.sync_s.append(time.perf_counter() - start)
-        elif is_sharded(self.policy):  # trainer=fsdp: rank 0's pushes gather the policy; every process takes part
-            for _ in self.clients:
+        elif is_sharded(self.policy):  # trainer=fsdp: rank 0's push gathers the policy; every process takes part
+            for _ in range(self._gathers_per_push(len(self.clients))):
                 self._take_part_in_push()
         if is_distributed():
             torch.distributed.barrier()  # no process samples before every server holds the new version
@@ -381,8 +379,14 @@ class VLLMServerGenerator(Generator):
         if first:
             self._first_push_checks()
 
+    def _gathers_per_push(self, servers: int) -> int:
+        """How often a push to `servers` servers gathers the policy: once (adapters, the file backend: each chunk
+        goes to every server), or once per server through vLLM's NCCL trainer engine (one server per process
+        group; not yet run here)."""
+        return servers if self.sync_kind == "nccl" else 1
+
     def _take_part_in_push(self) -> None:
-        """What a process that pushes nothing runs while rank 0 pushes to one server: the same gathers."""
+        """What a process that pushes nothing runs while rank 0 gathers the policy once: the same gathers."""
         if self.settings.lora_sync == "adapter":
             save_policy(self.policy, self.transfer_dir, write=False)
         else:
@@ -392,40 +396,44 @@ class VLLMServerGenerator(Generator):
         """`policy-<claim>-v<n>`: the run's own name on a shared server, whatever other runs loaded there."""
         return f"policy-{self.run_id}-v{version}"
 
-    def _push(self, client: ServerClient) -> None:
-        """One push to one server, under this run's claim (a server another writer claimed stops the run first)."""
+    def _push(self, clients: list[ServerClient]) -> None:
+        """One push to `clients`, under this run's claim (a server another writer claimed stops the run first),
+        the policy gathered once (`_gathers_per_push`)."""
         with self._lock:
             if self.version > 1:
-                self._held(client, restarted_ok=True)
+                for client in clients:
+                    self._held(client, restarted_ok=True)
+            version = self.claims.render(self.version)
             try:
                 if self.settings.lora_sync == "adapter":
-                    folder = self.transfer_dir / "adapters" / self._adapter_name(self.version)
+                    name = self._adapter_name(self.version)
+                    folder = self.transfer_dir / "adapters" / name
                     save_policy(self.policy, folder)
-                    load_adapter(client, self._adapter_name(self.version), folder, self.adapter_name)
-                    client.post("/update_weight_version", {"new_version": self.claims.render(self.version)})
-                else:
-                    try:
-                        self._push_full(client)
-                    except ServerError as err:
-                        if INTERRUPTED_UPDATE not in str(err):
-                            raise
-                        # A run killed mid-push left the server inside a weight update (vLLM has no route to abort
-                        # one). The server is this run's (claimed at start), so the update was this run's earlier
-                        # process's or an expired claim's: finished here; the push rewrites every weight it wrote.
-                        log.warning("the vLLM server at %s was inside an interrupted weight update", client.url)
-                        client.finish_weight_update(None)
-                        self._push_full(client)
+                    for client in clients:
+                        load_adapter(client, name, folder, self.adapter_name)
+                        client.post("/update_weight_version", {"new_version": version})
+                elif self.transfer_backend == FILE_BACKEND:
+                    weights = policy_weights(self.policy, adapted_only=False)
+                    stem = f"{self.run_id}-v{self.version}"
+                    push_weight_files(clients, weights, self.transfer_dir / "weights", version, stem)
+                    for client in clients:
+                        client.post("/reset_prefix_cache")
+                else:  # vLLM's NCCL trainer engine drives the update phases itself and sets no version
+                    for client in clients:
+                        self._push_nccl(client)
+                        client.post("/update_weight_version", {"new_version": version})
             except ServerError as err:
-                raise self._failed(client, "failed a weight push", err) from None
+                failed = next((c for c in clients if c.url == err.url), clients[0])
+                raise self._failed(failed, "failed a weight push", err) from None
 
-    def _push_full(self, client: ServerClient) -> None:
-        if self.transfer_backend == FILE_BACKEND:
-            client.init_weight_transfer_engine({})  # no rendezvous: cheap, and a restarted server needs it
-            weights = policy_weights(self.policy, adapted_only=False)
-            folder, stem = self.transfer_dir / "weights", f"{self.run_id}-v{self.version}"
-            push_weight_files(client, weights, folder, self.claims.render(self.version), stem)
-            client.post("/reset_prefix_cache")
-        else:
+    def _push_nccl(self, client: ServerClient) -> None:
+        try:
+            push_nccl(client, self.policy, self.nccl_engines)
+        except ServerError as err:
+            if INTERRUPTED_UPDATE not in str(err):
+                raise
+            log.warning("the vLLM server at %s was inside an interrupted weight update: finishing it", client.url)
+            client.finish_weight_update(None)  # a push a killed run left open (start_update says why)
             push_nccl(client, self.policy, self.nccl_engines)
 
     def _ensure_current(self, client: ServerClient) -> None:
@@ -450,7 +458,7 @@ class VLLMServerGenerator(Generator):
                 "(restarted?); a resumed run gives it the weights"
             )
         log.warning("the vLLM server at %s lacks weights version %d: pushing them first", client.url, self.version)
-        self._push(client)
+        self._push([client])
 
     def close(self) -> None:
         """Stop renewing the claim and stop the servers this process started (they also stop when it exits)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import urllib.error
 import urllib.request
@@ -28,6 +29,8 @@ from torch import Tensor, nn
 
 from grpo_lightning.generation.vllm_weights import chunked, policy_weights
 
+log = logging.getLogger(__name__)
+
 FILE_BACKEND = "grpo_files"
 """The name of the file backend in vLLM's weight-transfer registry (`--weight-transfer-config`)."""
 FILE_CHUNK_BYTES = 256 * 2**20
@@ -35,7 +38,15 @@ FILE_CHUNK_BYTES = 256 * 2**20
 
 
 class ServerError(RuntimeError):
-    """A server answered with an error, or did not answer in time: the message names the URL."""
+    """A server answered with an error, or did not answer in time: the message names the URL, `url` holds it."""
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+INTERRUPTED_UPDATE = "already active"
+"""What vLLM answers a `/start_weight_update` while an earlier update was never finished."""
 
 
 class ServerClient:
@@ -62,10 +73,10 @@ class ServerClient:
                 text = response.read().decode()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300].replace("\n", " ")
-            raise ServerError(f"{self.url}{path} answered {err.code}: {detail}") from None
+            raise ServerError(f"{self.url}{path} answered {err.code}: {detail}", self.url) from None
         except (urllib.error.URLError, OSError, TimeoutError) as err:
             reason = getattr(err, "reason", err)
-            raise ServerError(f"{self.url}{path}: no answer ({reason})") from None
+            raise ServerError(f"{self.url}{path}: no answer ({reason})", self.url) from None
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError:  # some routes answer plain text (`/v1/load_lora_adapter`: "Success: ...")
@@ -96,15 +107,18 @@ class ServerClient:
 
 
 def push_weight_files(
-    client: ServerClient, weights: Iterable[tuple[str, Tensor]], folder: Path, version: str, stem: str
+    clients: list[ServerClient], weights: Iterable[tuple[str, Tensor]], folder: Path, version: str, stem: str
 ) -> int:
-    """Push (checkpoint name, tensor) pairs through the file backend, finished as `version`; returns the bytes
-    sent. Chunk i is `<stem>.<i>.safetensors`, deleted once the server has loaded it, and on any error."""
+    """Push (checkpoint name, tensor) pairs to every server through the file backend, each finished as `version`;
+    returns the bytes sent. The policy is gathered once whatever the number of servers: chunk i is written once as
+    `<stem>.<i>.safetensors`, loaded by every server, then deleted (also on any error)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     sent = 0
-    client.start_weight_update()
+    for client in clients:
+        client.init_weight_transfer_engine({})  # no rendezvous: cheap, and a restarted server needs it
+        start_update(client)
     for index, chunk in enumerate(chunked(weights, FILE_CHUNK_BYTES)):
         path = folder / f"{stem}.{index}.safetensors"
         try:
@@ -112,11 +126,27 @@ def push_weight_files(
             save_file(tensors, str(path))
             sent += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors
-            client.update_weights({"path": str(path)})
+            for client in clients:
+                client.update_weights({"path": str(path)})
         finally:
             path.unlink(missing_ok=True)
-    client.finish_weight_update(version)
+    for client in clients:
+        client.finish_weight_update(version)
     return sent
+
+
+def start_update(client: ServerClient) -> None:
+    """`/start_weight_update`, after finishing an update a killed run left open (vLLM has no route to abort one,
+    and refuses a new one meanwhile). Only a run that holds the server's claim pushes, so that update was its own
+    earlier process's or an expired claim's; the push that follows rewrites every weight."""
+    try:
+        client.start_weight_update()
+    except ServerError as err:
+        if INTERRUPTED_UPDATE not in str(err):
+            raise
+        log.warning("the vLLM server at %s was inside an interrupted weight update: finishing it", client.url)
+        client.finish_weight_update(None)
+        client.start_weight_update()
 
 
 def load_adapter(client: ServerClient, name: str, folder: Path, previous: str | None) -> None:

@@ -202,3 +202,26 @@ def test_the_config_check_names_the_key_before_anything_starts(tmp_path, overrid
     with pytest.raises(ValueError) as err:
         validate(cfg, platform=False)  # this machine's vLLM is checked apart (check_platform)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("sync", ["merge", "adapter"])
+def test_a_push_gathers_the_policy_once_whatever_the_number_of_servers(
+    tmp_path, lora_policy, tokenizer, servers, sync, monkeypatch
+):
+    """Each chunk file (or the adapter folder) is written once and loaded by every server."""
+    import grpo_lightning.generation.vllm_server as module
+
+    gathered = []
+    for name in ("policy_weights", "save_policy"):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _real=real, _name=name, **k: gathered.append(_name) or _real(*a, **k)
+        )
+    gen = generator(lora_policy, tokenizer, servers, tmp_path, lora_sync=sync)
+    gen.sync_weights(lora_policy)
+    assert gathered == (["policy_weights"] if sync == "merge" else ["save_policy"])
+    route = "POST /update_weights" if sync == "merge" else "POST /v1/load_lora_adapter"
+    loaded = [[body for path, body in server.requests if path == route] for server in servers]
+    assert loaded[0] and loaded[0] == loaded[1]  # the same files, in the same order, on both servers
+    versions = {claims.parse(server.weight_version) for server in servers}
+    assert len({(v.nonce, v.pushes) for v in versions}) == 1
