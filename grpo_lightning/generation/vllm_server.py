@@ -424,6 +424,11 @@ class VLLMServerGenerator(Generator):
                         client.post("/update_weight_version", {"new_version": version})
             except ServerError as err:
                 failed = next((c for c in clients if c.url == err.url), clients[0])
+                if self.version == 1 and " answered " in str(err):  # refused, not gone: a resume would fail alike
+                    raise ValueError(
+                        f"the vLLM server at {failed.url} refused the policy's weights at the first push ({err}): "
+                        "it serves another architecture or cannot load this policy; serve the policy's model"
+                    ) from None
                 raise self._failed(failed, "failed a weight push", err) from None
 
     def _push_nccl(self, client: ServerClient) -> None:

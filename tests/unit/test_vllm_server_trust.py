@@ -363,3 +363,23 @@ def test_a_closed_run_releases_its_claim(tmp_path, tiny_model, tokenizer, server
     gen.close()
     assert claims.parse(server.weight_version).renewed == 0.0  # expired: the next run takes it at once
     generator(tiny_model, tokenizer, [server], tmp_path, log_dir=str(tmp_path / "b" / "v"))
+
+
+def test_weights_a_server_refuses_at_the_first_push_are_a_config_error_not_a_resume(
+    tmp_path, tiny_model, tokenizer, server
+):
+    """A server whose config this machine cannot read (a remote folder) and whose model takes other shapes answers
+    the first push with an error (vLLM: 500): resuming would fail alike, so it is exit 2, not the resume advice."""
+    original = server._answer
+
+    def refuse_weights(method, path, body, headers=None):
+        if path == "/update_weights":
+            return 500, {"error": {"message": "size mismatch for model.embed_tokens.weight"}}
+        return original(method, path, body, headers)
+
+    server._answer = refuse_weights
+    gen = generator(tiny_model, tokenizer, [server], tmp_path)
+    with pytest.raises(ValueError) as err:
+        gen.sync_weights(tiny_model)
+    assert f"the vLLM server at {server.url} refused the policy's weights at the first push" in one_line(err)
+    assert "size mismatch" in str(err.value)
