@@ -38,7 +38,8 @@ class FakeServer:
         """Inside a weight update (between /start_weight_update and /finish_weight_update)."""
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # a short poll: `close` (httpd.shutdown) waits up to one poll interval, 0.5 s by default, in every test
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self.thread.start()
 
     def restart(self) -> None:

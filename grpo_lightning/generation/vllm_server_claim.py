@@ -60,7 +60,7 @@ class Claim:
     """`<host>:<pid>:<run dir>` of the run that wrote it."""
 
     def render(self) -> str:
-        return f"{PREFIX}/{self.nonce}/{self.pushes}/{self.renewed:.0f}/{self.owner}"
+        return f"{PREFIX}/{self.nonce}/{self.pushes}/{self.renewed:.1f}/{self.owner}"
 
     @property
     def host_and_folder(self) -> tuple[str, str]:

@@ -217,13 +217,13 @@ def test_of_two_runs_that_start_together_one_is_refused(tmp_path, tiny_model, to
 
 
 def test_the_claim_is_renewed_between_pushes(tmp_path, tiny_model, tokenizer, server):
-    gen = generator(tiny_model, tokenizer, [server], tmp_path, claim_ttl_s=0.3)
+    gen = generator(tiny_model, tokenizer, [server], tmp_path, claim_ttl_s=0.15)
     first = claims.parse(server.weight_version).renewed
-    time.sleep(1.2)
+    time.sleep(0.6)
     assert claims.parse(server.weight_version).renewed > first
     gen.close()
     stopped = server.weight_version
-    time.sleep(0.5)
+    time.sleep(0.2)
     assert server.weight_version == stopped  # a closed run renews nothing
 
 
