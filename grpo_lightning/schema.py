@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 SEED_MAX = 2**32 - 1
@@ -282,3 +283,15 @@ def list_of_text(value) -> str | None:
     """A list of strings (possibly empty): URLs, command-line arguments."""
     ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
     return None if ok else "must be a list of strings"
+
+
+def made_directory(key: str, path: Path, if_file: str, if_uncreatable: str) -> Path:
+    """The directory a path key names, made if missing: one line naming `key` when it is a file (`if_file`: what to
+    do) or cannot be made (`if_uncreatable`), before anything loads."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{key}: {path} is a file, not a directory; {if_file}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{key}: cannot create {path} ({err.strerror}); {if_uncreatable}") from None
+    return path

@@ -32,7 +32,7 @@ from grpo_lightning.generation.placement import shards_weights, world_size
 from grpo_lightning.moved_keys import check_moved_keys
 from grpo_lightning.rewards.base import Stage
 from grpo_lightning.rewards.pipeline import TERM_KEYS
-from grpo_lightning.schema import target_class
+from grpo_lightning.schema import made_directory, target_class
 from grpo_lightning.training.checkpointing import RunLock
 from grpo_lightning.training.overlap import optimizer_steps_per_round, staleness_problem
 from grpo_lightning.training.tracking import writer_for
@@ -210,16 +210,10 @@ def check_accelerator(cfg: DictConfig) -> None:
 
 def check_cache_dir(value: str) -> None:
     """The converted-model cache: a directory, or one that can be created (it is shared by every run)."""
-    directory = Path(str(value)).expanduser()
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"paths.cache_dir: {directory} is a file, not a directory; point paths.cache_dir elsewhere")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(
-            f"paths.cache_dir: cannot create {directory} ({err.strerror}); set paths.cache_dir or the "
-            "GRPO_LIGHTNING_CACHE environment variable to a writable directory"
-        ) from None
+    made_directory(
+        "paths.cache_dir", Path(str(value)).expanduser(), "point paths.cache_dir elsewhere",
+        "set paths.cache_dir or the GRPO_LIGHTNING_CACHE environment variable to a writable directory",
+    )  # fmt: skip
 
 
 def check_writable(directory: Path) -> None:

@@ -23,6 +23,7 @@ from grpo_lightning.schema import (
     choice,
     integer,
     list_of_text,
+    made_directory,
     mapping,
     number,
     optional,
@@ -258,16 +259,10 @@ def check_server_config(cfg) -> None:
 def check_transfer_dir(setting: str) -> Path:
     """`generator.transfer_dir`, checked before anything loads: a directory (made if missing) this process can
     write; one line naming the key otherwise."""
-    folder = Path(setting).expanduser().resolve()
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"generator.transfer_dir: {folder} is a file, not a directory; point it at a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(
-            f"generator.transfer_dir: cannot create {folder} ({err.strerror}); choose a folder this user can write "
-            "and the servers can read"
-        ) from None
+    folder = made_directory(
+        "generator.transfer_dir", Path(setting).expanduser().resolve(), "point it at a folder",
+        "choose a folder this user can write and the servers can read",
+    )  # fmt: skip
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"generator.transfer_dir: {folder} is not writable by this user; choose another folder")
     return folder
