@@ -38,7 +38,7 @@ def stop_group(server: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(os.getpgrp(), signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and (server.poll() is None or _others_alive()):
+    while time.monotonic() < deadline and (server.poll() is None or _group_members()):
         time.sleep(0.1)
     for pid in _group_members():
         with contextlib.suppress(ProcessLookupError):
@@ -61,10 +61,6 @@ def _group_members() -> list[int]:
         if int(fields[2]) == group and fields[0] != b"Z":  # fields after the name: state, ppid, pgrp
             members.append(int(entry))
     return members
-
-
-def _others_alive() -> bool:
-    return bool(_group_members())
 
 
 def main(argv: list[str]) -> int:
