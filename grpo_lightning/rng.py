@@ -1,7 +1,7 @@
 """The state of every random generator a run draws from: torch (CPU and CUDA), Python and NumPy.
 
 Checkpoints store it with the round in progress (training/rollout_loop.py), and building the in-process vLLM
-engine, which reseeds all of them, is wrapped in a capture and a restore (generation/vllm_io.py).
+engine, which reseeds all of them, is wrapped in a capture and a restore (generation/vllm/engine_io.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The fake engine model is written by hand from vLLM's Llama layout (q/k/v fused into `qkv_proj`, gate/up into
 `gate_up_proj`, tied embeddings without an `lm_head`), and its `load_weights` writes HF-named tensors into
 hand-computed slices of the fused parameters, as vLLM's stacked loaders do. A module of its own so that an engine
-process (generation/vllm_engine.py) can build the fake from a pickled `FakeBackend`.
+process (generation/vllm/engine_process.py) can build the fake from a pickled `FakeBackend`.
 """
 
 from __future__ import annotations

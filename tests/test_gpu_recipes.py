@@ -46,7 +46,7 @@ def cuda_machine(tmp_path, monkeypatch):
                   **arch}  # fmt: skip
         (snapshot / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cuda")
+    monkeypatch.setattr("grpo_lightning.generation.vllm.engine_io.installed_platform", lambda: "cuda")
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -91,7 +91,7 @@ def test_a_login_node_prints_the_plan_and_gpu_estimate_before_what_it_lacks(tmp_
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: None)
+    monkeypatch.setattr("grpo_lightning.generation.vllm.engine_io.installed_platform", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = cli(f"experiment={recipe}", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode != 0

@@ -107,7 +107,7 @@ def setup(qwen_dir, tokenizer):
     """(policy on cuda:0 with non-zero LoRA B, its colocated VLLMGenerator)."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_lightning.generation.vllm import VLLMGenerator
+    from grpo_lightning.generation.vllm.generator import VLLMGenerator
     from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
     base = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32)

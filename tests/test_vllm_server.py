@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_lightning.generation.vllm_server import VLLMServerGenerator
-from grpo_lightning.generation.vllm_server_process import ServerProcess
+from grpo_lightning.generation.vllm.server import VLLMServerGenerator
+from grpo_lightning.generation.vllm.server_process import ServerProcess
 from tests.forked_cli import cli_run
 from tests.test_ddp import scalars
 from tests.test_vllm import LOGP_DIFF_BOUND, REPO, _load, _logp_diff, _prompts, _vllm, engine_cli_args

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from grpo_lightning.errors import EngineFailed
-from grpo_lightning.generation import vllm_server_claim as claims
-from grpo_lightning.generation.vllm_server import VLLMServerGenerator
-from grpo_lightning.generation.vllm_server_process import ServerLaunch, launch_args, server_env, start_servers
-from grpo_lightning.generation.vllm_server_weights import ServerClient
+from grpo_lightning.generation.vllm import server_claim as claims
+from grpo_lightning.generation.vllm.server import VLLMServerGenerator
+from grpo_lightning.generation.vllm.server_process import ServerLaunch, launch_args, server_env, start_servers
+from grpo_lightning.generation.vllm.server_weights import ServerClient
 from tests.processes import group_members, parent_of, wait_gone
 from tests.test_vllm import LOGP_DIFF_BOUND, _load, _logp_diff, _prompts, _vllm
 
@@ -106,7 +106,7 @@ def test_a_run_killed_with_sigkill_leaves_no_server_behind(tmp_path, llama_dir):
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from grpo_lightning.generation.vllm_server_process import ServerLaunch, launch_args, server_env, start_servers
+        from grpo_lightning.generation.vllm.server_process import ServerLaunch, launch_args, server_env, start_servers
         args = launch_args(dtype="float32", seed=0, max_model_len=512, cpu=True, weight_transfer=None, lora_rank=0,
                            kv_cache_gib=0.25, extra=[])
         (server,) = start_servers([ServerLaunch({str(llama_dir)!r}, args, server_env())], Path({str(tmp_path)!r}), 600)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from grpo_lightning.data.source import DataSource
-from grpo_lightning.generation.vllm_weights import is_peft_model
+from grpo_lightning.generation.vllm.weights import is_peft_model
 from grpo_lightning.models.sources import ModelSource
 from grpo_lightning.variants.base import GRPOVariant, variant_name
 

@@ -37,7 +37,7 @@ PROCESS_BASELINE = int(0.75 * GIB)
 """Python, torch, transformers and Lightning in one process (0.4 GiB after the imports, more once running)."""
 ROLLOUT_BYTES_PER_TOKEN = 48
 """A rollout's per-token state: ids, masks, log-probs (engine, old, reference) and advantages, in tensors."""
-CPU_ENGINE_KV_GIB = 1.0  # generator.kv_cache_gib=null on vLLM's CPU build (generation/vllm_settings.py)
+CPU_ENGINE_KV_GIB = 1.0  # generator.kv_cache_gib=null on vLLM's CPU build (generation/vllm/settings.py)
 DECODE_STEP_LOGIT_COPIES = 7
 """[rows, vocab] float32 arrays alive at once at the peak of one HF decode step, measured: 7.0x one such array
 above the process's level before the call, on the tiny model at 1,024, 2,048 and 4,096 rows (prompts of 6 and 201

@@ -179,8 +179,8 @@ def _growth(data: DataSettings, sampling: SamplingConfig, rows: int, evaluated: 
 
 def _vllm_shape(cfg: DictConfig, model_dtype: str) -> dict:
     """The vLLM engine's part of the shape: where it runs and how much it takes."""
-    from grpo_lightning.generation.vllm_io import installed_platform
-    from grpo_lightning.generation.vllm_settings import VLLMSettings, engine_dtype
+    from grpo_lightning.generation.vllm.engine_io import installed_platform
+    from grpo_lightning.generation.vllm.settings import VLLMSettings, engine_dtype
 
     settings = settings_of(cfg.generator, VLLMSettings)
     on_cpu = installed_platform() == "cpu"

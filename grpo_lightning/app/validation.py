@@ -108,7 +108,7 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
 
 def check_platform(cfg: DictConfig) -> None:
     """What this machine must have for the run: a GPU where the trainer asks for one (what an engine needs is its
-    own `check_platform`: generation/vllm.py)."""
+    own `check_platform`: generation/vllm/generator.py)."""
     for component in configured_targets(cfg):
         component.check_platform(cfg)
     check_accelerator(cfg)

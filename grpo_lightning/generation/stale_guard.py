@@ -29,7 +29,7 @@ METRIC = "rollout/logp_diff_mean"
 ACTIONS = ("warn", "abort")
 THRESHOLD_RULE = optional(number(above=0))
 """`generator.logp_diff_threshold`: each engine declares the key with its own default (hf_engine.py,
-vllm_settings.py)."""
+vllm/settings.py)."""
 ACTION_RULE = choice(*ACTIONS)
 """`generator.on_stale`."""
 ANOTHER_MODEL_LOGP_DIFF = 1.0

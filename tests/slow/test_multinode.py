@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_lightning.generation.vllm_io import free_port
+from grpo_lightning.generation.vllm.engine_io import free_port
 from tests.test_ddp import ROOT, run, run_overrides, scalars
 
 NODES = ["trainer=ddp", "trainer.num_nodes=2", "trainer.devices=1", "trainer.accelerator=cpu"]

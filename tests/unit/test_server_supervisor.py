@@ -1,4 +1,4 @@
-"""The supervisor between a run and a server it starts (generation/server_supervisor.py), with a stand-in server: a
+"""The supervisor between a run and a server it starts (generation/vllm/server_supervisor.py), with a stand-in server: a
 Python process that forks a child of its own (as vLLM forks its engine) and sleeps. Truth: the process table.
 The real server: tests/test_vllm_server_faults.py (vLLM tier)."""
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from grpo_lightning.generation.vllm_server_process import ServerLaunch, ServerProcess
+from grpo_lightning.generation.vllm.server_process import ServerLaunch, ServerProcess
 from tests.processes import group_members, parent_of, wait_gone
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -59,7 +59,7 @@ def test_a_run_killed_with_sigkill_leaves_no_server_behind(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from grpo_lightning.generation.vllm_server_process import ServerLaunch, ServerProcess
+        from grpo_lightning.generation.vllm.server_process import ServerLaunch, ServerProcess
         launch = ServerLaunch("x", [], python=sys.executable, module="forking_server", env={{"PYTHONPATH": {str(tmp_path)!r}}})
         server = ServerProcess(launch, Path({str(tmp_path)!r}) / "server.log")
         print(server.process.pid, flush=True)

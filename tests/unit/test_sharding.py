@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo_lightning.generation.vllm_weights import policy_weights
+from grpo_lightning.generation.vllm.weights import policy_weights
 from grpo_lightning.sharding import (
     call_as_forward,
     full_state_dict,
@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, lora: bool, out: str) -> None:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_sharded_model_matches_the_plain_model(tmp_path, lora):
-    from grpo_lightning.generation.vllm_io import free_port
+    from grpo_lightning.generation.vllm.engine_io import free_port
 
     mp.start_processes(_worker, args=(free_port(), lora, str(tmp_path)), nprocs=2, start_method="fork")
     results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)}

@@ -20,8 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_lightning.generation.vllm import VLLMGenerator, VLLMRoundHooks
-from grpo_lightning.generation.vllm_io import (
+from grpo_lightning.generation.vllm.engine_io import (
     build_requests,
     engine_model_path,
     import_vllm,
@@ -29,8 +28,9 @@ from grpo_lightning.generation.vllm_io import (
     parse_outputs,
     sampling_kwargs,
 )
-from grpo_lightning.generation.vllm_settings import VLLMSettings
-from grpo_lightning.generation.vllm_weights import check_name_mapping, checkpoint_name, policy_checkpoint_names
+from grpo_lightning.generation.vllm.generator import VLLMGenerator, VLLMRoundHooks
+from grpo_lightning.generation.vllm.settings import VLLMSettings
+from grpo_lightning.generation.vllm.weights import check_name_mapping, checkpoint_name, policy_checkpoint_names
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from tests.fake_vllm import (
     FUSED_ROWS,
@@ -110,7 +110,7 @@ def test_missing_vllm_is_a_one_line_config_error(monkeypatch):
 
 
 def test_no_cuda_names_generator_device(lora_policy, tokenizer, backend, monkeypatch):
-    monkeypatch.setattr("grpo_lightning.generation.vllm.import_vllm", lambda: backend)
+    monkeypatch.setattr("grpo_lightning.generation.vllm.generator.import_vllm", lambda: backend)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="generator.device"):
         VLLMGenerator(lora_policy, tokenizer, model_path="/models/tiny")  # backend None = the real vLLM path
@@ -254,7 +254,7 @@ def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch,
     """The config check decides the platform from the installed packages' metadata: no vLLM import, no model load."""
     from tests.conftest import make_cfg
 
-    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
+    monkeypatch.setattr("grpo_lightning.generation.vllm.engine_io.installed_platform", lambda: platform)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing vLLM here would fail the test
     cfg = make_cfg(tmp_path, ["generator=vllm", *overrides])
     with pytest.raises(ValueError) as err:
@@ -265,7 +265,7 @@ def test_config_check_names_the_key_before_anything_loads(tmp_path, monkeypatch,
 def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
     from tests.conftest import make_cfg
 
-    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cpu")
+    monkeypatch.setattr("grpo_lightning.generation.vllm.engine_io.installed_platform", lambda: "cpu")
     config_check(make_cfg(tmp_path, ["generator=vllm", "variant=storpo"]))
     overlapped = make_cfg(tmp_path, ["generator=vllm", "rollout.max_staleness=1"])
     config_check(overlapped)
@@ -281,7 +281,7 @@ def test_config_check_passes_the_cpu_defaults(tmp_path, monkeypatch):
 def test_installed_platform_reads_the_package_metadata(monkeypatch):
     from importlib import metadata
 
-    from grpo_lightning.generation.vllm_io import installed_platform
+    from grpo_lightning.generation.vllm.engine_io import installed_platform
 
     def version_of(installed):
         def version(name):
@@ -575,7 +575,7 @@ def test_config_group_instantiates_with_a_fake_engine(tmp_path, lora_policy, tok
 )
 def test_lora_rank_takes_the_smallest_slot_vllm_allows(r, engine_rank):
     """vLLM accepts max_lora_rank in {1, 8, 16, 32, 64, 128, 256, 320, 512} and an adapter of any smaller rank."""
-    from grpo_lightning.generation.vllm_settings import LORA_RANKS, engine_lora_rank
+    from grpo_lightning.generation.vllm.settings import LORA_RANKS, engine_lora_rank
 
     assert engine_lora_rank(r) == engine_rank
     assert engine_rank == min(k for k in LORA_RANKS if k >= r)  # brute force over the allowed set
@@ -608,7 +608,7 @@ def test_cuda_only_failures_are_refused_before_anything_loads(tmp_path, monkeypa
     from grpo_lightning.app import validation
     from tests.conftest import make_cfg
 
-    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: platform)
+    monkeypatch.setattr("grpo_lightning.generation.vllm.engine_io.installed_platform", lambda: platform)
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -622,7 +622,7 @@ def test_cuda_only_failures_are_refused_before_anything_loads(tmp_path, monkeypa
 def test_adapter_sync_in_half_precision_passes_the_cuda_checks(tmp_path, monkeypatch):
     from tests.conftest import make_cfg
 
-    monkeypatch.setattr("grpo_lightning.generation.vllm_io.installed_platform", lambda: "cuda")
+    monkeypatch.setattr("grpo_lightning.generation.vllm.engine_io.installed_platform", lambda: "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     overrides = ["generator=vllm", "generator.lora_sync=adapter", "model.dtype=bfloat16", "model.lora.r=4"]

@@ -1,4 +1,4 @@
-"""The vLLM engine in a process of its own (generation/vllm_engine.py), against the fake engine of fake_vllm.py.
+"""The vLLM engine in a process of its own (generation/vllm/engine_process.py), against the fake engine of fake_vllm.py.
 
 Truths: the same generator with its engine in the training process (what a process of its own must answer
 identically), a responder that draws from the engine process's global RNG (what `reseed` must make
@@ -18,8 +18,8 @@ import signal
 import pytest
 import torch
 
-from grpo_lightning.generation.vllm import VLLMGenerator
-from grpo_lightning.generation.vllm_engine import EngineProcess
+from grpo_lightning.generation.vllm.engine_process import EngineProcess
+from grpo_lightning.generation.vllm.generator import VLLMGenerator
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from tests.fake_vllm import FakeBackend
 

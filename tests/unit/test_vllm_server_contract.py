@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from grpo_lightning.errors import EngineFailed
-from grpo_lightning.generation import vllm_server_claim as claims
-from grpo_lightning.generation.vllm_server import VLLMServerGenerator
-from grpo_lightning.generation.vllm_server_checks import trainer_probe_logprobs
-from grpo_lightning.generation.vllm_server_process import ServerLaunch, start_servers
+from grpo_lightning.generation.vllm import server_claim as claims
+from grpo_lightning.generation.vllm.server import VLLMServerGenerator
+from grpo_lightning.generation.vllm.server_checks import trainer_probe_logprobs
+from grpo_lightning.generation.vllm.server_process import ServerLaunch, start_servers
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from tests.fake_vllm_server import COMPLETION, FakeServer
 
@@ -209,7 +209,7 @@ def test_a_push_gathers_the_policy_once_whatever_the_number_of_servers(
     tmp_path, lora_policy, tokenizer, servers, sync, monkeypatch
 ):
     """Each chunk file (or the adapter folder) is written once and loaded by every server."""
-    import grpo_lightning.generation.vllm_server as module
+    import grpo_lightning.generation.vllm.server as module
 
     gathered = []
     for name in ("policy_weights", "save_policy"):

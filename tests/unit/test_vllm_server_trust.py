@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from grpo_lightning.errors import EngineFailed
-from grpo_lightning.generation import vllm_server_claim as claims
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
-from grpo_lightning.generation.vllm_server import VLLMServerGenerator
-from grpo_lightning.generation.vllm_server_checks import probe_ids, trainer_probe_logprobs
-from grpo_lightning.generation.vllm_server_weights import ServerClient
+from grpo_lightning.generation.vllm import server_claim as claims
+from grpo_lightning.generation.vllm.server import VLLMServerGenerator
+from grpo_lightning.generation.vllm.server_checks import probe_ids, trainer_probe_logprobs
+from grpo_lightning.generation.vllm.server_weights import ServerClient
 from grpo_lightning.models.lora import LoraSettings, wrap_policy
 from tests.fake_vllm_server import FakeServer
 from tests.unit.test_vllm_server_contract import generator, scorer_of

@@ -5,7 +5,7 @@ vLLM 0.32's built-in backends move weights between GPUs (NCCL, CUDA IPC); a CPU 
 keeps vLLM's protocol (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
 `/finish_weight_update`) and its layerwise reload (the checkpoint-format path the IPC backend takes, which on the
 CPU build also repacks each layer for its GEMM kernels); only the data plane is a file per chunk. The trainer side
-(vllm_server_weights.py) writes one chunk at a time and deletes it once `/update_weights` has answered, so neither
+(server_weights.py) writes one chunk at a time and deletes it once `/update_weights` has answered, so neither
 side holds a second full copy of the model.
 
 vLLM loads this module in each of its processes through the `vllm.general_plugins` entry point of this package
@@ -26,8 +26,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from grpo_lightning.generation.vllm_server_weights import FILE_BACKEND
-from grpo_lightning.generation.vllm_weights import repack_tied_weights
+from grpo_lightning.generation.vllm.server_weights import FILE_BACKEND
+from grpo_lightning.generation.vllm.weights import repack_tied_weights
 
 
 @dataclass

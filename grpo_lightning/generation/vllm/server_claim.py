@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 
 from grpo_lightning.errors import EngineFailed
-from grpo_lightning.generation.vllm_server_weights import ServerClient, ServerError
+from grpo_lightning.generation.vllm.server_weights import ServerClient, ServerError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 what building an engine changes in the process.
 
 Nothing here imports vLLM (but `import_vllm`) or needs a GPU, so the contract tests (tests/unit/test_vllm_contract.py)
-exercise it on CPU; vllm.py holds the engine-facing class and explains the choices, vllm_settings.py its keys.
+exercise it on CPU; generator.py holds the engine-facing class and explains the choices, settings.py its keys.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from grpo_lightning.generation.base import SamplingConfig, truncate
-from grpo_lightning.generation.vllm_settings import VLLMSettings, effective_kv_cache_gib, engine_lora_rank
-from grpo_lightning.generation.vllm_weights import is_peft_model
+from grpo_lightning.generation.vllm.settings import VLLMSettings, effective_kv_cache_gib, engine_lora_rank
+from grpo_lightning.generation.vllm.weights import is_peft_model
 from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.types import Completion
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from grpo_lightning.generation.server_supervisor import GRACE_S
-from grpo_lightning.generation.vllm_io import free_port
-from grpo_lightning.generation.vllm_server_weights import ServerClient, ServerError
-from grpo_lightning.generation.vllm_settings import CPU_KV_CACHE_GIB, ServerSettings, check_transfer_dir
+from grpo_lightning.generation.vllm.engine_io import free_port
+from grpo_lightning.generation.vllm.server_supervisor import GRACE_S
+from grpo_lightning.generation.vllm.server_weights import ServerClient, ServerError
+from grpo_lightning.generation.vllm.settings import CPU_KV_CACHE_GIB, ServerSettings, check_transfer_dir
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ routes, and a runtime-loaded LoRA adapter. No vLLM import: the training process 
 - Full weights (`generator.weight_transfer=files`, the default on a CPU): the four phases of vLLM's protocol
   (`/init_weight_transfer_engine` once, then `/start_weight_update`, `/update_weights` per chunk,
   `/finish_weight_update` with the version), the data plane a safetensors file per chunk that the server's
-  `grpo_files` backend (vllm_file_transfer.py, registered in vLLM's registry by this package's plugin) loads.
+  `grpo_files` backend (file_transfer.py, registered in vLLM's registry by this package's plugin) loads.
   One chunk exists at a time: written, loaded by the server, deleted; no second full copy of the weights.
 - `generator.weight_transfer=nccl` (GPU servers): vLLM's own trainer engine (`WeightTransferTrainerFactory`) drives
   the same routes through `ServerClient`, which has the four methods vLLM's `VLLMWeightSyncClient` protocol asks.
@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 from torch import Tensor, nn
 
-from grpo_lightning.generation.vllm_weights import chunked, policy_weights
+from grpo_lightning.generation.vllm.weights import chunked, policy_weights
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def push_nccl(client: ServerClient, policy: nn.Module, engines: dict[str, Any]) 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-    from grpo_lightning.generation.vllm_io import free_port
+    from grpo_lightning.generation.vllm.engine_io import free_port
 
     if client.url not in engines:
         workers = int(client.get("/get_world_size")["world_size"])

@@ -1,7 +1,7 @@
 """The vLLM generator's keys (generator=vllm) and what they must be on the platform the installed vLLM runs on.
 
-Settings only: nothing here imports vLLM or needs a GPU. vllm.py holds the engine-facing class and explains the
-choices; vllm_io.py the engine and request arguments and the output parsing.
+Settings only: nothing here imports vLLM or needs a GPU. generator.py holds the engine-facing class and explains the
+choices; engine_io.py the engine and request arguments and the output parsing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from grpo_lightning.generation.placement import parse_device
 from grpo_lightning.generation.stale_guard import ACTION_RULE, ANOTHER_MODEL_LOGP_DIFF, THRESHOLD_RULE
-from grpo_lightning.generation.vllm_server_weights import FILE_BACKEND
+from grpo_lightning.generation.vllm.server_weights import FILE_BACKEND
 from grpo_lightning.schema import (
     SEED_MAX,
     boolean,

@@ -12,13 +12,13 @@ After each optimizer step, one process (rank 0) pushes the weights to every serv
 (a barrier) before sampling:
 - LoRA with `generator.lora_sync=adapter`: the adapter saved where the servers read it
   (`generator.transfer_dir`), loaded at runtime under a name that carries its version;
-- otherwise the full (LoRA-merged) weights through vLLM's weight-transfer protocol (vllm_server_weights.py): the
-  `grpo_files` backend on a CPU (vllm_file_transfer.py, in vLLM's registry through this package's plugin) or vLLM's
+- otherwise the full (LoRA-merged) weights through vLLM's weight-transfer protocol (server_weights.py): the
+  `grpo_files` backend on a CPU (file_transfer.py, in vLLM's registry through this package's plugin) or vLLM's
   NCCL backend between GPUs (`generator.weight_transfer=nccl`).
 
-Trust. Before a run trains on a server's samples: every server is checked at start (vllm_server_checks.py: its
+Trust. Before a run trains on a server's samples: every server is checked at start (server_checks.py: its
 tokenizer, length, log-prob mode, LoRA or weight-transfer setup, architecture) and claimed by this run alone
-(vllm_server_claim.py); after the first push, its log-probs of a probe text must equal the trainer's. Every push is
+(server_claim.py); after the first push, its log-probs of a probe text must equal the trainer's. Every push is
 a version written into the server's weight version with the run's claim; every completion records the version
 that sampled it (`Completion.weight_version`). Before and after a process samples from a server it reads the
 server's version (`/weight_info`, and for adapters the ones `/v1/models` lists): a restarted server is given the
@@ -48,23 +48,23 @@ from grpo_lightning.distributed import derive_seed, is_distributed, rank_and_wor
 from grpo_lightning.errors import EngineFailed
 from grpo_lightning.generation.base import Generator, SamplingConfig, eos_token_ids, truncate
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
-from grpo_lightning.generation.vllm_io import engine_model_path, installed_platform
-from grpo_lightning.generation.vllm_server_checks import (
+from grpo_lightning.generation.vllm.engine_io import engine_model_path, installed_platform
+from grpo_lightning.generation.vllm.server_checks import (
     ServerNeeds,
     check_server,
     check_weights,
     probe_ids,
     trainer_probe_logprobs,
 )
-from grpo_lightning.generation.vllm_server_claim import Claim, RunClaims, first_process
-from grpo_lightning.generation.vllm_server_process import (
+from grpo_lightning.generation.vllm.server_claim import Claim, RunClaims, first_process
+from grpo_lightning.generation.vllm.server_process import (
     ServerLaunch,
     ServerProcess,
     server_launches,
     start_servers,
     transfer_dir,
 )
-from grpo_lightning.generation.vllm_server_weights import (
+from grpo_lightning.generation.vllm.server_weights import (
     FILE_BACKEND,
     INTERRUPTED_UPDATE,
     ServerClient,
@@ -74,8 +74,8 @@ from grpo_lightning.generation.vllm_server_weights import (
     push_nccl,
     push_weight_files,
 )
-from grpo_lightning.generation.vllm_settings import ServerSettings, check_server_config, engine_lora_rank
-from grpo_lightning.generation.vllm_weights import drain, is_peft_model, policy_weights
+from grpo_lightning.generation.vllm.settings import ServerSettings, check_server_config, engine_lora_rank
+from grpo_lightning.generation.vllm.weights import drain, is_peft_model, policy_weights
 from grpo_lightning.sharding import is_sharded, save_policy
 from grpo_lightning.types import Completion
 
@@ -132,7 +132,7 @@ class VLLMServerGenerator(Generator):
         self.sync_s: list[float] = []
         """Seconds each push took (the benchmark reads them)."""
         self.claims = RunClaims(self.clients, str(self.log_dir.parent), s.claim_ttl_s, self._lock)
-        """This run's claims on its servers (vllm_server_claim.py)."""
+        """This run's claims on its servers (server_claim.py)."""
         needs = self._needs()
         for client in self.clients:
             self.served_model = check_server(client, self.tokenizer, needs, self.model_path)
@@ -187,7 +187,7 @@ class VLLMServerGenerator(Generator):
     # ---- the config check (before anything is built or loaded) -----------------------------------------------
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
-        """The server keys against each other and the run (vllm_settings.check_server_config)."""
+        """The server keys against each other and the run (settings.check_server_config)."""
         check_server_config(cfg)
 
     @classmethod
