@@ -24,10 +24,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo_lightning.algorithm.truncation import Truncation
 from grpo_lightning.app.train import build_run
-from grpo_lightning.generation import vllm as vllm_generation
-from grpo_lightning.generation.vllm_io import import_vllm
-from grpo_lightning.generation.vllm_weights import policy_weights
+from grpo_lightning.generation.vllm import generator as vllm_generation
+from grpo_lightning.generation.vllm.engine_io import import_vllm
+from grpo_lightning.generation.vllm.weights import policy_weights
 from tests.conftest import make_cfg
 from tests.forked_cli import cli_run
 
@@ -102,7 +103,7 @@ def test_cli_storpo_run_with_adapter_sync(tmp_path, llama_dir):
 @pytest.fixture(scope="session")
 def session_engine(llama_dir, tokenizer):
     """(policy with LoRA, its VLLMGenerator on the CPU, the folder's weights by checkpoint name)."""
-    from grpo_lightning.generation.vllm import VLLMGenerator
+    from grpo_lightning.generation.vllm.generator import VLLMGenerator
     from grpo_lightning.models.lora import LoraSettings, wrap_policy
 
     _vllm()
@@ -146,10 +147,15 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @torch.no_grad()
-def _trainer_logprobs(policy, prefix, completion, temperature=TEMPERATURE, top_k=0, top_p=1.0) -> torch.Tensor:
-    """log_softmax(logits / T) of the sampled tokens, over the top-k / top-p set when those are on: [C]."""
+def _trainer_logprobs(
+    policy, prefix, completion, temperature=TEMPERATURE, top_k=0, top_p=1.0, truncation=None
+) -> torch.Tensor:
+    """log_softmax(logits / T) of the sampled tokens, over the top-k / top-p set when those are on: [C]; with
+    `truncation`, the trainer's own scoring of that set instead of this test's."""
     ids = torch.tensor([prefix + completion])
     logits = policy(input_ids=ids).logits[0, len(prefix) - 1 : -1].float() / temperature  # [C, V]
+    if truncation is not None:
+        return truncation.log_probs(logits, ids[0, len(prefix) :])
     if top_k:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -244,7 +250,9 @@ def test_top_k_and_top_p_sample_from_and_report_the_truncated_distribution(engin
         gen.sampling = sampling
     assert _logp_diff(policy, prefixes, groups, top_k=top_k, top_p=top_p) <= LOGP_DIFF_BOUND
     full = _logp_diff(policy, prefixes, groups)
-    assert full > 10 * LOGP_DIFF_BOUND  # the engine reports the truncated distribution, the trainer the full one
+    assert full > 10 * LOGP_DIFF_BOUND  # the engine reports the truncated distribution, not the full one
+    # the trainer's own scoring (algorithm/truncation.py) is the one the engine reports
+    assert _logp_diff(policy, prefixes, groups, truncation=Truncation(top_k, top_p)) <= LOGP_DIFF_BOUND
     if top_k == 1:
         greedy = gen.generate(prefixes, 1, greedy=True)
         assert all(c.token_ids == g[0].token_ids for g, group in zip(greedy, groups, strict=True) for c in group)
@@ -354,7 +362,7 @@ def test_storpo_branches_at_the_engines_most_uncertain_tokens(engine, tokenizer)
 
 
 def test_full_finetune_push_reaches_every_parameter(engine, shared_backend, llama_dir, tokenizer):
-    from grpo_lightning.generation.vllm import VLLMGenerator
+    from grpo_lightning.generation.vllm.generator import VLLMGenerator
 
     model = _load(llama_dir)
     with torch.no_grad():
@@ -448,7 +456,7 @@ def test_an_overlapped_vllm_run_learns_the_weights_into_its_evaluation_and_its_e
     evaluation after the last round scores the trained weights: the engine holds them afterwards. Then the same
     engine process takes two more pushes: merged weights travel to it in shared memory and land, its log-probs
     stale before each push and the trainer's after it."""
-    from grpo_lightning.generation.vllm_engine import EngineProcess
+    from grpo_lightning.generation.vllm.engine_process import EngineProcess
 
     _vllm()
     recorder, metrics, run = _recorded_run(tmp_path, llama_dir, "rollout.max_staleness=1", "eval.num_problems=4")

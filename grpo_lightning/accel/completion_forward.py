@@ -27,12 +27,13 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.accel.chunked_head import chunked_logprobs
+from grpo_lightning.accel.chunked_head import NO_TRUNCATION, chunked_logprobs
 from grpo_lightning.accel.entropy_terms import EntropySink, EntropyTerms, entropy_and_logit_grad, token_entropy
 from grpo_lightning.accel.head_input import restrided_head_input
 from grpo_lightning.accel.hf_internals import Cache, DynamicLayer
 from grpo_lightning.algorithm.losses import selective_log_softmax
 from grpo_lightning.algorithm.rollouts import position_ids_from_mask
+from grpo_lightning.algorithm.truncation import Truncation
 from grpo_lightning.types import RolloutBatch
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
@@ -194,14 +195,20 @@ def completion_logits_and_logprobs(
     share_prefix: bool = True,
     chunk_tokens: int | None = 128,
     by_length: bool = True,
+    truncation: Truncation = NO_TRUNCATION,
 ) -> tuple[Tensor | None, Tensor]:
     """(logits [B, C, V] / T or None, log-probs [B, C], 0 on padding) of the completion tokens.
+
+    The log-probs are over the tokens `truncation` keeps (top-k / top-p, algorithm/truncation.py), the
+    distribution the engine sampled from; the logits returned are the untruncated ones.
 
     See the module docstring. `chunk_tokens=None` materialises the logits even when not asked for; with
     `share_prefix=False` and `by_length=False` too, this is the plain path (one forward of the model,
     `logits_to_keep`), which the tests compare against. Logits at padding positions are unspecified.
     """
-    logits, logp, _ = _completion_forward(model, batch, temperature, with_logits, share_prefix, chunk_tokens, by_length)
+    logits, logp, _ = _completion_forward(
+        model, batch, temperature, with_logits, share_prefix, chunk_tokens, by_length, truncation=truncation
+    )
     return logits, logp
 
 
@@ -214,12 +221,13 @@ def completion_logprobs_with_entropy(
     chunk_tokens: int | None = 128,
     by_length: bool = True,
     with_grad: bool = True,
+    truncation: Truncation = NO_TRUNCATION,
 ) -> tuple[Tensor, EntropyTerms]:
     """The training forward's log-probs [B, C] (bitwise those of `completion_logits_and_logprobs`) and its token
     entropies with what their parameter gradient needs (`EntropyTerms`; `with_grad=False`: entropies only),
-    from the same logits."""
+    from the same logits (the entropies of the untruncated distribution)."""
     _, logp, terms = _completion_forward(
-        model, batch, temperature, False, share_prefix, chunk_tokens, by_length, weights, with_grad
+        model, batch, temperature, False, share_prefix, chunk_tokens, by_length, weights, with_grad, truncation
     )
     return logp, terms
 
@@ -238,6 +246,13 @@ def _logits_terms(logits: Tensor, weights: Tensor, with_grad: bool, rows: int = 
     return EntropyTerms(entropy=entropy, anchor=logits, anchor_grad=grad, head_grads=[])
 
 
+def _plain_logprobs(logits: Tensor, batch: RolloutBatch, truncation: Truncation) -> Tensor:  # [B, C, V] -> [B, C]
+    """The completion tokens' log-probs of materialised logits, 0 on padding."""
+    real = batch.sequence_mask.bool()
+    logits = truncation.apply(logits, keep=batch.completion_ids)
+    return selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0)
+
+
 def _completion_forward(
     model: nn.Module,
     batch: RolloutBatch,
@@ -248,6 +263,7 @@ def _completion_forward(
     by_length: bool,
     entropy_weights: Tensor | None = None,
     entropy_grad: bool = True,
+    truncation: Truncation = NO_TRUNCATION,
 ) -> tuple[Tensor | None, Tensor, EntropyTerms | None]:
     """Both public forwards (`completion_logits_and_logprobs`, `completion_logprobs_with_entropy`), which give every
     lever; `entropy_weights` asks for the entropy terms too."""
@@ -265,13 +281,13 @@ def _completion_forward(
             )
         logits = out.logits[:, :-1, :] / temperature  # [B, C, V]: position t predicts token t + 1
         terms = None if entropy_weights is None else _logits_terms(logits, entropy_weights, entropy_grad)
-        return logits, selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0), terms
+        return logits, _plain_logprobs(logits, batch, truncation), terms
     backbone, head = parts
     hidden = completion_hidden(backbone, batch, share_prefix, by_length)  # [B, C, H]
     if not chunk_tokens:
         logits = head(hidden) / temperature  # [B, C, V]
         terms = None if entropy_weights is None else _logits_terms(logits, entropy_weights, entropy_grad)
-        return logits, selective_log_softmax(logits, batch.completion_ids).masked_fill(~real, 0.0), terms
+        return logits, _plain_logprobs(logits, batch, truncation), terms
     # The log-probs (hence the loss and its gradient) come from the chunked head whether or not observers ask
     # for logits or entropies, so a probe leaves training bitwise unchanged (tests/probes/test_zero_impact.py).
     # The head runs on real positions only: `index_select`, whose backward is an `index_add_`.
@@ -282,7 +298,7 @@ def _completion_forward(
     if entropy_weights is not None:
         weights = entropy_weights.reshape(-1).index_select(0, positions)
         sink = EntropySink(real_hidden, weights, head, temperature, entropy_grad)
-    logp = chunked_logprobs(real_hidden, head, real_ids, temperature, chunk_tokens, sink)  # [N]
+    logp = chunked_logprobs(real_hidden, head, real_ids, temperature, chunk_tokens, sink, truncation)  # [N]
     logprobs = logp.new_zeros(real.shape).masked_scatter(real, logp)  # [B, C]
     terms = None
     if sink is not None:

@@ -21,8 +21,10 @@ per row (~14 ms a step for 16 x 49152), and bookkeeping. This loop keeps the mod
   finish. `multinomial` keeps every row to the end (what `generate` does), so that it still reproduces
   `generate`'s tokens.
 
-Temperature, top-k and top-p are HF's own logits warpers in HF's order. A row's tokens after its EOS are the pad
-token with log-prob 0 (`generate` feeds the pad token); callers cut after the EOS.
+Top-k and top-p are those of HF's logits warpers, in HF's order, applied to logits / T (algorithm/truncation.py,
+which the trainer replays), and each token's log-prob is that of the truncated distribution it was drawn from. A
+row's tokens after its EOS are the pad token with log-prob 0 (`generate` feeds the pad token); callers cut after
+the EOS.
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ import contextlib
 import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from grpo_lightning.accel.hf_internals import Cache, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 from grpo_lightning.accel.settings import check_sampler
 from grpo_lightning.algorithm.rollouts import position_ids_from_mask
+from grpo_lightning.algorithm.truncation import Truncation
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -163,16 +165,6 @@ def attention_backends_for_decoding(device: torch.device) -> contextlib.Abstract
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def warpers(top_k: int, top_p: float) -> list:
-    """HF's top-k / top-p warpers, in `generate`'s order; they run on logits already divided by the temperature."""
-    out = []
-    if top_k:
-        out.append(TopKLogitsWarper(top_k=top_k))
-    if top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p=top_p))
-    return out
-
-
 @torch.inference_mode()
 def sample_loop(
     model: nn.Module,
@@ -191,7 +183,8 @@ def sample_loop(
     compact: bool = True,
     steps: EagerSteps | None = None,
 ) -> tuple[Tensor, Tensor]:  # tokens [N, T_new] long, log-probs [N, T_new] float32
-    """Sample up to `max_new_tokens` per row; the log-prob of each token is under log_softmax(logits / T).
+    """Sample up to `max_new_tokens` per row; the log-prob of each token is under log_softmax(logits / T), over
+    the tokens `top_k` / `top_p` keep (algorithm/truncation.py).
 
     `rng`: the generator every draw comes from; None draws from the global RNG. An explicit one is what lets
     a background thread sample without touching the trainer's RNG (training/overlap.py). `compact`: finished
@@ -206,7 +199,7 @@ def sample_loop(
     positions = position_ids_from_mask(attention_mask)  # [N, L]: real tokens count from 0 under left padding
     step_ids, step_positions = input_ids[:, cached:], positions[:, cached:]
     next_position = positions[:, -1:] + 1  # [N, 1]
-    processors = warpers(top_k, top_p)
+    truncation = Truncation(top_k, top_p)  # HF's top-k then top-p warpers, and vLLM's (algorithm/truncation.py)
     eos = torch.tensor(eos_token_ids, device=device)
     drop_finished = compact and sampler == "inverse_cdf"
     rows = torch.arange(n, device=device)  # [B]: the call's row of each row still in the batch (B <= N)
@@ -220,9 +213,7 @@ def sample_loop(
         if greedy:
             token = scores.argmax(dim=-1)
         else:
-            warped = scores
-            for processor in processors:
-                warped = processor(None, warped)
+            warped = truncation.apply(scores)  # [B, V]: the dropped tokens at -inf
             probs = torch.softmax(warped, dim=-1)  # [B, V]
             if sampler == "multinomial":
                 token = torch.multinomial(probs, 1, generator=rng).squeeze(1)
@@ -230,7 +221,8 @@ def sample_loop(
                 uniform = torch.rand(n, dtype=torch.float64, device=device, generator=rng)[rows]  # [B]
                 token = sample_inverse_cdf(probs, uniform)
         token = torch.where(unfinished, token, pad_token_id)  # [B]
-        logprob = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None]).squeeze(1)  # [B]
+        # [B]: under the distribution sampled from (truncated, renormalised), what the trainer scores
+        logprob = torch.log_softmax(scores if greedy else warped, dim=-1).gather(-1, token[:, None]).squeeze(1)
         tokens[rows, step] = token
         logprobs[rows, step] = torch.where(unfinished, logprob, 0.0)
         taken = step + 1

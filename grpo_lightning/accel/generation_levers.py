@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.algorithm.rollouts import position_ids_from_mask
+from grpo_lightning.algorithm.truncation import Truncation
 
 
 def _lora_layers(model: nn.Module) -> list[nn.Module] | None:
@@ -121,15 +122,17 @@ def shared_prefill(
 
 
 class StepLogprobRecorder:
-    """Log-prob of every token `generate` feeds back, under log_softmax(logits / T) of the step that sampled it.
+    """Log-prob of every token `generate` feeds back, under log_softmax(logits / T) of the step that sampled it,
+    over the tokens `truncation` (the sampler's top-k / top-p) keeps.
 
-    A forward hook on the LM head keeps the last step's `[N, V]` log-softmax; a pre-hook on the input
-    embeddings gathers it at the tokens the next step consumes (the sampled ones). `finish(last_tokens)`
-    gathers the final step. Rows that already ended get pad tokens fed back; callers cut after EOS.
+    A forward hook on the LM head keeps the last step's `[N, V]` logits / T; a pre-hook on the input
+    embeddings scores them at the tokens the next step consumes (the sampled ones). `finish(last_tokens)`
+    scores the final step. Rows that already ended get pad tokens fed back; callers cut after EOS.
     """
 
-    def __init__(self, model: nn.Module, temperature: float) -> None:
+    def __init__(self, model: nn.Module, temperature: float, truncation: Truncation) -> None:
         self.temperature = temperature
+        self.truncation = truncation
         self.columns: list[Tensor] = []
         self.pending: Tensor | None = None
         self.head = model.get_output_embeddings()
@@ -151,11 +154,12 @@ class StepLogprobRecorder:
     def _on_input(self, module: nn.Module, args: tuple) -> None:
         if self.pending is not None:
             tokens = args[0][:, -1:]  # [N, 1]: what the previous step sampled
-            self.columns.append(self.pending.gather(-1, tokens.to(self.pending.device)).cpu())
+            logp = self.truncation.log_probs(self.pending, tokens[:, 0].to(self.pending.device))  # [N]
+            self.columns.append(logp.unsqueeze(-1).cpu())
             self.pending = None
 
     def _on_logits(self, module: nn.Module, args: tuple, output: Tensor) -> None:
-        self.pending = torch.log_softmax(output[:, -1].float() / self.temperature, dim=-1)  # [N, V]
+        self.pending = output[:, -1].float() / self.temperature  # [N, V]
 
     def finish(self, last_tokens: Tensor) -> Tensor:  # [N] -> [N, T_new] float32
         if self.pending is not None:

@@ -7,7 +7,8 @@ the policy beside the trainer (`SnapshotHFGenerator`, generation/hf_snapshot.py)
 (accel/decode_loop.py: pre-allocated KV cache, O(V) sampler); `perf.generate.custom_decode=false` calls HF
 `generate`. Log-probs are taken from the raw logits as log_softmax(logits / temperature), the same
 distribution the trainer scores (TRL divides logits by the temperature too). With top_p < 1 or top_k > 0
-the sampling distribution is truncated while the log-probs are not; TRL makes the same approximation.
+they are those of the truncated, renormalised distribution the tokens were drawn from, which the trainer
+replays (algorithm/truncation.py).
 With `perf.generate.weights=bfloat16 | int8` the linear layers sample through low-precision copies of their
 weights (accel/low_precision.py) and the log-probs are that forward's; the rollout correction then turns on.
 """
@@ -30,6 +31,7 @@ from grpo_lightning.accel.head_input import restrided_head_input
 from grpo_lightning.accel.heap_trim import release_freed_memory
 from grpo_lightning.accel.low_precision import low_precision_linears
 from grpo_lightning.accel.packed_weights import packed_linears
+from grpo_lightning.algorithm.truncation import Truncation
 from grpo_lightning.distributed import derive_seed
 from grpo_lightning.generation.base import Generator, SamplingConfig, eos_token_ids, truncate
 from grpo_lightning.generation.stale_guard import ACTION_RULE, THRESHOLD_RULE, StaleWeightGuard
@@ -269,12 +271,13 @@ class HFEngine(Generator):
             ids, mask, cache = shared_prefill(self.model, call.input_ids, call.attention_mask, call.num_samples)
             inputs = {"input_ids": ids, "attention_mask": mask, "past_key_values": cache}
             config.num_return_sequences = 1
-        recorder = StepLogprobRecorder(self.model, self.sampling.temperature)
+        truncation = Truncation() if call.greedy else Truncation(self.sampling.top_k, self.sampling.top_p)
+        recorder = StepLogprobRecorder(self.model, self.sampling.temperature, truncation)
         with recorder if stream_logprobs else contextlib.nullcontext():
             out = self.model.generate(**inputs, generation_config=config)
         new_tokens = out.sequences[:, call.input_ids.shape[1] :].cpu()  # [n * K, T_new]
         if not stream_logprobs:
-            return new_tokens, sampled_logprobs(out.logits, new_tokens, self.sampling.temperature)
+            return new_tokens, sampled_logprobs(out.logits, new_tokens, self.sampling.temperature, truncation)
         if not new_tokens.shape[1]:
             return new_tokens, torch.zeros(len(new_tokens), 0)
         return new_tokens, recorder.finish(new_tokens[:, -1])
@@ -300,14 +303,16 @@ def left_pad(prefixes: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor
     return input_ids, attention_mask
 
 
-def sampled_logprobs(step_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-prob of each sampled token under softmax(logits / temperature).
+def sampled_logprobs(
+    step_logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float, truncation: Truncation
+) -> torch.Tensor:
+    """Log-prob of each sampled token under softmax(logits / temperature) over the tokens `truncation` keeps.
 
     step_logits: T_new tensors of [N, V] raw logits (one per generation step); tokens: [N, T_new].
     Returns [N, T_new] float32. Works step by step so no [N, T_new, V] tensor is built.
     """
     columns = []
     for t, logits in enumerate(step_logits):
-        logp = torch.log_softmax(logits.float().cpu() / temperature, dim=-1)  # [N, V]
-        columns.append(logp.gather(-1, tokens[:, t : t + 1]))  # [N, 1]
+        logp = truncation.log_probs(logits.float().cpu() / temperature, tokens[:, t])  # [N]
+        columns.append(logp.unsqueeze(-1))  # [N, 1]
     return torch.cat(columns, dim=-1) if columns else torch.zeros(tokens.shape[0], 0)

@@ -49,6 +49,7 @@ from grpo_lightning.accel import ForwardSettings
 from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, completion_logprobs_with_entropy
 from grpo_lightning.accel.entropy_terms import EntropyTerms
 from grpo_lightning.algorithm.losses import GRPOLoss
+from grpo_lightning.algorithm.truncation import Truncation
 from grpo_lightning.schema import check_settings, choice, integer, number, setting
 from grpo_lightning.sharding import call_as_forward, is_sharded, shard_module, sharded_norm
 from grpo_lightning.types import RolloutBatch
@@ -103,6 +104,8 @@ class GRPOModule(L.LightningModule):
         schedule: LRSchedule,
         total_steps: int,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         max_consecutive_skips: int = 3,
         max_norm_growth: float | None = 2.0,
         run_info: dict | None = None,
@@ -110,7 +113,9 @@ class GRPOModule(L.LightningModule):
         forward_settings: ForwardSettings | None = None,
     ) -> None:
         """`run_info` (model, LoRA) is what a checkpoint must match to be resumed; `fixed_settings` are the config
-        keys a resume may not change (checkpointing.FIXED_ON_RESUME). Both are saved in every checkpoint."""
+        keys a resume may not change (checkpointing.FIXED_ON_RESUME). Both are saved in every checkpoint.
+        `temperature`, `top_k` and `top_p` are the generator's: log-probs are scored on the distribution the
+        engine sampled from (algorithm/truncation.py)."""
         super().__init__()
         if max_consecutive_skips < 1:
             raise ValueError(f"guard.max_consecutive_skipped_steps must be >= 1 (got {max_consecutive_skips})")
@@ -121,6 +126,8 @@ class GRPOModule(L.LightningModule):
         self.schedule = schedule
         self.total_steps = total_steps
         self.temperature = temperature
+        self.truncation = Truncation(top_k, top_p)
+        """The top-k / top-p the engine samples with, replayed on every log-prob the trainer scores."""
         self.forward_settings = forward_settings if forward_settings is not None else ForwardSettings()
         """How the training forward computes log-probs (`perf.forward`; accel/completion_forward.py)."""
         self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
@@ -176,10 +183,11 @@ class GRPOModule(L.LightningModule):
             levers.share_prefix,
             levers.logits_chunk_tokens,
             levers.runs_by_length,
+            self.truncation,
         )
 
     def completion_logprobs(self, model: nn.Module, batch: RolloutBatch) -> Tensor:  # [B, C]
-        """log pi(completion token | prefix) at the sampling temperature."""
+        """log pi(completion token | prefix) at the sampling temperature, over the tokens top-k / top-p keep."""
         return self.policy_forward(model, batch, with_logits=False)[1]
 
     @torch.no_grad()
@@ -232,6 +240,7 @@ class GRPOModule(L.LightningModule):
                 self.forward_settings.logits_chunk_tokens,
                 self.forward_settings.runs_by_length,
                 with_grad=bonus or any(need == "entropy_gradient" for _, need in observing),
+                truncation=self.truncation,
             )
         for observer, _ in observing:
             observer.observe_forward(batch, logp, terms)

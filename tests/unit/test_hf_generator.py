@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from grpo_lightning.algorithm.truncation import Truncation
 from grpo_lightning.generation.base import SamplingConfig
 from grpo_lightning.generation.hf import HFGenerator
 from grpo_lightning.generation.hf_engine import left_pad, sampled_logprobs
@@ -14,7 +15,7 @@ def test_sampled_logprobs_match_hand_values():
     # Two steps, vocab 3, one row; temperature 2 halves the logits.
     logits = (torch.tensor([[0.0, 2.0, 4.0]]), torch.tensor([[2.0, 2.0, 2.0]]))
     tokens = torch.tensor([[1, 0]])
-    got = sampled_logprobs(logits, tokens, temperature=2.0)
+    got = sampled_logprobs(logits, tokens, temperature=2.0, truncation=Truncation())
     z = math.exp(0) + math.exp(1) + math.exp(2)
     expected = [1 - math.log(z), math.log(1 / 3)]
     assert got.shape == (1, 2)
