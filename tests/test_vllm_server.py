@@ -87,14 +87,22 @@ def cli(run_dir: Path, llama_dir: Path, *extra: str) -> Path:
     return run_dir
 
 
-def test_two_training_processes_share_one_server_and_train_what_one_process_trains(tmp_path, llama_dir):
-    """Adapters loaded at runtime each round; the server started by rank 0, its URL inherited by rank 1."""
+@pytest.mark.parametrize("staleness", [0, 1], ids=["sequential", "overlapped"])
+def test_two_training_processes_share_one_server_and_train_what_one_process_trains(tmp_path, llama_dir, staleness):
+    """Adapters loaded at runtime each round; the server started by rank 0, its URL inherited by rank 1. Overlapped:
+    each process's worker samples round 1 while round 0 trains, from the adapter pushed as round 0 started."""
     _vllm()
-    single = cli(tmp_path / "single", llama_dir)
-    ddp = cli(tmp_path / "ddp", llama_dir, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu")
+    overlap = f"rollout.max_staleness={staleness}"
+    single = cli(tmp_path / "single", llama_dir, overlap)
+    ddp = cli(tmp_path / "ddp", llama_dir, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", overlap)
     for run in (single, ddp):
         worst = scalars(run, "rollout/logp_diff_max")
-        assert len(worst) == 2 and max(worst) <= 2 * LOGP_DIFF_BOUND  # every rank sampled its trainer's weights
+        assert len(worst) == 2
+        if staleness == 0:
+            assert max(worst) <= 2 * LOGP_DIFF_BOUND  # every rank sampled its trainer's weights
+        else:  # round 1 was sampled from the adapter round 0 started with
+            assert worst[0] <= 2 * LOGP_DIFF_BOUND < worst[1]
+            assert scalars(run, "rollout/staleness") == [0.0, 1.0]
     assert scalars(ddp, "train/reward_mean") == pytest.approx(scalars(single, "train/reward_mean"), rel=1e-6)
     reference, rank0, rank1 = (torch.load(p) for p in (single / "rank0.pt", ddp / "rank0.pt", ddp / "rank1.pt"))
     assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
@@ -116,3 +124,46 @@ def test_sharded_training_pushes_merged_weights_gathered_layer_by_layer(tmp_path
     rank0, rank1 = torch.load(run / "rank0.pt"), torch.load(run / "rank1.pt")
     assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
     assert any(rank0[n].abs().max() > 0 for n in rank0 if "lora_B" in n)  # it trained: round 1 needed the push
+
+
+def _server_run(run_dir: Path, llama_dir: Path, *overrides: str):
+    """A 3-round in-process run on a server it starts, every round's rollouts recorded (tests/test_overlap.py)."""
+    from grpo_lightning.app.train import build_run
+    from tests.conftest import make_cfg
+    from tests.test_overlap import RoundRecorder
+
+    args = [
+        "generator=vllm_server", *engine_cli_args(llama_dir), "trainer.max_epochs=3", "data.prompts_per_round=4",
+        "variant.num_generations=4", "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
+        "eval.enabled=false", *overrides,
+    ]  # fmt: skip
+    run = build_run(make_cfg(run_dir, args))
+    recorder = RoundRecorder()
+    run.trainer.callbacks.append(recorder)
+    try:
+        metrics = run.fit()
+    finally:
+        run.rollout_loop.generator.close()
+    return recorder, metrics, run
+
+
+def test_overlapped_rounds_on_a_server_sample_exactly_the_sequential_rollouts_at_lr0(tmp_path, llama_dir):
+    """`rollout.max_staleness=1`: the server samples round k+1 while round k trains, from the weights pushed as
+    round k started training. Truth: the sequential run on a server of its own. At lr=0 the weights never change
+    and every request is seeded from its round and prefix, so both runs sample the same rollouts, round by round;
+    the overlapped rounds after the first are one step stale."""
+    _vllm()
+    sequential, _, _ = _server_run(tmp_path / "sequential", llama_dir, "optim.optimizer.lr=0")
+    overlapped, metrics, run = _server_run(
+        tmp_path / "overlapped", llama_dir, "optim.optimizer.lr=0", "rollout.max_staleness=1"
+    )
+    assert len(sequential.rounds) == len(overlapped.rounds) == 3
+    for k, (a, b) in enumerate(zip(sequential.rounds, overlapped.rounds, strict=True)):
+        assert [r[0] for r in a] == [r[0] for r in b], f"round {k}: token ids"
+        assert [r[2:] for r in a] == [r[2:] for r in b], f"round {k}: rewards and groups"
+        for (_, x, *_), (_, y, *_) in zip(a, b, strict=True):
+            assert x == pytest.approx(y, abs=1e-5), f"round {k}: the server's log-probs"
+    assert sequential.staleness == [0.0, 0.0, 0.0] and overlapped.staleness == [0.0, 1.0, 1.0]
+    assert len({tuple(ids) for round_ in overlapped.rounds for ids, *_ in round_}) > 3  # sampled, not repeated
+    assert metrics["rollout/logp_diff_mean"] <= LOGP_DIFF_BOUND  # lr=0: stale weights are the same weights
+    assert all(not server.alive() for server in run.rollout_loop.generator.servers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -182,11 +183,43 @@ def test_the_server_requests_carry_the_sampling_settings(tmp_path, tiny_model, t
     assert set(sampled["stop_token_ids"]) == set(gen.eos_token_ids)
 
 
+def test_requests_are_salted_by_version_and_a_round_beside_training_never_pushes(
+    tmp_path, tiny_model, tokenizer, servers
+):
+    """Each request's `cache_salt` names the run and the weights' version, so no prefix-cache block computed under
+    other weights serves it. An overlapped round samples in a worker thread while the policy trains: a server that
+    lost the weights there stops the run (resumable) rather than being pushed weights half way through a step."""
+    gen = generator(tiny_model, tokenizer, servers[:1], tmp_path)
+    snapshot = gen.background_copy()
+    for _ in range(2):
+        snapshot.sync_weights(tiny_model)  # as a round starts training: the push, in the trainer's thread
+        snapshot.generate([[3]], num_samples=1)
+    sampled = [b for p, b in servers[0].requests if p == "POST /v1/completions" and "prompt_logprobs" not in b]
+    assert [body["cache_salt"] for body in sampled] == [f"{gen.run_id}-v1", f"{gen.run_id}-v2"]
+    trainable = {n for n, p in tiny_model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    assert snapshot.weights().keys() == trainable  # what a checkpoint keeps of the pushed snapshot
+    servers[0].restart()
+    servers[0].requests.clear()
+    raised: list[BaseException] = []
+
+    def beside_training() -> None:
+        try:
+            snapshot.generate([[3]], num_samples=1)
+        except BaseException as err:  # noqa: BLE001 - the worker's error, checked below
+            raised.append(err)
+
+    worker = threading.Thread(target=beside_training)
+    worker.start()
+    worker.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], EngineFailed), raised
+    assert "lost weights version 2 during the round" in str(raised[0])
+    assert not [p for p in servers[0].paths() if "weight_update" in p]  # nothing pushed from the worker
+
+
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
         (["trainer=ddp", "trainer.num_nodes=2", "trainer.devices=1"], "processes of the other nodes cannot find"),
-        (["rollout.max_staleness=1"], "rollout.max_staleness=1 samples the next round beside the trainer"),
         (["generator.num_servers=2", 'generator.server_devices=["4"]'], "generator.server_devices lists 1 device"),
         (["generator.urls=[10.0.0.5:8000]"], "generator.urls: '10.0.0.5:8000' is not an http:// or https:// URL"),
         (["generator.urls=[]"], "generator.urls is empty"),

@@ -60,7 +60,6 @@ from grpo_lightning.generation.vllm.engine_io import (
     sampling_kwargs,
 )
 from grpo_lightning.generation.vllm.engine_process import CompletionRequest, EngineProcess, EngineSpec, LocalEngine
-from grpo_lightning.generation.vllm.engine_snapshot import VLLMSnapshot
 from grpo_lightning.generation.vllm.settings import (
     VLLMSettings,
     VLLMSourceSettings,
@@ -68,6 +67,7 @@ from grpo_lightning.generation.vllm.settings import (
     engine_lora_rank,
     for_platform,
 )
+from grpo_lightning.generation.vllm.snapshot import VLLMSnapshot
 from grpo_lightning.generation.vllm.weights import (
     check_name_mapping,
     is_peft_model,
@@ -306,6 +306,10 @@ class VLLMGenerator(Generator):
                 "training process cannot do: set generator.engine_process=true or rollout.max_staleness=0"
             )
         return VLLMSnapshot(self)
+
+    def use_engine_threads(self, threads: int) -> None:
+        """The engine process's CPU threads (an overlapped round's share of the cores)."""
+        self.engine.set_threads(threads)
 
     # ---- weights and memory ----------------------------------------------------------------------------
     def push_weights(self) -> None:

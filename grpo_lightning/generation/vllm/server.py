@@ -25,6 +25,12 @@ server's version (`/weight_info`, and for adapters the ones `/v1/models` lists):
 current weights first; a version of another writer stops the run, nothing sampled there trained on. A completion
 older than `generator.max_staleness` (`rollout.max_staleness`) allows stops the run in one line naming the server:
 the check that catches an adapter that was never delivered, which otherwise looks like slow learning.
+
+Overlapped rounds (`rollout.max_staleness` >= 1; docs/overlap.md): the servers sample round k+1 while round k
+trains, from the weights pushed as round k started training (`background_copy`, snapshot.py). A push never lands
+while a round is sampled (the next push waits for the round), so a completion is sampled from one version start
+to end, and each request carries that version in its `cache_salt`: no request is served from prefix-cache blocks
+computed under other weights, whether or not the cache reset after a push succeeded.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from grpo_lightning.generation.vllm.server_weights import (
     push_weight_files,
 )
 from grpo_lightning.generation.vllm.settings import ServerSettings, check_server_config, engine_lora_rank
+from grpo_lightning.generation.vllm.snapshot import VLLMSnapshot
 from grpo_lightning.generation.vllm.weights import drain, is_peft_model, policy_weights
 from grpo_lightning.sharding import is_sharded, save_policy
 from grpo_lightning.types import Completion
@@ -84,6 +91,15 @@ log = logging.getLogger(__name__)
 URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
 """Where the process that started the servers tells the training processes Lightning starts after it (they
 inherit its environment) which URLs to use: `<generator.log_dir>|<url>,<url>`."""
+
+
+def reset_prefix_cache(client: ServerClient) -> None:
+    """Drop the server's prefix cache after a push. vLLM refuses while requests hold blocks (`success: false`);
+    none do here (a push waits for the round being sampled), and the requests' `cache_salt` keeps them apart
+    anyway, so a refusal is logged, not fatal."""
+    answer = client.post("/reset_prefix_cache")
+    if isinstance(answer, dict) and answer.get("success") is False:
+        log.warning("the vLLM server at %s kept its prefix cache after a push (requests held blocks)", client.url)
 
 
 class VLLMServerGenerator(Generator):
@@ -127,6 +143,8 @@ class VLLMServerGenerator(Generator):
         self.asked: Counter = Counter()
         self._pool = ThreadPoolExecutor(max_workers=s.concurrency, thread_name_prefix="vllm-server-request")
         self._lock = threading.Lock()
+        self._trainer_thread = threading.get_ident()
+        """The thread that built the generator, the trainer's: the only one that may read the policy to push it."""
         self.nccl_engines: dict[str, Any] = {}
         """vLLM's NCCL trainer engine for each server (`weight_transfer=nccl`), made at the first push."""
         self.sync_s: list[float] = []
@@ -252,6 +270,13 @@ class VLLMServerGenerator(Generator):
         self.round_seed = round_seed
         self.asked = Counter()
 
+    def background_copy(self) -> VLLMSnapshot:
+        """Overlapped rounds sample from these servers, holding the weights pushed as each round starts training."""
+        return VLLMSnapshot(self)
+
+    def use_engine_threads(self, threads: int) -> None:
+        """Nothing to set: the servers sample on cores of their own (vLLM's own thread binding)."""
+
     def sample(
         self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
     ) -> list[list[Completion]]:
@@ -289,6 +314,8 @@ class VLLMServerGenerator(Generator):
             "stop_token_ids": list(self.eos_token_ids),
             "skip_special_tokens": False,
             "seed": seed,
+            # prefix-cache blocks are shared only between requests of this run and these weights (module docstring)
+            "cache_salt": f"{self.run_id}-v{self.version}",
         }
         if greedy:
             body["temperature"] = 0.0
@@ -417,7 +444,7 @@ class VLLMServerGenerator(Generator):
                     stem = f"{self.run_id}-v{self.version}"
                     push_weight_files(clients, weights, self.transfer_dir / "weights", version, stem)
                     for client in clients:
-                        client.post("/reset_prefix_cache")
+                        reset_prefix_cache(client)
                 else:  # vLLM's NCCL trainer engine drives the update phases itself and sets no version
                     for client in clients:
                         self._push_nccl(client)
@@ -457,7 +484,9 @@ class VLLMServerGenerator(Generator):
         if current:
             return
         rank, _ = rank_and_world()
-        if rank != 0 or is_sharded(self.policy):  # a sharded policy is pushed by every process together
+        # a sharded policy is pushed by every process together; beside training (an overlapped round's worker)
+        # the policy is being trained, and only the trainer's thread may read it
+        if rank != 0 or is_sharded(self.policy) or threading.get_ident() != self._trainer_thread:
             raise EngineFailed(
                 f"generator: the vLLM server at {client.url} lost weights version {self.version} during the round "
                 "(restarted?); a resumed run gives it the weights"

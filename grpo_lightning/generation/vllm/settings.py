@@ -220,7 +220,7 @@ def check_server_config(cfg) -> None:
     """generator=vllm_server's keys against each other and the run, before anything loads: the adapter's rank
     vLLM must hold, an API key only from the environment (a key written in the config would stay in the run's
     record), `transfer_dir`, the started servers' `max_model_len` against the longest prompt plus
-    `max_new_tokens`, no overlapped rounds yet, and, on several nodes, servers listed in `generator.urls` (servers
+    `max_new_tokens`, and, on several nodes, servers listed in `generator.urls` (servers
     the first node starts cannot be found by the processes of the others)."""
     settings = settings_of(cfg.generator, ServerSettings)
     if settings.lora_sync == "adapter" and cfg.model.lora.enabled:
@@ -240,13 +240,6 @@ def check_server_config(cfg) -> None:
             f"generator.max_model_len={settings.max_model_len} cannot hold the longest prompt (data."
             f"max_prompt_tokens={settings.max_prompt_tokens}) plus generator.max_new_tokens="
             f"{cfg.generator.max_new_tokens} = {need}: raise it, or null for the model's own"
-        )
-    bound = OmegaConf.select(cfg, "rollout.max_staleness", default=0)
-    if bound:
-        raise ValueError(
-            f"rollout.max_staleness={bound} samples the next round beside the trainer, which generator="
-            "vllm_server does not do yet; set rollout.max_staleness=0 (the servers already sample beside every "
-            "training process)"
         )
     if settings.urls is None and int(cfg.trainer.get("num_nodes", 1) or 1) > 1:
         raise ValueError(

@@ -1,5 +1,6 @@
-"""The engine overlapped rounds sample from under `generator=vllm` (docs/overlap.md): the generator's own engine,
-with the policy's trainable weights as they were pushed, for a checkpoint."""
+"""The engine overlapped rounds sample from under `generator=vllm` and `generator=vllm_server` (docs/overlap.md):
+the generator's own engine process or servers, holding the weights pushed when a round starts training, and the
+policy's trainable weights as they were pushed, for a checkpoint."""
 
 from __future__ import annotations
 
@@ -15,18 +16,15 @@ from grpo_lightning.generation.stale_guard import StaleWeightGuard
 from grpo_lightning.types import Completion
 
 
-class EngineThreads(Protocol):
-    def set_threads(self, threads: int) -> None: ...
-
-
 class SnapshotSource(Protocol):
-    """What the snapshot uses of its generator (`VLLMGenerator`): its settings, its policy, its engine process
-    and pushing the policy's weights into that engine."""
+    """What the snapshot uses of its generator (`VLLMGenerator`, `VLLMServerGenerator`): its settings, its policy,
+    sampling, the CPU threads it samples with, and pushing the policy's weights into the engine or servers."""
 
     sampling: SamplingConfig
     guard: StaleWeightGuard
     policy: nn.Module
-    engine: EngineThreads
+
+    def use_engine_threads(self, threads: int) -> None: ...
 
     def sample(
         self, prefixes: list[list[int]], num_samples: int, budgets: list[int], greedy: bool
@@ -39,10 +37,13 @@ class SnapshotSource(Protocol):
 
 class VLLMSnapshot(BackgroundEngine):
     """The engine overlapped rounds sample from (`rollout.max_staleness` >= 1; docs/overlap.md): the generator's
-    own engine process, holding the weights pushed when a round starts training.
+    own engine process (`generator=vllm`) or servers (`generator=vllm_server`), holding the weights pushed when a
+    round starts training.
 
     No second engine: evaluation runs between rounds, never while a round is sampled (the rollout loop pushes the
-    current weights before it), so one engine process serves both. `weights()` keeps the policy's trainable
+    current weights before it), so one engine process, or one set of servers, serves both. No push lands while a
+    round is sampled either: the next push waits for the round (the rollout loop joins it first), so every
+    completion is sampled from one version, start to end. `weights()` keeps the policy's trainable
     tensors as they were at the push, for a checkpoint; `load_weights` pushes such a snapshot back.
     """
 
@@ -70,8 +71,8 @@ class VLLMSnapshot(BackgroundEngine):
         self.generator.reseed(round_seed)
 
     def use_threads(self, threads: int) -> None:
-        """The engine process's CPU threads while it samples beside the trainer."""
-        self.generator.engine.set_threads(threads)
+        """The engine's CPU threads while it samples beside the trainer (servers keep their own)."""
+        self.generator.use_engine_threads(threads)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(self._weights)
