@@ -1,13 +1,15 @@
 """A fake `vllm serve` for the contract tests of generator=vllm_server: the routes the generator calls, on
 127.0.0.1, with every request recorded and answers written by hand. The real server's behaviour is held by
 tests/test_vllm_server.py (vLLM's CPU build); this one makes faults cheap: a server that restarts (forgets its
-weights), never delivers an adapter, answers nothing, or serves another tokenizer.
+weights), never delivers an adapter, answers nothing, dies part-way (`answers_left`), is slow (`delay_s`), or
+serves another tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 COMPLETION = [11, 12, 13]
@@ -23,6 +25,7 @@ class FakeServer:
         """prompt token ids -> the log-prob of each token after the first (the weights the server holds); None:
         every log-prob 0 (weights no policy has)."""
         self.requests: list[tuple[str, dict | None]] = []
+        self.lock = threading.Lock()
         self.weight_version: str | None = "default"
         self.adapters: list[str] = []
         self.deliver_adapters = True
@@ -36,6 +39,12 @@ class FakeServer:
         """Routes under /v1 answer 401 without this bearer token (vLLM's --api-key)."""
         self.updating = False
         """Inside a weight update (between /start_weight_update and /finish_weight_update)."""
+        self.answers_left: int | None = None
+        """Requests answered before the server dies (every later one: the connection closed, no answer)."""
+        self.delay_s = 0.0
+        """Seconds each completion takes."""
+        self.metrics_text = "# HELP vllm:num_requests_waiting waiting\n"
+        """What `/metrics` answers (Prometheus' text format)."""
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         # a short poll: `close` (httpd.shutdown) waits up to one poll interval, 0.5 s by default, in every test
@@ -57,6 +66,8 @@ class FakeServer:
         self.requests.append((f"{method} {path}", body))
         if path == "/health":
             return {}
+        if path == "/metrics":
+            return self.metrics_text
         if (
             path.startswith("/v1/")
             and self.api_key
@@ -116,6 +127,7 @@ class FakeServer:
                 prompt_logprobs = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(ids[1:], scores, strict=True)]
                 return {"model": body["model"], "choices": [{"index": 0, "token_ids": [1], "prompt_logprobs":
                         prompt_logprobs, "logprobs": None, "finish_reason": "length"}]}  # fmt: skip
+            time.sleep(self.delay_s)
             choices = [
                 {
                     "index": j,
@@ -138,6 +150,13 @@ class FakeServer:
             def _reply(self, method: str) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
+                with server.lock:
+                    dead = server.answers_left is not None and server.answers_left <= 0
+                    if server.answers_left is not None:
+                        server.answers_left -= 1
+                if dead:  # gone: the connection closes with no answer
+                    self.close_connection = True
+                    return
                 answer = server._answer(method, self.path, body, dict(self.headers))
                 code, answer = answer if isinstance(answer, tuple) else (200, answer)
                 data = (answer if isinstance(answer, str) else json.dumps(answer)).encode()

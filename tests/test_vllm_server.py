@@ -1,7 +1,7 @@
 """generator=vllm_server against real `vllm serve` servers on 127.0.0.1 (vLLM's CPU build, marker `vllm`): started by
 the generator, full weights pushed through vLLM's weight-transfer protocol (the `grpo_files` backend this package
 registers in vLLM's registry), adapters loaded at runtime, a restarted server given the weights before it samples,
-and two training processes sharing one server.
+a killed one dropped from the pool, and two training processes sharing one server.
 
 Truths: the trainer's own log-probs (log_softmax(logits / T) of the HF model, tests/test_vllm.py), stale before a
 push and equal to float32 agreement after it; the single-process run on the same prefixes (each request is seeded
@@ -64,6 +64,18 @@ def test_started_servers_take_full_pushes_and_a_restarted_one_gets_them_before_i
         after_restart = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
         assert after_restart <= LOGP_DIFF_BOUND
         assert "POST /finish_weight_update" in restarted.log_path.read_text()
+        # each server's load, under vLLM's own metric names (its /metrics)
+        load = gen.engine_metrics()
+        assert {"server/0/queue_s_mean", "server/0/preemptions", "server/1/preemptions"} <= load.keys(), load
+        assert load["server/0/queue_s_mean"] >= 0 and load["server/0/preemptions"] == 0
+        # server 1 killed: the round goes to server 0 with the same seeds, so it samples what both would have
+        gen.reseed(3)
+        intact = gen.generate(prefixes, num_samples=4)
+        restarted.stop()
+        gen.reseed(3)
+        after_loss = gen.generate(prefixes, num_samples=4)
+        assert [[c.token_ids for c in group] for group in after_loss] == [[c.token_ids for c in g] for g in intact]
+        assert [c.url for c in gen.pool.live] == [gen.servers[0].url]
     finally:
         gen.close()
     time.sleep(1)

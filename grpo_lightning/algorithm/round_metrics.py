@@ -69,6 +69,7 @@ def round_metrics(per_rank: list[dict]) -> dict[str, float]:
     stats = [s for part in per_rank for s in part["stats"]]
     metrics = rollout_metrics(stats, max(part["rollout_s"] for part in per_rank))  # ranks generate in parallel
     metrics.update(merge_variant_metrics([part["variant"] for part in per_rank]))
+    metrics.update(merge_variant_metrics([part["engine"] for part in per_rank]))  # the engine's (servers')
     for key in per_rank[0]["sampling"]:  # dynamic sampling: counts over all ranks (extra batches: equal on all)
         values = [part["sampling"][key] for part in per_rank]
         metrics[key] = values[0] if key == "rollout/ds_extra_batches" else sum(values)

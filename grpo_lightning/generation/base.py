@@ -105,6 +105,14 @@ class Generator(Configured, ABC):
 
         No-op: an engine that samples from the policy module itself holds no copy to refresh."""
 
+    def engine_metrics(self) -> dict[str, float]:
+        """What the engine observed since the last call, logged with the round's metrics (the rollout loop, once a
+        round; every process's merged by name).
+
+        Empty: an engine in this process has nothing to report beyond the round's own metrics. A server pool
+        reports each server's load (generation/vllm/server_pool.py)."""
+        return {}
+
     def background_copy(self) -> BackgroundEngine:
         """An engine that samples from a snapshot of the policy's weights beside the trainer
         (`rollout.max_staleness` >= 1, training/overlap.py).

@@ -339,6 +339,7 @@ class RolloutLoop(L.Callback):
             "variant": sampled.variant_metrics,
             "reward_errors": sampled.reward_errors,
             "sampling": sampled.sampling_metrics,
+            "engine": self.generator.engine_metrics(),
             "credit": credited_tokens(sampled.rollouts),
         }
         self.round_metrics = round_metrics(gather_objects(local))

@@ -3,11 +3,12 @@
 from grpo_lightning.algorithm.round_metrics import RolloutStats, merge_variant_metrics, round_metrics
 
 
-def part(variant: dict[str, float], reward: float = 1.0) -> dict:
+def part(variant: dict[str, float], reward: float = 1.0, engine: dict[str, float] | None = None) -> dict:
     stats = [
         RolloutStats(reward=reward, group=g, length=4, generated=4, truncated=False, extracted=True) for g in (0, 1)
     ]
-    return {"stats": stats, "rollout_s": 1.0, "variant": variant, "sampling": {}, "reward_errors": 0, "credit": (4, 8)}
+    return {"stats": stats, "rollout_s": 1.0, "variant": variant, "sampling": {}, "engine": engine or {},
+            "reward_errors": 0, "credit": (4, 8)}  # fmt: skip
 
 
 def test_a_name_one_rank_lacks_is_the_mean_of_the_ranks_that_report_it():
@@ -27,3 +28,9 @@ def test_round_metrics_under_two_ranks_with_different_names():
     assert metrics["rollout/storpo_reward_late"] == 1.0
     assert metrics["rollout/storpo_reward_early"] == 0.0
     assert metrics["rollout/credited_token_frac"] == 0.5
+
+
+def test_the_engines_metrics_of_the_first_process_alone_are_logged_as_they_are():
+    """A server pool's load is read by the first process only; the others report none."""
+    metrics = round_metrics([part({}, engine={"server/0/preemptions": 3.0}), part({})])
+    assert metrics["server/0/preemptions"] == 3.0

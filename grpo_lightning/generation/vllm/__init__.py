@@ -3,7 +3,8 @@
 - In this process or an engine process (`generator=vllm`; docs/vllm.md): `generator.py`, `VLLMGenerator`;
   `engine_process.py`, the engine calls, answered in this process or in a spawned one.
 - Servers (`generator=vllm_server`; docs/scaling.md): `server.py`, `VLLMServerGenerator`; `server_checks.py`, what
-  a server must be before a run trains on it; `server_claim.py`, one run per server; `server_process.py`, the
+  a server must be before a run trains on it; `server_claim.py`, one run per server; `server_pool.py`, which server
+  a request goes to (by load; a lost one dropped) and each server's load from its `/metrics`; `server_process.py`, the
   servers a run starts; `server_supervisor.py`, run as a file, stops a started server whole; `server_weights.py`,
   the trainer side of a push; `file_transfer.py`, the server side of the `grpo_files` backend (loaded by vLLM through
   this package's plugin, pyproject.toml).

@@ -2,11 +2,12 @@
 
 The servers are vLLM's own OpenAI-compatible server, unmodified: started by the run (`generator.urls: null`,
 `generator.num_servers` of them, on `generator.server_devices`) or already running at `generator.urls`. Every
-training process sends its share of a round to them, spread over the servers, one request per prefix
-(`/v1/completions` with token ids in, `return_token_ids` and the sampled tokens' log-probs out), so a server batches
-the requests of every process. Each prefix's request carries a seed derived from (round seed, prefix tokens, how
-often this process asked for that prefix this round): a prompt's samples do not depend on which process or
-server sampled it, as `generator.seed_per_prefix` makes them for the HF engine.
+training process sends its share of a round to them, one request per prefix (`/v1/completions` with token ids in,
+`return_token_ids` and the sampled tokens' log-probs out), each to the least-loaded live server (server_pool.py), so
+a server batches the requests of every process. Each prefix's request carries a seed derived from (round seed,
+prefix tokens, how often this process asked for that prefix this round): a prompt's samples do not depend on which
+process or server sampled it, as `generator.seed_per_prefix` makes them for the HF engine. So a server that stops
+answering is dropped and its requests go to the others: the round is the one an intact pool samples.
 
 After each optimizer step, one process (rank 0) pushes the weights to every server, and every process waits for it
 (a barrier) before sampling:
@@ -20,11 +21,12 @@ Trust. Before a run trains on a server's samples: every server is checked at sta
 tokenizer, length, log-prob mode, LoRA or weight-transfer setup, architecture) and claimed by this run alone
 (server_claim.py); after the first push, its log-probs of a probe text must equal the trainer's. Every push is
 a version written into the server's weight version with the run's claim; every completion records the version
-that sampled it (`Completion.weight_version`). Before and after a process samples from a server it reads the
-server's version (`/weight_info`, and for adapters the ones `/v1/models` lists): a restarted server is given the
-current weights first; a version of another writer stops the run, nothing sampled there trained on. A completion
-older than `generator.max_staleness` (`rollout.max_staleness`) allows stops the run in one line naming the server:
-the check that catches an adapter that was never delivered, which otherwise looks like slow learning.
+that sampled it (`Completion.weight_version`). Before a process samples from a server, and after each of its
+requests, it reads the server's version (`/weight_info`, and for adapters the ones `/v1/models` lists): a restarted
+server is given the current weights first; a version of another writer stops the run, nothing sampled there
+trained on. A completion older than `generator.max_staleness` (`rollout.max_staleness`) allows stops the run in
+one line naming the server: the check that catches an adapter that was never delivered, which otherwise looks like
+slow learning.
 
 Overlapped rounds (`rollout.max_staleness` >= 1; docs/overlap.md): the servers sample round k+1 while round k
 trains, from the weights pushed as round k started training (`background_copy`, snapshot.py). A push never lands
@@ -41,6 +43,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +65,8 @@ from grpo_lightning.generation.vllm.server_checks import (
     probe_ids,
     trainer_probe_logprobs,
 )
-from grpo_lightning.generation.vllm.server_claim import Claim, RunClaims, first_process
+from grpo_lightning.generation.vllm.server_claim import RunClaims, first_process
+from grpo_lightning.generation.vllm.server_pool import ServerLoad, ServerPool
 from grpo_lightning.generation.vllm.server_process import (
     ServerLaunch,
     ServerProcess,
@@ -91,6 +95,11 @@ log = logging.getLogger(__name__)
 URLS_ENV = "GRPO_LIGHTNING_VLLM_SERVER_URLS"
 """Where the process that started the servers tells the training processes Lightning starts after it (they
 inherit its environment) which URLs to use: `<generator.log_dir>|<url>,<url>`."""
+
+
+class ServerBehind(EngineFailed):
+    """A server that lacks the current weights where this thread may not push them (another rank, an overlapped
+    round's worker, a sharded policy): dropped from this process's pool, or the run stops if it was the last."""
 
 
 def reset_prefix_cache(client: ServerClient) -> None:
@@ -141,7 +150,7 @@ class VLLMServerGenerator(Generator):
         self.adapter_name: str | None = None
         self.round_seed = s.seed
         self.asked: Counter = Counter()
-        self._pool = ThreadPoolExecutor(max_workers=s.concurrency, thread_name_prefix="vllm-server-request")
+        self._requests = ThreadPoolExecutor(max_workers=s.concurrency, thread_name_prefix="vllm-server-request")
         self._lock = threading.Lock()
         self._trainer_thread = threading.get_ident()
         """The thread that built the generator, the trainer's: the only one that may read the policy to push it."""
@@ -156,7 +165,14 @@ class VLLMServerGenerator(Generator):
             self.served_model = check_server(client, self.tokenizer, needs, self.model_path)
         if first_process():
             self.claims.take()
-        log.info("vLLM servers: %s (%s sync)", ", ".join(c.url for c in self.clients), self.sync_kind)
+        rank, _ = rank_and_world()
+        self.pool = ServerPool(self.clients, rank)
+        """The servers this process samples from: by load, a lost one dropped (server_pool.py)."""
+        self.pool.on_lost.append(self.claims.forget)
+        self.load = ServerLoad(self.pool, s.metrics_interval_s if rank == 0 else 0.0)
+        """Each server's `/metrics`, read by the first process (`engine_metrics`)."""
+        servers = ", ".join(f"{i}: {c.url}" for i, c in enumerate(self.clients))
+        log.info("vLLM servers (server/<i>/ in the logs): %s (%s sync)", servers, self.sync_kind)
 
     def _needs(self) -> ServerNeeds:
         s = self.settings
@@ -175,18 +191,6 @@ class VLLMServerGenerator(Generator):
     def run_id(self) -> str:
         """The run's claim nonce: it names the run's versions and adapters on every server."""
         return self.claims.nonce
-
-    def _held(self, client: ServerClient, restarted_ok: bool = False) -> Claim | None:
-        """The server's claim, checked to be this run's (`RunClaims.check`); a server that does not answer stops
-        the run in one line."""
-        return self.claims.check(client, self._ask(client, client.weight_version), restarted_ok)
-
-    def _ask(self, client: ServerClient, call):
-        """A request between rounds' samples: a server that does not answer stops the run in one line."""
-        try:
-            return call()
-        except ServerError as err:
-            raise self._failed(client, "does not answer", err) from None
 
     def _failed(self, client: ServerClient, what: str, err: ServerError) -> EngineFailed:
         """The one line for a server that failed mid-run, with honest advice: a server the run started is started
@@ -282,28 +286,44 @@ class VLLMServerGenerator(Generator):
     ) -> list[list[Completion]]:
         if any(len(p) == 0 for p in prefixes):
             raise ValueError("cannot generate from an empty prefix")
-        rank, _ = rank_and_world()
-        order = [self.clients[(rank + i) % len(self.clients)] for i in range(len(self.clients))]
-        for client in order:
-            self._ensure_current(client)
+        for client in self.pool.live:
+            try:
+                self._ensure_current(client)
+            except ServerBehind as err:
+                self.pool.lose(client, err)
+            except ServerError as err:
+                line = self._failed(client, "does not answer" if err.server_fault else "failed a version check", err)
+                if not err.server_fault:
+                    raise line from None
+                self.pool.lose(client, line)
         seeds = []
         for prefix in prefixes:
             key = tuple(prefix)
             seeds.append(derive_seed(self.round_seed, "prefix", *key, self.asked[key]))
             self.asked[key] += 1
         futures = [
-            self._pool.submit(self._complete, order[i % len(order)], prefix, num_samples, budget, greedy, seed)
-            for i, (prefix, budget, seed) in enumerate(zip(prefixes, budgets, seeds, strict=True))
+            self._requests.submit(
+                self.pool.run, partial(self._complete, prefix, num_samples, budget, greedy, seed), self._failed_request
+            )
+            for prefix, budget, seed in zip(prefixes, budgets, seeds, strict=True)
         ]
-        out = [future.result() for future in futures]
-        if self.version > 0:  # every server that sampled still holds this run's weights: no other writer came between
-            for client in order[: len(prefixes)]:
-                self._held(client)
-        return out
+        return [future.result() for future in futures]
+
+    def _failed_request(self, client: ServerClient, err: ServerError) -> EngineFailed:
+        return self._failed(client, "failed a completion request", err)
+
+    def engine_metrics(self) -> dict[str, float]:
+        """Each server's load since the last call (`server/<i>/...`, server_pool.ServerLoad), on the first process;
+        the others report none (the round's metrics merge every process's by name)."""
+        return self.load.report()
 
     def _complete(
-        self, client: ServerClient, prefix: list[int], n: int, budget: int, greedy: bool, seed: int
+        self, prefix: list[int], n: int, budget: int, greedy: bool, seed: int, client: ServerClient
     ) -> list[Completion]:
+        """One prefix's request to `client`. A `ServerError` is the pool's to handle (server_pool.ServerPool.run):
+        the request goes to another server with the same seed. The server's version is read after the answer:
+        what it sampled is vouched for only if this run's weights were still there (no other writer came
+        between)."""
         body: dict[str, Any] = {
             "model": self.adapter_name or self.served_model,
             "prompt": list(prefix),
@@ -322,10 +342,9 @@ class VLLMServerGenerator(Generator):
         else:
             s = self.sampling
             body |= {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1}
-        try:
-            answer = client.post("/v1/completions", body)
-        except ServerError as err:
-            raise self._failed(client, "failed a completion request", err) from None
+        answer = client.post("/v1/completions", body)
+        if self.version > 0:
+            self.claims.check(client, client.weight_version())
         served_by = answer.get("model")
         version = self._version_of(served_by)
         if self.version - version > self.settings.max_staleness:
@@ -367,7 +386,7 @@ class VLLMServerGenerator(Generator):
             tolerance = self.settings.logp_diff_threshold or self.settings.another_model_logp_diff
             model = self._adapter_name(self.version) if self.settings.lora_sync == "adapter" else self.served_model
             try:
-                for client in self.clients:
+                for client in self.pool.live:
                     diff = check_weights(client, model, ids, ours, tolerance)
                     log.info("the vLLM server at %s serves the policy's weights (probe diff %.3g)", client.url, diff)
             except ValueError as err:
@@ -394,10 +413,10 @@ class VLLMServerGenerator(Generator):
         self.version += 1
         if rank == 0:
             start = time.perf_counter()
-            self._push(self.clients)
+            self._push(self._push_targets())
             self.sync_s.append(time.perf_counter() - start)
         elif is_sharded(self.policy):  # trainer=fsdp: rank 0's push gathers the policy; every process takes part
-            for _ in range(self._gathers_per_push(len(self.clients))):
+            for _ in range(self._gathers_per_push(len(self._push_targets()))):
                 self._take_part_in_push()
         if is_distributed():
             torch.distributed.barrier()  # no process samples before every server holds the new version
@@ -405,6 +424,11 @@ class VLLMServerGenerator(Generator):
             self.adapter_name = self._adapter_name(self.version)
         if first:
             self._first_push_checks()
+
+    def _push_targets(self) -> list[ServerClient]:
+        """The live servers; with a sharded policy every server, since every process takes part in each gather of
+        a push and their pools may differ (a server lost there stops the run: docs/scaling.md)."""
+        return self.clients if is_sharded(self.policy) else self.pool.live
 
     def _gathers_per_push(self, servers: int) -> int:
         """How often a push to `servers` servers gathers the policy: once (adapters, the file backend: each chunk
@@ -425,38 +449,49 @@ class VLLMServerGenerator(Generator):
 
     def _push(self, clients: list[ServerClient]) -> None:
         """One push to `clients`, under this run's claim (a server another writer claimed stops the run first),
-        the policy gathered once (`_gathers_per_push`)."""
-        with self._lock:
-            if self.version > 1:
-                for client in clients:
-                    self._held(client, restarted_ok=True)
-            version = self.claims.render(self.version)
+        the policy gathered once (`_gathers_per_push`). A server that stops answering during the push is dropped
+        from the pool and the push made again to the others (a server left inside the broken update finishes it
+        first: server_weights.start_update); the last one, or any with a sharded policy, stops the run."""
+        while clients:
             try:
-                if self.settings.lora_sync == "adapter":
-                    name = self._adapter_name(self.version)
-                    folder = self.transfer_dir / "adapters" / name
-                    save_policy(self.policy, folder)
-                    for client in clients:
-                        load_adapter(client, name, folder, self.adapter_name)
-                        client.post("/update_weight_version", {"new_version": version})
-                elif self.transfer_backend == FILE_BACKEND:
-                    weights = policy_weights(self.policy, adapted_only=False)
-                    stem = f"{self.run_id}-v{self.version}"
-                    push_weight_files(clients, weights, self.transfer_dir / "weights", version, stem)
-                    for client in clients:
-                        reset_prefix_cache(client)
-                else:  # vLLM's NCCL trainer engine drives the update phases itself and sets no version
-                    for client in clients:
-                        self._push_nccl(client)
-                        client.post("/update_weight_version", {"new_version": version})
+                self._push_once(clients)
+                return
             except ServerError as err:
                 failed = next((c for c in clients if c.url == err.url), clients[0])
-                if self.version == 1 and " answered " in str(err):  # refused, not gone: a resume would fail alike
+                if self.version == 1 and err.status is not None:  # refused, not gone: a resume would fail alike
                     raise ValueError(
                         f"the vLLM server at {failed.url} refused the policy's weights at the first push ({err}): "
                         "it serves another architecture or cannot load this policy; serve the policy's model"
                     ) from None
-                raise self._failed(failed, "failed a weight push", err) from None
+                line = self._failed(failed, "failed a weight push", err)
+                if not err.server_fault or is_sharded(self.policy):
+                    raise line from None
+                self.pool.lose(failed, line)
+                clients = [c for c in clients if c.url != failed.url]
+
+    def _push_once(self, clients: list[ServerClient]) -> None:
+        with self._lock:
+            if self.version > 1:  # every server still this run's (no other writer came between)
+                for client in clients:
+                    self.claims.check(client, client.weight_version(), restarted_ok=True)
+            version = self.claims.render(self.version)
+            if self.settings.lora_sync == "adapter":
+                name = self._adapter_name(self.version)
+                folder = self.transfer_dir / "adapters" / name
+                save_policy(self.policy, folder)
+                for client in clients:
+                    load_adapter(client, name, folder, self.adapter_name)
+                    client.post("/update_weight_version", {"new_version": version})
+            elif self.transfer_backend == FILE_BACKEND:
+                weights = policy_weights(self.policy, adapted_only=False)
+                stem = f"{self.run_id}-v{self.version}"
+                push_weight_files(clients, weights, self.transfer_dir / "weights", version, stem)
+                for client in clients:
+                    reset_prefix_cache(client)
+            else:  # vLLM's NCCL trainer engine drives the update phases itself and sets no version
+                for client in clients:
+                    self._push_nccl(client)
+                    client.post("/update_weight_version", {"new_version": version})
 
     def _push_nccl(self, client: ServerClient) -> None:
         try:
@@ -470,24 +505,24 @@ class VLLMServerGenerator(Generator):
 
     def _ensure_current(self, client: ServerClient) -> None:
         """A server that does not hold the current version (restarted since the last push) gets it from rank 0
-        before rank 0 samples from it; another process that finds it so stops the run (it cannot push without
-        racing rank 0: the run resumes from its last checkpoint, and every round starts with a push)."""
+        before rank 0 samples from it. Where this thread may not push (another process would race rank 0; a
+        sharded policy's push is collective; an overlapped round's worker may not read the policy being trained)
+        it raises `ServerBehind`: the pool drops the server, or the run stops if it was the last (a resumed run
+        starts every round with a push). A `ServerError` is the caller's (a server that does not answer)."""
         if self.version == 0:
             return
-        found = self._held(client, restarted_ok=True)
+        found = self.claims.check(client, client.weight_version(), restarted_ok=True)
         if found is None:  # restarted: the model's own weights, no adapter
             current = False
         elif self.settings.lora_sync == "adapter":
-            current = self.adapter_name in self._ask(client, lambda: loaded_models(client))
+            current = self.adapter_name in loaded_models(client)
         else:
             current = found.pushes == self.version
         if current:
             return
         rank, _ = rank_and_world()
-        # a sharded policy is pushed by every process together; beside training (an overlapped round's worker)
-        # the policy is being trained, and only the trainer's thread may read it
         if rank != 0 or is_sharded(self.policy) or threading.get_ident() != self._trainer_thread:
-            raise EngineFailed(
+            raise ServerBehind(
                 f"generator: the vLLM server at {client.url} lost weights version {self.version} during the round "
                 "(restarted?); a resumed run gives it the weights"
             )
@@ -496,8 +531,9 @@ class VLLMServerGenerator(Generator):
 
     def close(self) -> None:
         """Stop renewing the claim and stop the servers this process started (they also stop when it exits)."""
+        self.load.close()
         self.claims.release()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._requests.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
             server.stop()
         if self.servers and os.environ.get(URLS_ENV, "").startswith(f"{self.log_dir}|"):

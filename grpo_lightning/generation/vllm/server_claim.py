@@ -184,6 +184,11 @@ class RunClaims:
             )
         return found
 
+    def forget(self, client: ServerClient) -> None:
+        """A server the run no longer uses (dropped from its pool): neither renewed nor released."""
+        with self.lock:
+            self.clients = [c for c in self.clients if c.url != client.url]
+
     def release(self) -> None:
         """The run is over: renewals stop, and each server that still carries the claim gets it back expired
         (time 0), so the next run takes it at once. The weights stay as they are."""

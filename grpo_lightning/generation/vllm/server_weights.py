@@ -38,11 +38,19 @@ FILE_CHUNK_BYTES = 256 * 2**20
 
 
 class ServerError(RuntimeError):
-    """A server answered with an error, or did not answer in time: the message names the URL, `url` holds it."""
+    """A server answered with an error, or did not answer in time: the message names the URL, `url` holds it, and
+    `status` the HTTP status it answered (None: no answer at all)."""
 
-    def __init__(self, message: str, url: str | None = None) -> None:
+    def __init__(self, message: str, url: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
         self.url = url
+        self.status = status
+
+    @property
+    def server_fault(self) -> bool:
+        """The server, not the request, failed: no answer (gone, or not within the time limit), or a 5xx (vLLM
+        answers 500 once its engine is dead). A 4xx is the request's fault and would recur on every server."""
+        return self.status is None or self.status >= 500
 
 
 INTERRUPTED_UPDATE = "already active"
@@ -73,7 +81,7 @@ class ServerClient:
                 text = response.read().decode()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300].replace("\n", " ")
-            raise ServerError(f"{self.url}{path} answered {err.code}: {detail}", self.url) from None
+            raise ServerError(f"{self.url}{path} answered {err.code}: {detail}", self.url, err.code) from None
         except (urllib.error.URLError, OSError, TimeoutError) as err:
             reason = getattr(err, "reason", err)
             raise ServerError(f"{self.url}{path}: no answer ({reason})", self.url) from None

@@ -191,6 +191,7 @@ class ServerSettings:
     log_dir: str = setting("vllm_server", text)
     max_staleness: int = setting(0, integer(0))
     concurrency: int = setting(64, integer(1))
+    metrics_interval_s: float = setting(1.0, number(0))
     seed: int = setting(0, integer(0, SEED_MAX))
     logp_diff_threshold: float | None = setting(0.05, THRESHOLD_RULE)
     on_stale: str = setting("warn", ACTION_RULE)
