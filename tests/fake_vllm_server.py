@@ -34,6 +34,9 @@ class FakeServer:
         self.logprobs_mode = "processed_logprobs"
         self.lora_config: dict | None = {"max_lora_rank": 16}
         self.weight_transfer_config: dict | None = {"backend": "grpo_files"}
+        self.device = "cpu"
+        self.chunked_prefill = False
+        """What `/server_info` says of the server's device and scheduler (vLLM's CPU build needs it off)."""
         self.dev_routes = True
         self.api_key: str | None = None
         """Routes under /v1 answer 401 without this bearer token (vLLM's --api-key)."""
@@ -84,6 +87,8 @@ class FakeServer:
                     },
                     "lora_config": self.lora_config,
                     "weight_transfer_config": self.weight_transfer_config,
+                    "device_config": {"device": self.device},
+                    "scheduler_config": {"enable_chunked_prefill": self.chunked_prefill},
                 }
             }  # fmt: skip
         if path == "/update_weight_version":

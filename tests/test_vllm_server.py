@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from grpo_lightning.generation.vllm.server import VLLMServerGenerator
+from grpo_lightning.generation.vllm.server_checks import server_info
 from grpo_lightning.generation.vllm.server_process import ServerProcess
 from tests.forked_cli import cli_run
 from tests.test_ddp import scalars
@@ -49,6 +50,13 @@ def test_started_servers_take_full_pushes_and_a_restarted_one_gets_them_before_i
         assert _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4)) <= LOGP_DIFF_BOUND
         for server in gen.servers:  # both servers sampled
             assert "POST /v1/completions" in server.log_path.read_text()
+        # every request is seeded, and vLLM's CPU build stops its engine when a seeded prompt is split across
+        # steps: the started servers run without chunked prefill (server_info's own keys), and 8 prompts of 600
+        # tokens, more than one step takes, are sampled whole
+        info = server_info(gen.clients[0])
+        assert info["scheduler_config"]["enable_chunked_prefill"] is False and "cpu" in str(info["device_config"])
+        long = [[100 + (7 * i + j) % 1000 for j in range(600)] for i in range(8)]
+        assert [len(group) for group in gen.generate(long, num_samples=2)] == [2] * 8
         _perturb(policy, seed=1)
         stale = _logp_diff(policy, prefixes, gen.generate(prefixes, num_samples=4))
         gen.sync_weights(policy)

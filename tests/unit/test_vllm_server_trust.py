@@ -77,6 +77,8 @@ def one_line(err) -> str:
         ("short", {"max_prompt_tokens": 100}, "max_model_len 64, below the longest prompt (data.max_prompt_tokens=100) "
                                               "plus generator.max_new_tokens=8 = 108"),
         ("api_key", {}, "refused the request (401 Unauthorized): it needs an API key; set VLLM_API_KEY"),
+        ("cpu_chunked_prefill", {}, "runs on a CPU with chunked prefill on, where vLLM's CPU build stops its engine "
+                                    "once a seeded request's prompt is split"),
     ],
 )  # fmt: skip
 def test_a_server_that_cannot_serve_this_run_is_refused_at_start_in_one_line(
@@ -96,12 +98,29 @@ def test_a_server_that_cannot_serve_this_run_is_refused_at_start_in_one_line(
         server.weight_transfer_config = {"backend": "nccl"}
     elif fault == "short":
         server.max_model_len = 64
+    elif fault == "cpu_chunked_prefill":
+        server.chunked_prefill = True
     else:
         server.api_key = "secret"
     with pytest.raises(ValueError) as err:
         generator(lora_policy, tokenizer, [server], tmp_path, **keys)
     assert words in one_line(err) and server.url in str(err.value)
     assert "POST /update_weight_version" not in server.paths()  # not claimed: nothing of the run's reached it
+
+
+def test_chunked_prefill_is_refused_on_a_cpu_server_only(tmp_path, tiny_model, tokenizer, server):
+    """A GPU's generators rewind; a CPU's do not (server_checks.check_seeded_sampling)."""
+    server.chunked_prefill, server.device = True, "cuda"
+    generator(tiny_model, tokenizer, [server], tmp_path).close()
+
+
+def test_started_cpu_servers_run_without_chunked_prefill():
+    from grpo_lightning.generation.vllm.server_process import launch_args
+
+    common = {"dtype": "float32", "seed": 0, "max_model_len": None, "weight_transfer": None, "lora_rank": 0,
+              "kv_cache_gib": None, "extra": []}  # fmt: skip
+    assert "--no-enable-chunked-prefill" in launch_args(cpu=True, **common)
+    assert "--no-enable-chunked-prefill" not in launch_args(cpu=False, **common)
 
 
 def test_a_server_of_another_architecture_is_refused_before_any_push(tmp_path, tiny_model, tokenizer, server):

@@ -103,6 +103,7 @@ def check_server(client: ServerClient, tokenizer, needs: ServerNeeds, model_path
             "temperature: start it with --logprobs-mode processed_logprobs"
         )
     check_sync(client, config, needs)
+    check_seeded_sampling(client, config)
     check_architecture(client, served["id"], model, needs)
     try:
         body = {"model": served["id"], "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
@@ -125,6 +126,21 @@ def check_length(client: ServerClient, max_len: Any, needs: ServerNeeds) -> None
             f"the vLLM server at {client.url} has max_model_len {max_len}, below the longest prompt "
             f"(data.max_prompt_tokens={needs.max_prompt_tokens}) plus generator.max_new_tokens="
             f"{needs.max_new_tokens} = {need}: serve it with --max-model-len {need} or more, or lower those keys"
+        )
+
+
+def check_seeded_sampling(client: ServerClient, config: dict[str, Any]) -> None:
+    """Every request of a run is seeded, and vLLM 0.32's CPU build stops its engine when a seeded request's prompt
+    is split across scheduler steps (chunked prefill): its worker rewinds the request's random generator
+    (`set_offset`), which a CPU generator does not have ("CPU Generator does not use offset"). So a CPU server must
+    run without chunked prefill; servers the run starts do (server_process.launch_args)."""
+    device = (config.get("device_config") or {}).get("device")
+    chunked = (config.get("scheduler_config") or {}).get("enable_chunked_prefill")
+    if device is not None and "cpu" in str(device) and chunked is True:
+        raise ValueError(
+            f"the vLLM server at {client.url} runs on a CPU with chunked prefill on, where vLLM's CPU build stops "
+            "its engine once a seeded request's prompt is split across steps (every request of a run is seeded): "
+            "start it with --no-enable-chunked-prefill"
         )
 
 

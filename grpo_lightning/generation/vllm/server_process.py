@@ -138,14 +138,16 @@ def launch_args(
     extra: list[str],
 ) -> list[str]:
     """The server's arguments: log-probs after temperature (as the trainer scores them), eager on a CPU (no
-    torch.compile at start), the weight-transfer backend for full pushes, runtime LoRA slots for adapters."""
+    torch.compile at start) and without chunked prefill (vLLM's CPU build stops its engine when a seeded request's
+    prompt is split across steps: server_checks.check_seeded_sampling), the weight-transfer backend for full
+    pushes, runtime LoRA slots for adapters."""
     args = ["--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs"]
     if max_model_len is not None:
         args += ["--max-model-len", str(max_model_len)]
     if kv_cache_gib is not None:
         args += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
     if cpu:
-        args.append("--enforce-eager")
+        args += ["--enforce-eager", "--no-enable-chunked-prefill"]
     if weight_transfer is not None:
         args += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
     if lora_rank:
