@@ -388,5 +388,7 @@ def test_each_servers_load_is_reported_as_maxima_and_deltas_since_the_last_repor
     assert report["server/0/queue_s_mean"] == pytest.approx(8.0 / 4.0)
     assert report["server/1/preemptions"] == 0.0 and "server/1/queue_s_mean" not in report  # nothing queued since
     assert gen.engine_metrics()["server/0/preemptions"] == 0.0  # the next span starts at the last report
+    servers[0].metrics_text = METRICS.replace("} 7.0", "} 2.0")  # restarted: its counters began again at 0
+    assert gen.engine_metrics()["server/0/preemptions"] == 2.0
     off = generator(tiny_model, tokenizer, servers, tmp_path, metrics_interval_s=0)
     assert off.engine_metrics() == {}

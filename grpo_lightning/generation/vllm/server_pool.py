@@ -194,7 +194,9 @@ class ServerLoad:
             for name in GAUGES.values():
                 if name in maxima:
                     out[f"server/{i}/{name}"] = maxima[name]
-            delta = {key: now[key] - last.get(key, 0.0) for key in COUNTERS if key in now}
+            # a counter below its last reading started again from 0 (a restarted server): all of it is new
+            delta = {key: now[key] - last.get(key, 0.0) if now[key] >= last.get(key, 0.0) else now[key]
+                     for key in COUNTERS if key in now}  # fmt: skip
             if PREEMPTIONS in delta:
                 out[f"server/{i}/preemptions"] = delta[PREEMPTIONS]
             if delta.get(QUEUE_COUNT, 0.0) > 0 and QUEUE_SUM in delta:
