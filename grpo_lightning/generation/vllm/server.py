@@ -292,10 +292,8 @@ class VLLMServerGenerator(Generator):
             except ServerBehind as err:
                 self.pool.lose(client, err)
             except ServerError as err:
-                line = self._failed(client, "does not answer" if err.server_fault else "failed a version check", err)
-                if not err.server_fault:
-                    raise line from None
-                self.pool.lose(client, line)
+                what = "does not answer" if err.server_fault else "failed a version check"
+                self.pool.fault(client, err, self._failed(client, what, err))
         seeds = []
         for prefix in prefixes:
             key = tuple(prefix)
@@ -344,7 +342,7 @@ class VLLMServerGenerator(Generator):
             body |= {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1}
         answer = client.post("/v1/completions", body)
         if self.version > 0:
-            self.claims.check(client, client.weight_version())
+            self.claims.read(client)
         served_by = answer.get("model")
         version = self._version_of(served_by)
         if self.version - version > self.settings.max_staleness:
@@ -464,16 +462,16 @@ class VLLMServerGenerator(Generator):
                         "it serves another architecture or cannot load this policy; serve the policy's model"
                     ) from None
                 line = self._failed(failed, "failed a weight push", err)
-                if not err.server_fault or is_sharded(self.policy):
+                if is_sharded(self.policy):
                     raise line from None
-                self.pool.lose(failed, line)
+                self.pool.fault(failed, err, line)
                 clients = [c for c in clients if c.url != failed.url]
 
     def _push_once(self, clients: list[ServerClient]) -> None:
         with self._lock:
             if self.version > 1:  # every server still this run's (no other writer came between)
                 for client in clients:
-                    self.claims.check(client, client.weight_version(), restarted_ok=True)
+                    self.claims.read(client, restarted_ok=True)
             version = self.claims.render(self.version)
             if self.settings.lora_sync == "adapter":
                 name = self._adapter_name(self.version)
@@ -511,7 +509,7 @@ class VLLMServerGenerator(Generator):
         starts every round with a push). A `ServerError` is the caller's (a server that does not answer)."""
         if self.version == 0:
             return
-        found = self.claims.check(client, client.weight_version(), restarted_ok=True)
+        found = self.claims.read(client, restarted_ok=True)
         if found is None:  # restarted: the model's own weights, no adapter
             current = False
         elif self.settings.lora_sync == "adapter":

@@ -184,6 +184,10 @@ class RunClaims:
             )
         return found
 
+    def read(self, client: ServerClient, restarted_ok: bool = False) -> Claim | None:
+        """The server's version, read now (a `ServerError` when it does not answer) and checked (`check`)."""
+        return self.check(client, client.weight_version(), restarted_ok)
+
     def forget(self, client: ServerClient) -> None:
         """A server the run no longer uses (dropped from its pool): neither renewed nor released."""
         with self.lock:

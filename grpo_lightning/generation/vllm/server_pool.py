@@ -103,19 +103,24 @@ class ServerPool:
         for callback in self.on_lost:
             callback(client)
 
+    def fault(self, client: ServerClient, err: ServerError, line: EngineFailed) -> None:
+        """`err` from `client`: a fault of the server drops it (`lose`: the last one raises `line`); a fault of
+        the request (4xx) raises `line`, since every server would refuse it alike."""
+        if not err.server_fault:
+            raise line from None
+        self.lose(client, line)
+
     def run(
         self, request: Callable[[ServerClient], T], failed: Callable[[ServerClient, ServerError], EngineFailed]
     ) -> T:
-        """`request` on the least-loaded live server; a server fault drops that server and tries the next. A fault
-        of the request itself (4xx) is raised as `failed(client, err)`; the last server's fault as well."""
+        """`request` on the least-loaded live server; a server fault drops that server and tries the next (`fault`,
+        with the line `failed(client, err)`)."""
         while True:
             client = self._acquire()
             try:
                 return request(client)
             except ServerError as err:
-                if not err.server_fault:
-                    raise failed(client, err) from None
-                self.lose(client, failed(client, err))
+                self.fault(client, err, failed(client, err))
             finally:
                 with self._lock:
                     self._in_flight[client.url] -= 1
@@ -164,13 +169,15 @@ class ServerLoad:
     def _observe(self) -> None:
         for i in range(len(self.pool.clients)):
             values = self._read(i)
-            if values is None:
-                continue
-            with self._lock:
-                maxima = self._maxima.setdefault(i, {})
-                for gauge, name in GAUGES.items():
-                    if gauge in values:
-                        maxima[name] = max(maxima.get(name, 0.0), values[gauge])
+            if values is not None:
+                self._keep_maxima(i, values)
+
+    def _keep_maxima(self, i: int, values: dict[str, float]) -> None:
+        with self._lock:
+            maxima = self._maxima.setdefault(i, {})
+            for gauge, name in GAUGES.items():
+                if gauge in values:
+                    maxima[name] = max(maxima.get(name, 0.0), values[gauge])
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -182,12 +189,12 @@ class ServerLoad:
         report. Empty when reading is off (`generator.metrics_interval_s: 0`)."""
         if self._thread is None:
             return {}
-        self._observe()  # at least one reading a span, however short the round
         out: dict[str, float] = {}
         for i in range(len(self.pool.clients)):
             now = self._read(i)
             if now is None:
                 continue
+            self._keep_maxima(i, now)  # this reading counts too: at least one a span, however short the round
             with self._lock:
                 maxima, self._maxima[i] = self._maxima.get(i, {}), {}
                 last, self._last[i] = self._last.get(i, {}), now
