@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,40 @@ def test_a_run_killed_with_sigkill_leaves_no_server_behind(tmp_path):
     finally:
         if run.poll() is None:
             run.kill()
+
+
+def cores_of(pid: int) -> list[int]:
+    from grpo_lightning.generation.vllm.server_supervisor import parse_cpu_list
+
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return parse_cpu_list(next(line for line in status if line.startswith("Cpus_allowed_list:")).split()[1])
+
+
+def test_a_server_given_cores_runs_there_with_its_forks_and_vllms_binding(tmp_path):
+    """`ServerLaunch.cpus`: the server and the process it forks (vLLM's engine) may run on those cores only,
+    whichever the run may use, and vLLM is told the same cores (`VLLM_CPU_OMP_THREADS_BIND`). Truth: the kernel's
+    view of each process (/proc/<pid>/status, /proc/<pid>/environ)."""
+    import dataclasses
+    import os
+
+    core = max(os.sched_getaffinity(0))
+    server = ServerProcess(dataclasses.replace(launch(tmp_path), cpus=str(core)), tmp_path / "server.log")
+    try:
+        members = members_after_start(server.process.pid)
+        assert len(members) == 3
+        for pid in members:
+            assert cores_of(pid) == [core]
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"VLLM_CPU_OMP_THREADS_BIND={core}".encode() in environ
+        assert cores_of(os.getpid()) == sorted(os.sched_getaffinity(0))  # the run keeps its own
+    finally:
+        server.stop()
+    assert wait_gone(server.process.pid, timeout_s=5) == []
+
+
+def test_cores_the_machine_lacks_stop_the_server_at_start_naming_them(tmp_path):
+    import dataclasses
+
+    server = ServerProcess(dataclasses.replace(launch(tmp_path), cpus="4096"), tmp_path / "server.log")
+    assert server.process.wait(timeout=20) == 2
+    assert "cannot run the server on cores 4096" in (tmp_path / "server.log").read_text()

@@ -225,6 +225,12 @@ def test_requests_are_salted_by_version_and_a_round_beside_training_never_pushes
         (["generator.urls=[]"], "generator.urls is empty"),
         (["generator.weight_transfer=ipc"], "generator.weight_transfer must be one of auto, grpo_files, nccl"),
         (["generator.concurrency=0"], "generator.concurrency must be >= 1"),
+        (['generator.server_cpus=["0","1"]'], "generator.server_cpus lists 2 CPU lists for generator.num_servers=1"),
+        (['generator.server_cpus=["1-0"]'], "generator.server_cpus must be a list of CPU lists"),
+        (["generator.server_cpus=[0.5]"], "generator.server_cpus must be a list of CPU lists"),
+        (["generator.server_cpus=[4096]"], "generator.server_cpus: 4096 names a core this machine lacks"),
+        (["generator.server_cpus=[0]", "generator.urls=[http://127.0.0.1:8000]"], "bind those where they start"),
+        (["generator.server_cpus=[0]", 'generator.server_devices=["0"]'], "set one of them"),
     ],
 )
 def test_the_config_check_names_the_key_before_anything_starts(tmp_path, overrides, words):

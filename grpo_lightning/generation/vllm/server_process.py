@@ -48,6 +48,9 @@ class ServerLaunch:
     env: dict[str, str] = field(default_factory=dict)
     cuda_devices: str | None = None
     """CUDA_VISIBLE_DEVICES of the server (None: inherited)."""
+    cpus: str | None = None
+    """The cores a CPU server runs on, as a CPU list ("0-3"): its processes' affinity and vLLM's own thread binding
+    (`VLLM_CPU_OMP_THREADS_BIND`). None: inherited, and vLLM's automatic binding."""
     python: str = sys.executable
     module: str = SERVER_MODULE
 
@@ -70,8 +73,12 @@ class ServerProcess:
             env.pop(key, None)  # the server is no rank of the trainer's world
         if launch.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = launch.cuda_devices
+        pinned = []
+        if launch.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = launch.cpus
+            pinned = ["--cpus", launch.cpus]
         self.command = command
-        supervised = [sys.executable, SUPERVISOR, str(os.getpid()), *command]
+        supervised = [sys.executable, SUPERVISOR, str(os.getpid()), *pinned, *command]
         with open(log_path, "ab") as out:
             self.process = subprocess.Popen(
                 supervised, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent,
@@ -79,7 +86,8 @@ class ServerProcess:
             )  # fmt: skip
         """The supervisor (server_supervisor.py): the leader of the server's process group, alive while the server
         is."""
-        log.info("started vLLM server pid %d at %s (log: %s)", self.process.pid, self.url, log_path)
+        on = f" on cores {launch.cpus}" if launch.cpus is not None else ""
+        log.info("started vLLM server pid %d at %s%s (log: %s)", self.process.pid, self.url, on, log_path)
         weakref.finalize(self, _terminate, self.process)
         atexit.register(_terminate, self.process)
 
@@ -201,8 +209,39 @@ def server_launches(
         extra=settings.server_args,
     )
     env = server_env()
-    devices = settings.server_devices or [None] * settings.num_servers
-    return [ServerLaunch(model_path, args, env, cuda_devices=d) for d in devices]
+    if settings.server_devices is not None:
+        return [ServerLaunch(model_path, args, env, cuda_devices=d) for d in settings.server_devices]
+    cpus = server_cpus(settings.server_cpus, settings.num_servers) if cpu else [None] * settings.num_servers
+    return [ServerLaunch(model_path, args, env, cpus=c) for c in cpus]
+
+
+def server_cpus(setting: list | None, servers: int) -> list[str | None]:
+    """The cores each CPU server the run starts runs on (`generator.server_cpus`). Unset, the cores this process
+    may use are split between the servers, each server taking every core when there are fewer cores than servers,
+    unless `VLLM_CPU_OMP_THREADS_BIND` is set (then vLLM binds as it says). vLLM's automatic binding keeps one
+    core per server for its scheduler process, which sleeps while the model runs: on a 2-core machine the model
+    would sample on one core (benchmarks/README.md, "Scaling out": the rollout 1.6x slower)."""
+    if setting is not None:
+        return [str(c) for c in setting]
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return [None] * servers
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < servers:
+        return [cpu_list(cores)] * servers
+    share, extra = divmod(len(cores), servers)
+    bounds = [i * share + min(i, extra) for i in range(servers + 1)]
+    return [cpu_list(cores[bounds[i] : bounds[i + 1]]) for i in range(servers)]
+
+
+def cpu_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (Linux's CPU list format)."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def transfer_dir(setting: str | None, urls: list[str], owner: object) -> Path:

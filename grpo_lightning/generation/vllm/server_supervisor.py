@@ -1,7 +1,7 @@
 """The process between a run and a `vllm serve` server it starts: the server stops whole, with its engine
 processes, on every way the run or the server can end.
 
-    python server_supervisor.py <run pid> <command...>
+    python server_supervisor.py <run pid> [--cpus <CPU list>] <command...>
 
 Run as a file (standard library only, no package import: it starts in milliseconds, in whatever environment the
 server uses) as the leader of a process group of its own, which the server and every process vLLM forks
@@ -13,6 +13,9 @@ server uses) as the leader of a process group of its own, which the server and e
   ends, not the run);
 - the server exits, or is killed: the engine processes it leaves behind, re-parented to init, still belong to
   the group and are stopped with it.
+
+With `--cpus` (Linux's CPU list format, "0-3,5"), the server and every process it forks run on those cores only
+(the supervisor's affinity, set before it starts the server, is inherited), whatever cores the run was given.
 
 Stopping is SIGTERM to the group, then SIGKILL to what is left after `GRACE_S`. The supervisor exits with the
 server's exit code (128 + the signal for a server killed by a signal).
@@ -63,10 +66,29 @@ def _group_members() -> list[int]:
     return members
 
 
+def parse_cpu_list(spec: str) -> list[int]:
+    """Linux's CPU list format, as `taskset -c` and vLLM's `VLLM_CPU_OMP_THREADS_BIND` take it: "0-3,5" ->
+    [0, 1, 2, 3, 5]. ValueError on anything else (an empty list, a reversed range, a negative id)."""
+    cpus: list[int] = []
+    for part in str(spec).split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"{spec!r} is not a CPU list such as '0-3,5'")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return sorted(set(cpus))
+
+
 def main(argv: list[str]) -> int:
     run_pid, command = int(argv[0]), argv[1:]
     if os.getppid() != run_pid:  # the run was gone before the supervisor started
         return 1
+    if command[:1] == ["--cpus"]:
+        cpus, command = command[1], command[2:]
+        try:
+            os.sched_setaffinity(0, parse_cpu_list(cpus))
+        except (ValueError, OSError) as err:
+            print(f"server_supervisor: cannot run the server on cores {cpus}: {err}", flush=True)
+            return 2
     asked = []
     signal.signal(signal.SIGTERM, lambda signum, frame: asked.append(signum))
     signal.signal(signal.SIGINT, lambda signum, frame: asked.append(signum))

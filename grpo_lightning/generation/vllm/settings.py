@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from grpo_lightning.generation.placement import parse_device
 from grpo_lightning.generation.stale_guard import ACTION_RULE, ANOTHER_MODEL_LOGP_DIFF, THRESHOLD_RULE
+from grpo_lightning.generation.vllm.server_supervisor import parse_cpu_list
 from grpo_lightning.generation.vllm.server_weights import FILE_BACKEND
 from grpo_lightning.schema import (
     SEED_MAX,
@@ -171,6 +172,20 @@ def effective_kv_cache_gib(s: VLLMSettings) -> float | None:
     return s.kv_cache_gib if s.kv_cache_gib is not None or s.device != "cpu" else CPU_KV_CACHE_GIB
 
 
+def cpu_lists(value) -> str | None:
+    """A list of CPU lists, one per server: "0-3,5" strings or core numbers."""
+    if not isinstance(value, list | tuple) or not value:
+        return 'must be a list of CPU lists, one per server, e.g. ["0-3", "4-7"]'
+    for entry in value:
+        try:
+            if isinstance(entry, bool) or not isinstance(entry, str | int):
+                raise ValueError(entry)
+            parse_cpu_list(entry)
+        except ValueError:
+            return f'must be a list of CPU lists, one per server, e.g. ["0-3", "4-7"] ({entry!r} is not one)'
+    return None
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """The `generator=vllm_server` keys beside the sampling ones (`SamplingConfig`); validated here."""
@@ -178,6 +193,7 @@ class ServerSettings:
     urls: list[str] | None = setting(None, optional(list_of_text))
     num_servers: int = setting(1, integer(1))
     server_devices: list[str] | None = setting(None, optional(list_of_text))
+    server_cpus: list[str] | None = setting(None, optional(cpu_lists))
     server_args: list[str] = setting(factory=list, rule=list_of_text)
     startup_timeout_s: float = setting(900.0, number(above=0))
     request_timeout_s: float = setting(600.0, number(above=0))
@@ -215,6 +231,28 @@ class ServerSettings:
                 f"generator.server_devices lists {len(self.server_devices)} device sets for "
                 f"generator.num_servers={self.num_servers}: give one CUDA_VISIBLE_DEVICES value per server"
             )
+        if self.server_cpus is not None:
+            if self.urls is not None:
+                raise ValueError(
+                    "generator.server_cpus binds the servers the run starts, but generator.urls lists running ones: "
+                    "bind those where they start (VLLM_CPU_OMP_THREADS_BIND, taskset), or set generator.urls=null"
+                )
+            if self.server_devices is not None:
+                raise ValueError(
+                    "generator.server_cpus binds vLLM's CPU build, but generator.server_devices puts the servers on "
+                    "GPUs: set one of them"
+                )
+            if len(self.server_cpus) != self.num_servers:
+                raise ValueError(
+                    f"generator.server_cpus lists {len(self.server_cpus)} CPU lists for generator.num_servers="
+                    f"{self.num_servers}: give one per server"
+                )
+            cores = os.cpu_count() or 1
+            for entry in self.server_cpus:
+                if max(parse_cpu_list(entry)) >= cores:
+                    raise ValueError(
+                        f"generator.server_cpus: {entry} names a core this machine lacks (cores 0-{cores - 1})"
+                    )
 
 
 def check_server_config(cfg) -> None:
