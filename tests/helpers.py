@@ -158,6 +158,28 @@ class KillRank(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillServer(L.Callback):
+    """SIGKILLs the API server of the run's first started vLLM server when round `at_round` starts training, after
+    the rollout loop's own hook (with overlapped rounds it has pushed the weights and the server samples round
+    `at_round + 1` beside the training), and writes the server's process group (its supervisor leads it) to
+    `<directory>/killed_server`: a server lost mid-round (tests/test_vllm_server_faults.py)."""
+
+    def __init__(self, at_round: int, directory: str) -> None:
+        self.at_round, self.directory = at_round, directory
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != 0 or trainer.current_epoch != self.at_round:
+            return
+        from tests.processes import group_members, parent_of
+
+        loop = next(c for c in trainer.callbacks if type(c).__name__ == "RolloutLoop")
+        assert trainer.callbacks.index(loop) < trainer.callbacks.index(self), "the rollout loop's hook runs first"
+        supervisor = loop.generator.servers[0].process.pid
+        (api,) = [pid for pid in group_members(supervisor) if parent_of(pid) == supervisor]
+        Path(self.directory, "killed_server").write_text(str(supervisor))
+        os.kill(api, signal.SIGKILL)
+
+
 class StallRank(L.Callback):
     """Process `rank` stops for `seconds` when round `at_round` starts training, after writing its pid to
     `<directory>/stalled<rank>`: the other processes wait for it at their next collective (a rank out of step:

@@ -124,3 +124,45 @@ def test_a_run_killed_with_sigkill_leaves_no_server_behind(tmp_path, llama_dir):
     finally:
         if run.poll() is None:
             run.kill()
+
+
+def test_a_server_killed_while_it_samples_beside_training_stops_the_run_and_it_resumes_exactly(tmp_path, llama_dir):
+    """Overlapped rounds (`rollout.max_staleness=1`): the run's only server is SIGKILLed while it samples round 3
+    beside round 2's training (5 rounds: the last samples nothing beside it). The run stops in one line naming the
+    server, with the resume command, within a bounded time, and leaves no process of the server's group behind.
+    Resumed from its last checkpoint (written after round 1: it holds round 2's rollouts, sampled stale on purpose,
+    and the weights round 3 is sampled from, pushed to new servers before they sample), it ends bitwise where an
+    uninterrupted run ends. Truth: the uninterrupted run. The server's log-probs, which vary with its batching by
+    about 1e-7, are kept out of the loss (rollout correction off): the tokens it samples are exact, so the weights
+    can be compared bit for bit."""
+    import time
+
+    from tests.test_resume import assert_bitwise_equal, final_state, finish, start
+    from tests.test_vllm import engine_cli_args
+
+    _vllm()
+    args = [
+        "generator=vllm_server", *engine_cli_args(llama_dir), "trainer.max_epochs=5", "data.prompts_per_round=4",
+        "variant.num_generations=4", "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward",
+        "optim.optimizer.lr=1e-2", "eval.enabled=false", "rollout.max_staleness=1",
+        "loss.rollout_correction.enabled=false",
+    ]  # fmt: skip
+    finish(start(tmp_path / "whole", *args))
+    whole = final_state(tmp_path / "whole")
+    run_dir = tmp_path / "faulted"
+    run_dir.mkdir()
+    kill = ["+callbacks.kill._target_=tests.helpers.KillServer", "+callbacks.kill.at_round=2",
+            f"+callbacks.kill.directory={run_dir}"]  # fmt: skip
+    began = time.monotonic()
+    out = finish(start(run_dir, *args, *kill), expect=1)
+    after_kill = time.time() - (run_dir / "killed_server").stat().st_mtime
+    print(f"server killed beside round 2: the run stopped {after_kill:.0f} s later ({time.monotonic() - began:.0f} s)")
+    assert after_kill < 120  # round 2's training, then the stop
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the vLLM server at http://127.0.0.1:" in errors[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert f"ckpt_path={run_dir.resolve() / 'checkpoints' / 'last.ckpt'}" in out
+    assert wait_gone(int((run_dir / "killed_server").read_text())) == []
+    resumed = finish(start(run_dir, *args, "ckpt_path=last"))  # the stale-weight guard aborts (engine_cli_args):
+    assert "resuming from" in resumed  # the resumed round, sampled beside training, is stale on purpose
+    assert_bitwise_equal(whole, final_state(run_dir), context="server killed beside round 2, resumed")

@@ -260,6 +260,8 @@ class RolloutLoop(L.Callback):
             self.produce_now(trainer, pl_module, state["next_round"], state.get("sampler"))
             return
         rollouts = [Rollout(**r) for r in mine["pending"]]
+        if state["round_metrics"].get("rollout/staleness", 0.0) > 0:  # sampled beside the previous round's training
+            self.guard.round_sampled(stale=True)  # from older weights on purpose: the stale-weight guard skips it
         self.install(trainer, pl_module, rollouts, state["next_round"])
         self.round_metrics = {k: v for k, v in state["round_metrics"].items() if not k.startswith("rollout/logp_diff")}
         restore_rng(mine["rng"])

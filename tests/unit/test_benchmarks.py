@@ -45,10 +45,11 @@ def test_the_overlap_benchmark_modes_differ_in_the_overlap_only(engine):
         assert value(cfg, "variant.num_generations") == 8 and value(cfg, "generator.max_new_tokens") == 96
         assert value(cfg, "generator.temperature") == 0.7 and value(cfg, "data.dynamic_sampling.enabled") is False
         assert value(cfg, "optim.optimizer.lr") == 0 and value(cfg, "trainer.max_epochs") == 4
-        assert value(cfg, "generator._target_").endswith("VLLMGenerator" if engine == "vllm" else "HFGenerator")
+        target = {"vllm": "VLLMGenerator", "server": "VLLMServerGenerator", "hf": "HFGenerator"}[engine]
+        assert value(cfg, "generator._target_").endswith(target)
     if engine == "vllm":  # the engine in a process of its own in both modes: overlap is the only difference
         assert [value(configs[m], "generator.engine_process") for m in modes] == [True, True]
-    else:
+    elif engine == "hf":
         assert all(value(cfg, "generator.seed_per_prefix") is True for cfg in configs.values())
 
 

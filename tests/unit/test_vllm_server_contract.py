@@ -285,12 +285,14 @@ def test_requests_go_to_the_least_loaded_server(tmp_path, tiny_model, tokenizer,
     assert slow + fast == 12 and 1 <= slow <= 3
 
 
-@pytest.mark.parametrize("when", ["before the round", "mid-round"])
+@pytest.mark.parametrize("when", ["before the round", "mid-round", "mid-round beside training"])
 def test_a_lost_server_is_dropped_and_its_requests_sampled_elsewhere_with_the_same_seeds(
     tmp_path, tiny_model, tokenizer, servers, when, caplog
 ):
     """The truth: an intact pool's requests for the same round. The seeds depend on (round, prefix), not on the
-    server, so the surviving server answers exactly the (prompt, seed) pairs both would have."""
+    server, so the surviving server answers exactly the (prompt, seed) pairs both would have. Beside training
+    (an overlapped round, sampled in a worker thread from the weights pushed as the trained round started), the
+    same, and nothing is pushed from the worker."""
     prefixes = [[i + 1, 7] for i in range(8)] + [[1, 7]]  # one prefix twice: its second stream too
     reference = generator(tiny_model, tokenizer, servers, tmp_path)
     reference.sync_weights(tiny_model)
@@ -302,10 +304,19 @@ def test_a_lost_server_is_dropped_and_its_requests_sampled_elsewhere_with_the_sa
         server.requests.clear()
 
     gen = generator(tiny_model, tokenizer, servers, tmp_path, concurrency=2)
-    gen.sync_weights(tiny_model)
-    gen.reseed(5)
+    engine = gen.background_copy() if when == "mid-round beside training" else gen
+    engine.sync_weights(tiny_model)
+    engine.reseed(5)
     servers[0].answers_left = 0 if when == "before the round" else 3  # dies before, or after a few answers
-    out = gen.generate(prefixes, num_samples=2)
+    pushes = [len([p for p in server.paths() if "weight_update" in p or "update_weights" in p]) for server in servers]
+    out = []
+    worker = threading.Thread(target=lambda: out.extend(engine.generate(prefixes, num_samples=2)))
+    worker.start()
+    worker.join(60)
+    assert len(out) == len(prefixes)
+    assert [
+        len([p for p in server.paths() if "weight_update" in p or "update_weights" in p]) for server in servers
+    ] == pushes
     # a request answered by the dying server but not vouched for (its version unread) was asked again elsewhere
     assert set(answered(servers)) == set(truth) and len(set(truth)) == len(prefixes)
     assert all(c.weight_version == 1 for group in out for c in group)
