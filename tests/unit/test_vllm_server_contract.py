@@ -266,6 +266,11 @@ def test_a_push_gathers_the_policy_once_whatever_the_number_of_servers(
     assert len({(v.nonce, v.pushes) for v in versions}) == 1
 
 
+def pushes_to(server) -> int:
+    """The weight-transfer requests `server` received (every phase of every full push)."""
+    return len([p for p in server.paths() if "weight_update" in p or "update_weights" in p])
+
+
 def answered(servers) -> list[tuple[tuple[int, ...], int]]:
     """(prompt, seed) of every sampling request the servers answered (not the weight probe's)."""
     return sorted(
@@ -308,15 +313,13 @@ def test_a_lost_server_is_dropped_and_its_requests_sampled_elsewhere_with_the_sa
     engine.sync_weights(tiny_model)
     engine.reseed(5)
     servers[0].answers_left = 0 if when == "before the round" else 3  # dies before, or after a few answers
-    pushes = [len([p for p in server.paths() if "weight_update" in p or "update_weights" in p]) for server in servers]
+    pushes = [pushes_to(server) for server in servers]
     out = []
     worker = threading.Thread(target=lambda: out.extend(engine.generate(prefixes, num_samples=2)))
     worker.start()
     worker.join(60)
     assert len(out) == len(prefixes)
-    assert [
-        len([p for p in server.paths() if "weight_update" in p or "update_weights" in p]) for server in servers
-    ] == pushes
+    assert [pushes_to(server) for server in servers] == pushes  # none from the worker
     # a request answered by the dying server but not vouched for (its version unread) was asked again elsewhere
     assert set(answered(servers)) == set(truth) and len(set(truth)) == len(prefixes)
     assert all(c.weight_version == 1 for group in out for c in group)
