@@ -32,19 +32,23 @@ CONF_DIR = str(REPO / "grpo_lightning" / "conf")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def group_cpu_s(group: int) -> float:
-    """CPU seconds (user + system) of the live processes of process group `group`."""
-    total = 0
+def group_cpu_s(group: int) -> dict[str, float]:
+    """CPU seconds (user + system) of process group `group`'s live processes: the engine core (`VLLM::EngineCore`:
+    the scheduler), its model worker (`VLLM::Worker...`) and the rest (the API server; the supervisor, which
+    sleeps)."""
+    out = {"api": 0.0, "engine": 0.0, "worker": 0.0}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
+            comm = (entry / "comm").read_text().strip()
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
         if int(fields[2]) == group:  # fields after the command: state, ppid, pgrp, ..., utime (11), stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total / TICKS
+            kind = "worker" if comm.startswith("VLLM::Worker") else "engine" if comm.startswith("VLLM::") else "api"
+            out[kind] += (int(fields[11]) + int(fields[12])) / TICKS
+    return out
 
 
 def own_cpu_s() -> float:
@@ -52,11 +56,28 @@ def own_cpu_s() -> float:
     return times.user + times.system
 
 
+def built_run(overrides: list[str], output_dir: str):
+    """The run `python -m grpo_lightning <overrides>` builds (its servers started), writing into `output_dir`, and
+    its rollout loop."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from grpo_lightning.app.train import build_run
+    from grpo_lightning.training.rollout_loop import RolloutLoop
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = output_dir
+    run = build_run(cfg)
+    return run, next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
+
+
 def measure(name: str, group: int, work) -> dict:
-    server, trainer, start = group_cpu_s(group), own_cpu_s(), time.perf_counter()
+    server, trainer, start = sum(group_cpu_s(group).values()), own_cpu_s(), time.perf_counter()
     work()
     wall = time.perf_counter() - start
-    server_s, trainer_s = group_cpu_s(group) - server, own_cpu_s() - trainer
+    server_s, trainer_s = sum(group_cpu_s(group).values()) - server, own_cpu_s() - trainer
     return {"phase": name, "wall_s": wall, "server_cpu_s": server_s, "trainer_cpu_s": trainer_s}
 
 
@@ -68,11 +89,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
 
-    from grpo_lightning.app.train import build_run
-    from grpo_lightning.training.rollout_loop import RolloutLoop
     from grpo_lightning.training.round_layout import lay_out
 
     overrides = [
@@ -82,13 +99,7 @@ def main() -> None:
     ]  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        tmp = args.out or scratch
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        with open_dict(cfg):
-            cfg.paths.output_dir = tmp
-        run = build_run(cfg)
-        loop = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
+        run, loop = built_run(overrides, args.out or scratch)
         generator, module, dm = loop.generator, run.module, run.datamodule
         group = generator.servers[0].process.pid  # the supervisor: the leader of the server's process group
         try:

@@ -30,38 +30,13 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_cpu import built_run, group_cpu_s, own_cpu_s  # noqa: E402
 from vllm_vs_hf import cpu_name  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = str(REPO / "grpo_lightning" / "conf")
-TICKS = os.sysconf("SC_CLK_TCK")
 ENGINES = {
     "server": ["generator=vllm_server"],
     "vllm": ["generator=vllm", "+generator.engine_kwargs.enforce_eager=true"],
 }
-
-
-def group_cpu_s(group: int) -> dict[str, float]:
-    """CPU seconds of process group `group`'s live processes: the engine core (`VLLM::EngineCore`: the
-    scheduler), its model worker (`VLLM::Worker...`) and the rest (the API server; the supervisor, which sleeps)."""
-    out = {"api": 0.0, "engine": 0.0, "worker": 0.0}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            comm = (entry / "comm").read_text().strip()
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[2]) == group:  # after the command: state, ppid, pgrp, ..., utime (11), stime (12)
-            kind = "worker" if comm.startswith("VLLM::Worker") else "engine" if comm.startswith("VLLM::") else "api"
-            out[kind] += (int(fields[11]) + int(fields[12])) / TICKS
-    return out
-
-
-def own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
 
 
 class RequestTally:
@@ -116,11 +91,6 @@ def connection_cost(url: str, requests: int) -> tuple[float, float]:
 
 def run_engine(engine: str, args: argparse.Namespace, tally: RequestTally) -> list[dict]:
     import torch
-    from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
-
-    from grpo_lightning.app.train import build_run
-    from grpo_lightning.training.rollout_loop import RolloutLoop
 
     overrides = [
         *ENGINES[engine], "generator.dtype=float32", "generator.max_model_len=1024",
@@ -130,12 +100,7 @@ def run_engine(engine: str, args: argparse.Namespace, tally: RequestTally) -> li
     ]  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        with open_dict(cfg):
-            cfg.paths.output_dir = tmp
-        run = build_run(cfg)
-        loop = next(c for c in run.trainer.callbacks if isinstance(c, RolloutLoop))
+        run, loop = built_run(overrides, tmp)
         generator, module, dm = loop.generator, run.module, run.datamodule
         group = generator.servers[0].process.pid if engine == "server" else None  # the supervisor leads the group
 

@@ -179,7 +179,7 @@ def cpu_lists(value) -> str | None:
     for entry in value:
         try:
             if isinstance(entry, bool) or not isinstance(entry, str | int):
-                raise ValueError(entry)
+                raise ValueError(entry)  # true parses as 1, 0.5 as nothing: neither is a CPU list
             parse_cpu_list(entry)
         except ValueError:
             return f'must be a list of CPU lists, one per server, e.g. ["0-3", "4-7"] ({entry!r} is not one)'
