@@ -19,12 +19,19 @@ output folder `learning.md` (printed too) and `learning.png`:
 Runs that finished before (a `final_metrics.json` in their folder) are read, not rerun (`--force` reruns).
 `--control-from-start`: an lr=0 run never changes its parameters, so its greedy evaluation is the same at every
 round; its pass@1 is then the trained run's own start-of-run evaluation (same model, decode and problems), and no
-control is run. Arms: `trained`, `control` (lr=0), `no_ds` (trained without dynamic sampling).
+control is run. Arms: `trained`, `control` (lr=0), `no_ds` (trained without dynamic sampling), `overlap` (trained
+with the next round sampled while this one trains, `rollout.max_staleness=1`: one optimizer step stale). With
+`trained` and `overlap` both run, a table compares them seed by seed (the same seed samples the same first round and
+evaluates the same problems):
+
+    .venv-vllm/bin/python benchmarks/learning.py --control-from-start --arms trained overlap --sequential \
+        generator=vllm_server generator.dtype=float32 generator.max_model_len=1024
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +43,7 @@ ARMS = {
     "trained": (),
     "control": ("optim.optimizer.lr=0",),
     "no_ds": ("data.dynamic_sampling.enabled=false",),
+    "overlap": ("rollout.max_staleness=1",),
 }
 YES_NO = {True: "yes", False: "no", None: "n/a"}
 FROM_START = "control (trained run's start)"
@@ -134,6 +142,54 @@ def gap_table(trained: dict[int, Arm], control: dict[int, Arm], control_label: s
     return "\n".join(lines)
 
 
+def final_verdicts(run_dir: Path) -> list[bool]:
+    """Whether each held-out problem was answered correctly at the run's last evaluation, in the subset's order
+    (`eval.replies_dir`, training/evaluation.py)."""
+    files = sorted((run_dir / "eval_replies").glob("step_*.jsonl"), key=lambda f: int(f.stem.removeprefix("step_")))
+    if not files:
+        raise SystemExit(f"{run_dir}: no eval_replies/step_<n>.jsonl (eval.replies_dir=null?)")
+    return [json.loads(line)["correct"] for line in files[-1].read_text().splitlines()]
+
+
+def paired_difference(a: list[bool], b: list[bool], z: float = 1.959964) -> tuple[float, float, float]:
+    """Mean of a - b over paired outcomes (the same problems) and its 95% interval, from the per-problem
+    differences' spread (normal approximation: several hundred pairs). Problems both runs solve, or both miss,
+    add nothing to the spread: pairing is what makes the interval narrower than two runs' separate intervals."""
+    if len(a) != len(b) or not a:
+        raise SystemExit(f"paired outcomes of unequal length: {len(a)} and {len(b)}")
+    d = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
+    half = z * math.sqrt(var / len(d))
+    return mean, mean - half, mean + half
+
+
+def overlap_table(sequential: dict[int, Path], overlapped: dict[int, Path]) -> str:
+    """Overlapped rounds (one step stale) against sequential ones: the final pass@1's paired difference, seed by
+    seed (each seed's two runs answer the same problems) and over every seed's pairs at once."""
+    lines = [
+        "| seed | problems | sequential pass@1 end | overlapped pass@1 end | difference [95% CI, paired] |",
+        "|---|---|---|---|---|",
+    ]
+    every_s, every_o = [], []
+    for seed in sorted(sequential):
+        s, o = final_verdicts(sequential[seed]), final_verdicts(overlapped[seed])
+        every_s += s
+        every_o += o
+        mean, low, high = paired_difference(o, s)
+        lines.append(
+            f"| {seed} | {len(s)} | {num(sum(s) / len(s))} | {num(sum(o) / len(o))} "
+            f"| {signed(mean)} [{signed(low)}, {signed(high)}] |"
+        )
+    mean, low, high = paired_difference(every_o, every_s)
+    lines.append(
+        f"| all | {len(every_s)} | {num(sum(every_s) / len(every_s))} | {num(sum(every_o) / len(every_o))} "
+        f"| **{signed(mean)}** [{signed(low)}, {signed(high)}] |"
+    )
+    lines += ["", f"overlapped within 0.05 of sequential (the interval's low end above -0.05): {YES_NO[low > -0.05]}"]
+    return "\n".join(lines)
+
+
 def format_time_to_target(run_dirs: dict[str, dict[int, Path]], target: float) -> str:
     """Seconds until the training format rate (mean of 3 rounds) first reaches `target` (dynamic sampling's
     effect, docs/learning.md)."""
@@ -191,6 +247,8 @@ def report(experiment: str, seeds: list[int], run_dirs: dict[str, dict[int, Path
         parts.append(gap_table(arms["trained"], control, FROM_START))
     elif "trained" in arms and "control" in arms:
         parts.append(gap_table(arms["trained"], arms["control"], "control (lr=0)"))
+    if "trained" in arms and "overlap" in arms:
+        parts.append(overlap_table(run_dirs["trained"], run_dirs["overlap"]))
     return "\n\n".join(parts)
 
 

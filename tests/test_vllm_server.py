@@ -146,6 +146,26 @@ def test_sharded_training_pushes_merged_weights_gathered_layer_by_layer(tmp_path
     assert any(rank0[n].abs().max() > 0 for n in rank0 if "lora_B" in n)  # it trained: round 1 needed the push
 
 
+def test_sharded_training_with_overlapped_rounds_trains_what_ddp_trains(tmp_path, llama_dir):
+    """trainer=fsdp with `rollout.max_staleness=1`: as round k starts training, every process takes part in
+    gathering the merged weights rank 0 pushes (and in the snapshot a checkpoint keeps), and the server samples
+    round k+1 beside the sharded training. Truth: trainer=ddp, overlapped, on a server of its own. Round 2 is
+    sampled from the weights pushed as round 1 started (the first pushed weights that differ from the model's
+    own), so a push that failed under sharding would sample other tokens there, and train other weights."""
+    _vllm()
+    common = ("trainer.devices=2", "trainer.accelerator=cpu", "generator.lora_sync=merge", "rollout.max_staleness=1",
+              "trainer.max_epochs=3")  # fmt: skip
+    fsdp = cli(tmp_path / "fsdp", llama_dir, "trainer=fsdp", *common)
+    ddp = cli(tmp_path / "ddp", llama_dir, "trainer=ddp", *common)
+    assert scalars(fsdp, "rollout/staleness") == scalars(ddp, "rollout/staleness") == [0.0, 1.0, 1.0]
+    assert scalars(fsdp, "train/reward_mean") == pytest.approx(scalars(ddp, "train/reward_mean"), rel=1e-6)
+    reference, rank0, rank1 = (torch.load(p) for p in (ddp / "rank0.pt", fsdp / "rank0.pt", fsdp / "rank1.pt"))
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    for name in reference:  # 3 SGD steps at lr=1: reductions in another order differ by up to 5e-6 here
+        torch.testing.assert_close(rank0[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert any(reference[n].abs().max() > 0 for n in reference if "lora_B" in n)  # it trained
+
+
 def _server_run(run_dir: Path, llama_dir: Path, *overrides: str):
     """A 3-round in-process run on a server it starts, every round's rollouts recorded (tests/test_overlap.py)."""
     from grpo_lightning.app.train import build_run

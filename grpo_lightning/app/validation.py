@@ -27,7 +27,7 @@ from grpo_lightning.app.launch import check_launch
 from grpo_lightning.app.run_settings import RunSettings
 from grpo_lightning.config_keys import ABSENT, configured_targets, lookup, node_problems
 from grpo_lightning.data.source import DataSource
-from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE
+from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE, Generator
 from grpo_lightning.generation.placement import shards_weights, world_size
 from grpo_lightning.moved_keys import check_moved_keys
 from grpo_lightning.rewards.base import Stage
@@ -188,8 +188,13 @@ def check_overlap(cfg: DictConfig) -> None:
     if bound is ABSENT or not bound:
         return
     key = f"rollout.max_staleness={bound}"  # what each engine needs for it: its own check_config
-    if shards_weights(cfg.trainer):
-        raise ValueError(f"{key}: trainer=fsdp shards the weights the sampler would copy; use trainer=ddp or gpu")
+    engine = target_class(cfg.generator.get("_target_"))
+    beside_shards = isinstance(engine, type) and issubclass(engine, Generator) and engine.overlaps_sharded_training
+    if shards_weights(cfg.trainer) and not beside_shards:
+        raise ValueError(
+            f"{key}: trainer=fsdp shards the weights the sampler would copy; use generator=vllm_server (servers hold "
+            "weights of their own), trainer=ddp or gpu"
+        )
     data, accumulate = cfg.data, cfg.trainer.get("accumulate_grad_batches")
     steps = optimizer_steps_per_round(
         data.prompts_per_round, data.groups_per_micro_batch, data.num_iterations, accumulate, world_size(cfg)

@@ -60,6 +60,10 @@ class Generator(Configured, ABC):
     """Where sampling takes memory, for the plan's estimate (app/memory.py): 'hf' (our decode loop in the
     trainer's process: KV cache and step logits), 'vllm' (a vLLM engine in or beside the trainer's process), or
     'remote' (another machine's or process's budget: a `vllm serve` server)."""
+    overlaps_sharded_training: ClassVar[bool] = False
+    """Whether the engine samples the next round beside `trainer=fsdp` training (`rollout.max_staleness` >= 1):
+    true where it holds weights of its own, pushed on the trainer's thread at a round's start (servers); false
+    where it would sample from a copy of the policy, which sharding splits between the processes."""
     sampling: SamplingConfig
     """The sampling parameters (config group `generator`); variants read `sampling.max_new_tokens`."""
     guard: StaleWeightGuard

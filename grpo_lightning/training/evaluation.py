@@ -18,10 +18,13 @@ problem and the metrics are computed over all of them (rank 0 logs).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import lightning as L
@@ -32,7 +35,16 @@ from grpo_lightning.data.games import GameSeeds
 from grpo_lightning.distributed import gather_objects, rank_and_world
 from grpo_lightning.rewards.base import AnswerChecker, Verdict
 from grpo_lightning.rewards.checkers import GSM8KChecker
-from grpo_lightning.schema import Configured, boolean, check_settings, integer, setting, target_class
+from grpo_lightning.schema import (
+    Configured,
+    boolean,
+    check_settings,
+    integer,
+    optional,
+    setting,
+    target_class,
+    text,
+)
 from grpo_lightning.training import tracking
 
 if TYPE_CHECKING:
@@ -119,6 +131,7 @@ class EvalSettings:
     max_new_tokens: int = setting(96, integer(1))
     max_prompt_tokens: int = setting(512, integer(1))
     num_samples_logged: int = setting(4, integer(0))
+    replies_dir: str | None = setting(None, optional(text))
     at_start: bool = setting(True, boolean)
     seed: int = setting(1234, integer(0))
     batch_size: int = setting(64, integer(1))
@@ -262,6 +275,7 @@ class Evaluator(Configured, L.Callback):
         self.record(trainer, metrics)
         if trainer.is_global_zero:
             self._log_table(trainer, replies)
+            self._write_replies(trainer.global_step, replies)
         log.info("eval at step %d: accuracy %.3f on %d problems", trainer.global_step, metrics["eval/accuracy"],
                  len(replies))  # fmt: skip
         self.last_replies = replies
@@ -275,6 +289,23 @@ class Evaluator(Configured, L.Callback):
                 lg.log_metrics(metrics, step=trainer.global_step)
         self.final_metrics = metrics
         self.history.append((trainer.global_step, metrics))
+
+    def _write_replies(self, step: int, replies: list[dict]) -> None:
+        """`<eval.replies_dir>/step_<n>.jsonl`: one line per problem, in the subset's order (the same problems in
+        the same order for every run with this `eval.seed`), so two runs can be compared problem by problem
+        (a paired test, as benchmarks/learning.py does). Written atomically: a crash leaves the last whole file."""
+        if self.settings.replies_dir is None:
+            return
+        folder = Path(self.settings.replies_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = [
+            json.dumps({"question": r["question"], "answer": r["answer"], "completion": r["completion"],
+                        "correct": r["verdict"].correct, "strict": r["verdict"].strict})
+            for r in replies
+        ]  # fmt: skip
+        tmp = folder / f"step_{step}.jsonl.tmp"
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, folder / f"step_{step}.jsonl")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

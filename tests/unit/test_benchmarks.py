@@ -252,6 +252,36 @@ def test_learning_tables_by_hand(tmp_path, from_start, capsys):
     assert (tmp_path / "learning.png").stat().st_size > 0
 
 
+def test_overlapped_against_sequential_is_a_paired_difference_by_hand(tmp_path):
+    """Two seeds, 4 problems each, read from each run's last `eval_replies` file. Seed 0: sequential right on
+    [1, 1, 0, 0], overlapped on [1, 0, 1, 1]: differences [0, -1, 1, 1], mean 0.25, sample sd sqrt(11/12); seed 1
+    equal answers: difference 0 with no spread. Pooled, the 8 pairs: mean 0.125."""
+    import json
+
+    def replies(run: str, correct: list[int], step: int = 3) -> None:
+        folder = tmp_path / run / "eval_replies"
+        folder.mkdir(parents=True)
+        (folder / "step_0.jsonl").write_text('{"correct": false}\n' * len(correct))  # an earlier evaluation
+        (folder / f"step_{step}.jsonl").write_text("".join(json.dumps({"correct": bool(c)}) + "\n" for c in correct))
+
+    replies("trained_seed0", [1, 1, 0, 0])
+    replies("overlap_seed0", [1, 0, 1, 1], step=12)  # "step_12" sorts after "step_3" by number, not by text
+    replies("trained_seed1", [0, 1, 0, 1])
+    replies("overlap_seed1", [0, 1, 0, 1])
+    dirs = {arm: {s: tmp_path / f"{arm}_seed{s}" for s in (0, 1)} for arm in ("trained", "overlap")}
+    text = learning.overlap_table(dirs["trained"], dirs["overlap"])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| seed")]
+    half0 = 1.959964 * math.sqrt(11 / 12 / 4)  # d = [0, -1, 1, 1]: mean 1/4, sum of squares 11/4, / 3
+    d = [0, -1, 1, 1, 0, 0, 0, 0]
+    half = 1.959964 * math.sqrt(sum((x - 0.125) ** 2 for x in d) / 7 / 8)
+    assert rows == [
+        f"| 0 | 4 | 0.500 | 0.750 | +0.250 [{-half0 + 0.25:+.3f}, {half0 + 0.25:+.3f}] |",
+        "| 1 | 4 | 0.500 | 0.500 | +0.000 [+0.000, +0.000] |",
+        f"| all | 8 | 0.500 | 0.625 | **+0.125** [{0.125 - half:+.3f}, {0.125 + half:+.3f}] |",
+    ]
+    assert f"(the interval's low end above -0.05): {'yes' if 0.125 - half > -0.05 else 'no'}" in text
+
+
 def game_eval(win, win_low, win_high, illegal, illegal_low, illegal_high):
     return {"win_rate_vs_random": win, "win_rate_vs_random_ci95_low": win_low,
             "win_rate_vs_random_ci95_high": win_high, "win_rate_vs_base": 0.5, "win_rate_vs_base_ci95_low": 0.25,

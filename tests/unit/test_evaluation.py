@@ -267,6 +267,26 @@ def test_reasoning_gym_evaluation_by_hand():
     assert [r["verdict"].correct for r in evaluator.last_replies] == [True, True, False, False]
 
 
+def test_every_evaluation_writes_its_replies_in_problem_order(tmp_path):
+    """`eval.replies_dir`: one line per problem, in the subset's order, with the verdicts the metrics counted
+    (hand-judged: the first and third replies end in the answer)."""
+    import json
+
+    from grpo_lightning.types import Prompt
+
+    answers = {0: "7", 1: "12", 2: "3"}
+    greedy = {0: "#### 7", 1: "#### 13", 2: "so 3"}
+    prompts = [Prompt([i], a, f"q{i}", i) for i, a in answers.items()]
+    evaluator, metrics = scripted_evaluation(prompts, greedy, replies_dir=str(tmp_path / "replies"))
+    lines = [json.loads(x) for x in (tmp_path / "replies" / "step_5.jsonl").read_text().splitlines()]
+    assert [(x["question"], x["answer"], x["completion"]) for x in lines] == [
+        (f"q{i}", answers[i], greedy[i]) for i in range(3)
+    ]
+    assert [x["correct"] for x in lines] == [True, False, True]
+    assert metrics["eval/accuracy"] == pytest.approx(2 / 3)
+    assert [x.name for x in (tmp_path / "replies").iterdir()] == ["step_5.jsonl"]  # no temporary file left
+
+
 def test_gsm8k_evaluation_keeps_its_accuracy_and_adds_the_new_ones():
     """GSM8K replies: eval/gsm8k_accuracy is the reward's own (any of its formats), eval/accuracy the last number,
     eval/accuracy_strict the `####` line only."""

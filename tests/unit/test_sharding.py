@@ -128,3 +128,13 @@ def test_sharding_the_project_cannot_gather_is_refused_in_one_line(tmp_path, ove
     result = cli(f"hydra.run.dir={tmp_path}/run", "model=tiny", "trainer.accelerator=cpu", *overrides, cwd=tmp_path)
     assert_clean_failure(result, *words, code=2)
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_overlapped_rounds_beside_sharded_training_are_planned_with_servers(tmp_path):
+    """Servers hold weights of their own (no copy of the sharded policy): the overlap that the HF engine refuses
+    beside trainer=fsdp is planned (tests/test_vllm_server.py trains it)."""
+    result = cli(f"hydra.run.dir={tmp_path}/run", "model=tiny", "trainer=fsdp", "trainer.accelerator=cpu",
+                 "generator=vllm_server", "generator.urls=[http://127.0.0.1:9]", "rollout.max_staleness=1",
+                 "dry_run=true", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer_steps_per_round  1" in result.stdout

@@ -116,6 +116,7 @@ class VLLMServerGenerator(Generator):
 
     settings_types = (SamplingConfig, ServerSettings)
     settings: ServerSettings
+    overlaps_sharded_training = True  # the servers hold the weights; the push gathers on every trainer thread
 
     def __init__(
         self,

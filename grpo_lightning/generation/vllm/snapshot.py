@@ -10,6 +10,7 @@ from typing import Protocol
 import lightning as L
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from grpo_lightning.generation.base import BackgroundEngine, SamplingCancelled, SamplingConfig, check_saved_weights
 from grpo_lightning.generation.stale_guard import StaleWeightGuard
@@ -80,12 +81,16 @@ class VLLMSnapshot(BackgroundEngine):
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Push a checkpoint's snapshot: the policy's trainable parameters hold it during the push, then get their
-        own values back."""
+        own values back. A sharded parameter takes its shard of the whole tensor every process loaded (every
+        process runs this, in the same order: the push is collective too)."""
         params = dict(self.generator.policy.named_parameters(remove_duplicate=False))
         check_saved_weights([name for name, p in params.items() if p.requires_grad], weights)
         current = {name: params[name].detach().clone() for name in weights}
         for name, tensor in weights.items():
-            params[name].copy_(tensor)
+            param = params[name]
+            if isinstance(param, DTensor):
+                tensor = distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
+            param.copy_(tensor)
         try:
             self.generator.push_weights()
         finally:
@@ -95,9 +100,11 @@ class VLLMSnapshot(BackgroundEngine):
 
 
 def trainable_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
-    """CPU copies of the policy's trainable parameters, by name."""
-    return {
-        name: p.detach().to("cpu", copy=True)
-        for name, p in policy.named_parameters(remove_duplicate=False)
-        if p.requires_grad
-    }
+    """CPU copies of the policy's trainable parameters, by name: whole tensors, a sharded one (`trainer=fsdp`)
+    gathered from every process (a collective: every process calls this, on its trainer thread, in order)."""
+    weights = {}
+    for name, p in policy.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            tensor = p.detach()
+            weights[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to("cpu", copy=True)
+    return weights
