@@ -69,6 +69,9 @@ class Completion:
     weight_version: int | None = None
     """The version of the weights that sampled it, where the engine reports one (generator=vllm_server: the pushes
     made before it was sampled); None: the engine samples the weights the trainer just synced."""
+    last_weight_version: int | None = None
+    """The last version that may have sampled part of it: `weight_version` unless a push landed while it was
+    sampled (generator=vllm_server with `generator.push_in_flight`); None where the engine reports no version."""
 
 
 @dataclass

@@ -46,6 +46,9 @@ class FakeServer:
         """Requests answered before the server dies (every later one: the connection closed, no answer)."""
         self.delay_s = 0.0
         """Seconds each completion takes."""
+        self.paused = False
+        """Between `/pause?mode=keep` and `/resume`: a completion in progress or arriving waits (vLLM's kept
+        requests), then answers."""
         self.metrics_text = "# HELP vllm:num_requests_waiting waiting\n"
         """What `/metrics` answers (Prometheus' text format)."""
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -115,6 +118,12 @@ class FakeServer:
             return {"message": "Weight update finished"}
         if path in ("/init_weight_transfer_engine", "/update_weights", "/reset_prefix_cache"):
             return {}
+        if path == "/pause?mode=keep":
+            self.paused = True
+            return {"status": "paused"}
+        if path == "/resume":
+            self.paused = False
+            return {"status": "resumed"}
         if path == "/v1/load_lora_adapter":
             if self.deliver_adapters:
                 self.adapters.append(body["lora_name"])
@@ -133,6 +142,8 @@ class FakeServer:
                 return {"model": body["model"], "choices": [{"index": 0, "token_ids": [1], "prompt_logprobs":
                         prompt_logprobs, "logprobs": None, "finish_reason": "length"}]}  # fmt: skip
             time.sleep(self.delay_s)
+            while self.paused:
+                time.sleep(0.005)
             choices = [
                 {
                     "index": j,

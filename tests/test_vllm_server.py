@@ -207,3 +207,28 @@ def test_overlapped_rounds_on_a_server_sample_exactly_the_sequential_rollouts_at
     assert len({tuple(ids) for round_ in overlapped.rounds for ids, *_ in round_}) > 3  # sampled, not repeated
     assert metrics["rollout/logp_diff_mean"] <= LOGP_DIFF_BOUND  # lr=0: stale weights are the same weights
     assert all(not server.alive() for server in run.rollout_loop.generator.servers)
+
+
+def test_pushes_in_flight_pause_the_server_with_its_requests_kept_and_sample_exactly_the_sequential_rollouts_at_lr0(
+    tmp_path, llama_dir
+):
+    """`generator.push_in_flight`, rounds of 2 optimizer steps (`rollout.max_staleness=2`): after the first step of
+    round k the weights are pushed while the server samples round k+1, inside `/pause?mode=keep` ... `/resume`.
+    Truth: the sequential run at lr=0, where every push carries the same weights, so a pause that lost, restarted
+    or reordered a kept request would sample other tokens; every request is seeded from its round and prefix."""
+    _vllm()
+    steps = ("optim.optimizer.lr=0", "trainer.accumulate_grad_batches=2", "data.groups_per_micro_batch=1")
+    sequential, _, _ = _server_run(tmp_path / "sequential", llama_dir, *steps)
+    overlapped, _, run = _server_run(
+        tmp_path / "in_flight", llama_dir, *steps, "rollout.max_staleness=2", "generator.push_in_flight=true"
+    )
+    for k, (a, b) in enumerate(zip(sequential.rounds, overlapped.rounds, strict=True)):
+        assert [r[0] for r in a] == [r[0] for r in b], f"round {k}: token ids"
+        for (_, x, *_), (_, y, *_) in zip(a, b, strict=True):
+            assert x == pytest.approx(y, abs=1e-5), f"round {k}: the server's log-probs"
+    assert overlapped.staleness == [0.0, 2.0, 2.0]
+    log = (tmp_path / "in_flight" / "vllm_server" / "vllm_server0.log").read_text()
+    # rounds 1 and 2 were sampled beside a round of two steps: one push each after its first step
+    assert log.count("POST /pause?mode=keep") == log.count("POST /resume") == 2
+    assert scalars(tmp_path / "in_flight", "rollout/pushes_in_flight") == [0.0, 1.0, 1.0]
+    assert all(not server.alive() for server in run.rollout_loop.generator.servers)

@@ -176,6 +176,13 @@ class BackgroundEngine(Generator):
         torch.get_num_threads()
         torch.set_num_threads(threads)
 
+    def push_in_flight(self, policy: nn.Module) -> bool:
+        """After an optimizer step that is not the round's last, while a round is sampled from the copy: give the
+        copy the policy's weights now, without stopping that round, and say whether it did. Default: it does not;
+        the copy samples the whole round from the weights of the round's start (reproducible). Servers do with
+        `generator.push_in_flight` (docs/overlap.md)."""
+        return False
+
     @abstractmethod
     def weights(self) -> dict[str, Tensor]:
         """The snapshot's trainable weights by parameter name (CPU copies), for a checkpoint."""

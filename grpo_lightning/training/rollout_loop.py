@@ -111,6 +111,10 @@ class RolloutLoop(L.Callback):
         """Completion tokens sampled by every rank since the run began, dynamic sampling's dropped groups included:
         the compute axis on which variants compare (`rollout/tokens_generated_total`)."""
         self._train_start = 0.0
+        self._step_seen = 0
+        """The optimizer step last seen at a batch's end (a step just happened when it moved)."""
+        self._push_in_flight_s = 0.0
+        """Seconds the round's training spent pushing weights to an engine sampling beside it."""
         self.next_round = 0
         """The round to train next (what a checkpoint written now resumes at)."""
         self.pending: list[Rollout] | None = None
@@ -171,11 +175,24 @@ class RolloutLoop(L.Callback):
         self.next_round, self.pending = trainer.current_epoch + 1, None  # this round is being consumed
         if self.background is not None:
             self.start_next(trainer, pl_module)
+        self._step_seen = trainer.global_step
         self._train_start = time.perf_counter()
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss) -> None:
         if not self.scored:  # one optimizer step per round: the step's own log-probs are the pre-update ones
             self.agreement.add(pl_module.last_old_logprobs, pl_module.last_batch)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        """After an optimizer step that is not the round's last, while the next round is sampled beside it: the
+        engine copy may take the weights now (`BackgroundEngine.push_in_flight`: servers with
+        `generator.push_in_flight`); the round's last step is pushed as the next round starts training. Every
+        process steps together, so every process pushes together (the push ends in a barrier)."""
+        stepped, self._step_seen = trainer.global_step != self._step_seen, trainer.global_step
+        last = batch_idx + 1 >= trainer.num_training_batches
+        if stepped and not last and self.background is not None and self.background.in_flight:
+            start = time.perf_counter()
+            if self.background.engine.push_in_flight(pl_module.policy):
+                self._push_in_flight_s += time.perf_counter() - start
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         """Before the round's first update: a round another model sampled is never trained on (the guard's
@@ -194,6 +211,10 @@ class RolloutLoop(L.Callback):
         self.rounds_trained += 1
         train_s = time.perf_counter() - self._train_start
         pl_module.log("time/train_s", train_s, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
+        if self._push_in_flight_s:  # included in time/train_s
+            pl_module.log("time/push_in_flight_s", self._push_in_flight_s, on_epoch=True, batch_size=1,
+                          sync_dist=True, reduce_fx="max")  # fmt: skip
+            self._push_in_flight_s = 0.0
         agreement = self.agreement.metrics()
         for key, reduce in (("rollout/logp_diff_mean", "mean"), ("rollout/logp_diff_max", "max")):
             pl_module.log(key, agreement[key], on_epoch=True, batch_size=1, sync_dist=True, reduce_fx=reduce)

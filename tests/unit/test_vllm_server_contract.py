@@ -216,9 +216,79 @@ def test_requests_are_salted_by_version_and_a_round_beside_training_never_pushes
     assert not [p for p in servers[0].paths() if "weight_update" in p]  # nothing pushed from the worker
 
 
+def sample_beside(snapshot, prefix: list[int]) -> tuple[threading.Thread, list]:
+    """`snapshot` samples `prefix` in a worker thread, as an overlapped round does; its completions or error go
+    into the list once the thread ends."""
+    out: list = []
+
+    def work() -> None:
+        try:
+            out.extend(snapshot.generate([prefix], num_samples=1)[0])
+        except BaseException as err:  # noqa: BLE001 - checked by the test
+            out.append(err)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    return worker, out
+
+
+def test_a_full_push_in_flight_pauses_the_servers_with_their_requests_kept(tmp_path, tiny_model, tokenizer, servers):
+    """`generator.push_in_flight`: a push while a round is sampled runs inside `/pause?mode=keep` ... `/resume`
+    (an update does not pause a server by itself). A request in flight across it records both versions; one sent
+    after it samples, and is salted, with the new one; the round's metrics count both."""
+    gen = generator(tiny_model, tokenizer, servers[:1], tmp_path, push_in_flight=True, max_staleness=1)
+    server = servers[0]
+    snapshot = gen.background_copy()
+    snapshot.sync_weights(tiny_model)  # as the round being trained starts: version 1, servers not paused
+    gen.reseed(5)
+    server.requests.clear()
+    server.delay_s = 0.5
+    worker, spanning = sample_beside(snapshot, [3])
+    while "POST /v1/completions" not in server.paths():
+        time.sleep(0.01)
+    assert snapshot.push_in_flight(tiny_model)  # after an optimizer step, on the trainer's thread: version 2
+    worker.join(10)
+    server.delay_s = 0.0
+    (after,) = snapshot.generate([[3]], num_samples=1)[0]
+    assert (spanning[0].weight_version, spanning[0].last_weight_version) == (1, 2)
+    assert (after.weight_version, after.last_weight_version) == (2, 2)
+    paths = server.paths()
+    assert paths.index("POST /pause?mode=keep") < paths.index("POST /start_weight_update")
+    assert paths.index("POST /finish_weight_update") < paths.index("POST /resume")
+    assert "POST /reset_prefix_cache" not in paths  # kept requests hold blocks: the salt keeps versions apart
+    salts = [b["cache_salt"] for p, b in server.requests if p == "POST /v1/completions"]
+    assert salts == [f"{gen.run_id}-v1", f"{gen.run_id}-v2"]
+    metrics = gen.engine_metrics()
+    assert (metrics["rollout/pushes_in_flight"], metrics["rollout/spanning_push_frac"]) == (1.0, 0.5)
+    assert claims.parse(server.weight_version).pushes == 2 and not server.paused
+
+
+def test_an_adapter_pushed_in_flight_leaves_the_rounds_adapter_loaded(tmp_path, lora_policy, tokenizer, servers):
+    """An adapter is one version start to end (a request names it): the new one is loaded beside it, and the
+    replaced ones are unloaded at the next push between rounds, when no request can use them."""
+    gen = generator(lora_policy, tokenizer, servers[:1], tmp_path, lora_sync="adapter", push_in_flight=True,
+                    max_staleness=1)  # fmt: skip
+    server = servers[0]
+    snapshot = gen.background_copy()
+    snapshot.sync_weights(lora_policy)
+    server.delay_s = 0.5
+    worker, spanning = sample_beside(snapshot, [3])
+    while "POST /v1/completions" not in server.paths():
+        time.sleep(0.01)
+    snapshot.push_in_flight(lora_policy)
+    assert server.adapters == [f"policy-{gen.run_id}-v1", f"policy-{gen.run_id}-v2"]
+    worker.join(10)
+    assert (spanning[0].weight_version, spanning[0].last_weight_version) == (1, 1)
+    assert "POST /pause?mode=keep" not in server.paths()
+    server.delay_s = 0.0
+    snapshot.sync_weights(lora_policy)  # the next round starts training: nothing samples the old ones
+    assert server.adapters == [f"policy-{gen.run_id}-v3"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
+        (["generator.push_in_flight=true"], "generator.push_in_flight=true pushes the weights while the next round"),
         (["trainer=ddp", "trainer.num_nodes=2", "trainer.devices=1"], "processes of the other nodes cannot find"),
         (["generator.num_servers=2", 'generator.server_devices=["4"]'], "generator.server_devices lists 1 device"),
         (["generator.urls=[10.0.0.5:8000]"], "generator.urls: '10.0.0.5:8000' is not an http:// or https:// URL"),

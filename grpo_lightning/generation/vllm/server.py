@@ -29,10 +29,13 @@ one line naming the server: the check that catches an adapter that was never del
 slow learning.
 
 Overlapped rounds (`rollout.max_staleness` >= 1; docs/overlap.md): the servers sample round k+1 while round k
-trains, from the weights pushed as round k started training (`background_copy`, snapshot.py). A push never lands
-while a round is sampled (the next push waits for the round), so a completion is sampled from one version start
-to end, and each request carries that version in its `cache_salt`: no request is served from prefix-cache blocks
-computed under other weights, whether or not the cache reset after a push succeeded.
+trains, from the weights pushed as round k started training (`background_copy`, snapshot.py). By default a push
+never lands while a round is sampled (the next push waits for the round), so a completion is sampled from one
+version start to end. With `generator.push_in_flight` every optimizer step of round k is pushed while round k+1
+is sampled, each server paused with its requests kept (`push_in_flight`); a completion then records the first
+and the last version it may have been sampled with. Each request carries the version it was sent at in its
+`cache_salt`: no request is served from prefix-cache blocks computed under other weights, whether or not the
+cache reset after a push succeeded.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ from grpo_lightning.generation.vllm.server_weights import (
     loaded_models,
     push_nccl,
     push_weight_files,
+    requests_kept,
 )
 from grpo_lightning.generation.vllm.settings import ServerSettings, check_server_config, engine_lora_rank
 from grpo_lightning.generation.vllm.snapshot import VLLMSnapshot
@@ -147,7 +151,16 @@ class VLLMServerGenerator(Generator):
         self.clients = [ServerClient(url, s.request_timeout_s, s.api_key) for url in self._urls()]
         self.transfer_dir = transfer_dir(s.transfer_dir, [c.url for c in self.clients], owner=self)
         self.version = 0
-        """Pushes made so far; completions sampled after push n record version n."""
+        """Pushes begun so far (every process counts each push as it begins)."""
+        self.settled = 0
+        """Pushes every server finished, as far as this process knows (it passed the push's barrier): a request
+        sent now samples from at least this version."""
+        self._retired_adapters: list[str] = []
+        """Adapters replaced while a round was sampled from them (`push_in_flight`): unloaded at the next push
+        between rounds, when no request uses them."""
+        self._tally = Counter()
+        """This round's completions, and those whose sampling spanned a push (`engine_metrics`)."""
+        self._tally_lock = threading.Lock()
         self.adapter_name: str | None = None
         self.round_seed = s.seed
         self.asked: Counter = Counter()
@@ -274,10 +287,13 @@ class VLLMServerGenerator(Generator):
         """Each prefix's request seed derives from the round's seed (see the module docstring)."""
         self.round_seed = round_seed
         self.asked = Counter()
+        with self._tally_lock:
+            self._tally = Counter()
 
     def background_copy(self) -> VLLMSnapshot:
-        """Overlapped rounds sample from these servers, holding the weights pushed as each round starts training."""
-        return VLLMSnapshot(self)
+        """Overlapped rounds sample from these servers, holding the weights pushed as each round starts training,
+        and with `generator.push_in_flight` the weights of every later optimizer step of that round."""
+        return VLLMSnapshot(self, self.push_in_flight if self.settings.push_in_flight else None)
 
     def use_engine_threads(self, threads: int) -> None:
         """Nothing to set: the servers sample on cores of their own (vLLM's own thread binding)."""
@@ -313,8 +329,16 @@ class VLLMServerGenerator(Generator):
 
     def engine_metrics(self) -> dict[str, float]:
         """Each server's load since the last call (`server/<i>/...`, server_pool.ServerLoad), on the first process;
-        the others report none (the round's metrics merge every process's by name)."""
-        return self.load.report()
+        the others report none (the round's metrics merge every process's by name). With `push_in_flight`, every
+        process: the pushes made while this round was sampled and the share of its completions whose sampling
+        spanned one (`rollout/pushes_in_flight`, `rollout/spanning_push_frac`)."""
+        metrics = self.load.report()
+        if self.settings.push_in_flight:
+            with self._tally_lock:
+                tally = self._tally
+            metrics["rollout/pushes_in_flight"] = float(tally["pushes"])
+            metrics["rollout/spanning_push_frac"] = tally["spanning"] / max(tally["completions"], 1)
+        return metrics
 
     def _complete(
         self, prefix: list[int], n: int, budget: int, greedy: bool, seed: int, client: ServerClient
@@ -322,7 +346,10 @@ class VLLMServerGenerator(Generator):
         """One prefix's request to `client`. A `ServerError` is the pool's to handle (server_pool.ServerPool.run):
         the request goes to another server with the same seed. The server's version is read after the answer:
         what it sampled is vouched for only if this run's weights were still there (no other writer came
-        between)."""
+        between). A completion records the first version it may have been sampled with (the last push every
+        server had finished when it was sent) and the last (the last push begun when it came back): they differ
+        only when a push landed while it was sampled (`generator.push_in_flight`)."""
+        first = self.settled
         body: dict[str, Any] = {
             "model": self.adapter_name or self.served_model,
             "prompt": list(prefix),
@@ -334,7 +361,7 @@ class VLLMServerGenerator(Generator):
             "skip_special_tokens": False,
             "seed": seed,
             # prefix-cache blocks are shared only between requests of this run and these weights (module docstring)
-            "cache_salt": f"{self.run_id}-v{self.version}",
+            "cache_salt": f"{self.run_id}-v{first}",
         }
         if greedy:
             body["temperature"] = 0.0
@@ -344,8 +371,11 @@ class VLLMServerGenerator(Generator):
         answer = client.post("/v1/completions", body)
         if self.version > 0:
             self.claims.read(client)
+        last = self.version
         served_by = answer.get("model")
-        version = self._version_of(served_by)
+        version = self._version_of(served_by, first)
+        if self.settings.lora_sync == "adapter":  # an adapter is one version, whatever was loaded meanwhile
+            last = version
         if self.version - version > self.settings.max_staleness:
             raise ValueError(
                 f"the vLLM server at {client.url} sampled with weights of version {version} while the trainer is at "
@@ -355,25 +385,28 @@ class VLLMServerGenerator(Generator):
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != n:
             raise RuntimeError(f"the vLLM server at {client.url} returned {len(choices)} samples (asked for {n})")
-        return [truncate(self._completion(choice, version), budget) for choice in choices]
+        with self._tally_lock:
+            self._tally.update(completions=n, spanning=n if last != version else 0)
+        return [truncate(self._completion(choice, version, last), budget) for choice in choices]
 
-    def _completion(self, choice: dict, version: int) -> Completion:
+    def _completion(self, choice: dict, version: int, last: int) -> Completion:
         ids = [int(t) for t in choice["token_ids"]]
         logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
         if len(logprobs) != len(ids):
             raise RuntimeError("the vLLM server returned no log-prob per sampled token (logprobs=0 was not applied)")
         finished = choice.get("finish_reason") == "stop" or (bool(ids) and ids[-1] in self.eos_token_ids)
-        return Completion(ids, logprobs, finished=finished, weight_version=version)
+        return Completion(ids, logprobs, finished=finished, weight_version=version, last_weight_version=last)
 
-    def _version_of(self, served_by: str | None) -> int:
+    def _version_of(self, served_by: str | None, sent_at: int) -> int:
         """The version of the weights that answered: the adapter's name carries it; full weights are the version
-        the server held when this process checked it before sampling (`_ensure_current`)."""
+        every server had finished when the request was sent (`sent_at`; a restarted server was given it first:
+        `_ensure_current`)."""
         if self.settings.lora_sync == "adapter":
             prefix = f"policy-{self.run_id}-v"
             if not served_by or not served_by.startswith(prefix):
                 return -1
             return int(served_by.removeprefix(prefix))
-        return self.version
+        return sent_at
 
     def _first_push_checks(self) -> None:
         """After the first push, every server's log-probs of the probe text must equal the trainer's (every process
@@ -402,7 +435,16 @@ class VLLMServerGenerator(Generator):
             raise RuntimeError("VLLMServerGenerator was built for another model than the one being trained")
         self.push_weights()
 
-    def push_weights(self) -> None:
+    def push_in_flight(self) -> None:
+        """Push while a round is being sampled from the servers (`generator.push_in_flight`, after an optimizer
+        step that is not the round's last; every process, on its trainer thread): full weights with every server
+        paused, its requests kept (server_weights.requests_kept); a new adapter beside the one the round's
+        requests use."""
+        with self._tally_lock:
+            self._tally.update(pushes=1)
+        self.push_weights(in_flight=True)
+
+    def push_weights(self, in_flight: bool = False) -> None:
         rank, _ = rank_and_world()
         first = self.version == 0
         if first and is_distributed():  # the first process's claim names every version
@@ -412,7 +454,7 @@ class VLLMServerGenerator(Generator):
         self.version += 1
         if rank == 0:
             start = time.perf_counter()
-            self._push(self._push_targets())
+            self._push(self._push_targets(), in_flight)
             self.sync_s.append(time.perf_counter() - start)
         elif is_sharded(self.policy):  # trainer=fsdp: rank 0's push gathers the policy; every process takes part
             for _ in range(self._gathers_per_push(len(self._push_targets()))):
@@ -420,7 +462,12 @@ class VLLMServerGenerator(Generator):
         if is_distributed():
             torch.distributed.barrier()  # no process samples before every server holds the new version
         if self.settings.lora_sync == "adapter":
+            if in_flight and self.adapter_name is not None:
+                self._retired_adapters.append(self.adapter_name)
+            elif not in_flight:
+                self._retired_adapters = []
             self.adapter_name = self._adapter_name(self.version)
+        self.settled = self.version
         if first:
             self._first_push_checks()
 
@@ -446,14 +493,14 @@ class VLLMServerGenerator(Generator):
         """`policy-<claim>-v<n>`: the run's own name on a shared server, whatever other runs loaded there."""
         return f"policy-{self.run_id}-v{version}"
 
-    def _push(self, clients: list[ServerClient]) -> None:
+    def _push(self, clients: list[ServerClient], in_flight: bool = False) -> None:
         """One push to `clients`, under this run's claim (a server another writer claimed stops the run first),
         the policy gathered once (`_gathers_per_push`). A server that stops answering during the push is dropped
         from the pool and the push made again to the others (a server left inside the broken update finishes it
         first: server_weights.start_update); the last one, or any with a sharded policy, stops the run."""
         while clients:
             try:
-                self._push_once(clients)
+                self._push_once(clients, in_flight)
                 return
             except ServerError as err:
                 failed = next((c for c in clients if c.url == err.url), clients[0])
@@ -468,7 +515,8 @@ class VLLMServerGenerator(Generator):
                 self.pool.fault(failed, err, line)
                 clients = [c for c in clients if c.url != failed.url]
 
-    def _push_once(self, clients: list[ServerClient]) -> None:
+    def _push_once(self, clients: list[ServerClient], in_flight: bool) -> None:
+        """One push to `clients`; `in_flight`: a round is being sampled from them (`push_in_flight`)."""
         with self._lock:
             if self.version > 1:  # every server still this run's (no other writer came between)
                 for client in clients:
@@ -478,19 +526,24 @@ class VLLMServerGenerator(Generator):
                 name = self._adapter_name(self.version)
                 folder = self.transfer_dir / "adapters" / name
                 save_policy(self.policy, folder)
+                # the round's requests name the current adapter: it stays loaded while they may run
+                retired = [] if in_flight else [*self._retired_adapters, self.adapter_name]
                 for client in clients:
-                    load_adapter(client, name, folder, self.adapter_name)
+                    load_adapter(client, name, folder, retired)
                     client.post("/update_weight_version", {"new_version": version})
             elif self.transfer_backend == FILE_BACKEND:
                 weights = policy_weights(self.policy, adapted_only=False)
                 stem = f"{self.run_id}-v{self.version}"
-                push_weight_files(clients, weights, self.transfer_dir / "weights", version, stem)
-                for client in clients:
-                    reset_prefix_cache(client)
+                with requests_kept(clients, keep=in_flight):
+                    push_weight_files(clients, weights, self.transfer_dir / "weights", version, stem)
+                if not in_flight:  # kept requests hold cache blocks (vLLM refuses then); their salt keeps them apart
+                    for client in clients:
+                        reset_prefix_cache(client)
             else:  # vLLM's NCCL trainer engine drives the update phases itself and sets no version
-                for client in clients:
-                    self._push_nccl(client)
-                    client.post("/update_weight_version", {"new_version": version})
+                with requests_kept(clients, keep=in_flight):
+                    for client in clients:
+                        self._push_nccl(client)
+                        client.post("/update_weight_version", {"new_version": version})
 
     def _push_nccl(self, client: ServerClient) -> None:
         try:
@@ -515,8 +568,8 @@ class VLLMServerGenerator(Generator):
             current = False
         elif self.settings.lora_sync == "adapter":
             current = self.adapter_name in loaded_models(client)
-        else:
-            current = found.pushes == self.version
+        else:  # a push in flight on the trainer's thread may have finished on this server or not yet begun
+            current = self.settled <= found.pushes <= self.version
         if current:
             return
         rank, _ = rank_and_world()

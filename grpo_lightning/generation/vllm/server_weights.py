@@ -20,7 +20,7 @@ import logging
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -157,12 +157,37 @@ def start_update(client: ServerClient) -> None:
         client.start_weight_update()
 
 
-def load_adapter(client: ServerClient, name: str, folder: Path, previous: str | None) -> None:
-    """Load the adapter saved in `folder` under `name` (vLLM's runtime LoRA loading), then unload `previous`."""
+def load_adapter(client: ServerClient, name: str, folder: Path, retired: Iterable[str | None]) -> None:
+    """Load the adapter saved in `folder` under `name` (vLLM's runtime LoRA loading), then unload the `retired`
+    ones (earlier versions no request uses any more; None: none loaded yet)."""
     client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-    if previous is not None and previous != name:
-        with contextlib.suppress(ServerError):  # a restarted server never had it
-            client.post("/v1/unload_lora_adapter", {"lora_name": previous})
+    for previous in retired:
+        if previous is not None and previous != name:
+            with contextlib.suppress(ServerError):  # a restarted server never had it
+                client.post("/v1/unload_lora_adapter", {"lora_name": previous})
+
+
+@contextlib.contextmanager
+def requests_kept(clients: list[ServerClient], keep: bool) -> Iterator[None]:
+    """With `keep`: every server paused with its requests kept (vLLM's `/pause?mode=keep`: running and waiting
+    requests are frozen, their KV cache kept) for what runs inside, then resumed (`/resume`), also when that
+    fails. A weight update does not pause a server by itself: its engine would run decode steps between the
+    update's chunks, on weights half old and half new. Requests kept across the update continue on KV computed
+    with the old weights (as PipelineRL's in-flight updates do; not recomputed). A server that cannot be
+    resumed is logged: it failed, and its requests fail with it."""
+    paused: list[ServerClient] = []
+    try:
+        if keep:
+            for client in clients:
+                client.post("/pause?mode=keep")
+                paused.append(client)
+        yield
+    finally:
+        for client in paused:
+            try:
+                client.post("/resume")
+            except ServerError as err:
+                log.warning("the vLLM server at %s could not be resumed after a weight update (%s)", client.url, err)
 
 
 def loaded_models(client: ServerClient) -> list[str]:

@@ -206,6 +206,7 @@ class ServerSettings:
     transfer_dir: str | None = setting(None, optional(text))
     log_dir: str = setting("vllm_server", text)
     max_staleness: int = setting(0, integer(0))
+    push_in_flight: bool = setting(False, boolean)
     concurrency: int = setting(64, integer(1))
     metrics_interval_s: float = setting(1.0, number(0))
     seed: int = setting(0, integer(0, SEED_MAX))
@@ -226,6 +227,11 @@ class ServerSettings:
                 raise ValueError(f"generator.urls: {url!r} is not an http:// or https:// URL")
         if self.urls is not None and not self.urls:
             raise ValueError("generator.urls is empty: list the servers' URLs, or null to start them")
+        if self.push_in_flight and self.max_staleness == 0:
+            raise ValueError(
+                "generator.push_in_flight=true pushes the weights while the next round is sampled, which needs "
+                "rounds that overlap: set rollout.max_staleness >= 1, or generator.push_in_flight=false"
+            )
         if self.server_devices is not None and len(self.server_devices) != self.num_servers:
             raise ValueError(
                 f"generator.server_devices lists {len(self.server_devices)} device sets for "

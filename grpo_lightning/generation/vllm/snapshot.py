@@ -5,6 +5,7 @@ policy's trainable weights as they were pushed, for a checkpoint."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import lightning as L
@@ -42,14 +43,18 @@ class VLLMSnapshot(BackgroundEngine):
     round starts training.
 
     No second engine: evaluation runs between rounds, never while a round is sampled (the rollout loop pushes the
-    current weights before it), so one engine process, or one set of servers, serves both. No push lands while a
-    round is sampled either: the next push waits for the round (the rollout loop joins it first), so every
-    completion is sampled from one version, start to end. `weights()` keeps the policy's trainable
-    tensors as they were at the push, for a checkpoint; `load_weights` pushes such a snapshot back.
+    current weights before it), so one engine process, or one set of servers, serves both. By default no push
+    lands while a round is sampled either: the next push waits for the round (the rollout loop joins it first), so
+    every completion is sampled from one version, start to end. With `in_flight_push` (servers with
+    `generator.push_in_flight`) the rollout loop pushes after every optimizer step of the round being trained
+    (`push_in_flight`), and a completion records the first and last version it may have been sampled with.
+    `weights()` keeps the policy's trainable tensors as they were at the round's start, for a checkpoint;
+    `load_weights` pushes such a snapshot back.
     """
 
-    def __init__(self, generator: SnapshotSource) -> None:
+    def __init__(self, generator: SnapshotSource, in_flight_push: Callable[[], None] | None = None) -> None:
         self.generator = generator
+        self.in_flight_push = in_flight_push
         self.sampling = generator.sampling
         self.guard = generator.guard
         self.callbacks: list[L.Callback] = []
@@ -67,6 +72,14 @@ class VLLMSnapshot(BackgroundEngine):
         """Push the policy's weights now (every round: `generator.sync_every` applies to sequential rounds)."""
         self._weights = trainable_weights(policy)
         self.generator.push_weights()
+
+    def push_in_flight(self, policy: nn.Module) -> bool:
+        """The generator's push while its servers sample (`in_flight_push`); the snapshot a checkpoint keeps stays
+        the round's start."""
+        if self.in_flight_push is None:
+            return False
+        self.in_flight_push()
+        return True
 
     def reseed(self, round_seed: int) -> None:
         self.generator.reseed(round_seed)
