@@ -31,6 +31,8 @@ class FakeServer:
         self.deliver_adapters = True
         self.answer_as: str | None = None
         """Answer completions as this model (an adapter the server still holds)."""
+        self.answer_as_left: int | None = None
+        """How many completions answer as `answer_as` before the server answers as asked again (None: all)."""
         self.logprobs_mode = "processed_logprobs"
         self.lora_config: dict | None = {"max_lora_rank": 16}
         self.weight_transfer_config: dict | None = {"backend": "grpo_files"}
@@ -153,7 +155,11 @@ class FakeServer:
                 }
                 for j in reversed(range(body["n"]))  # out of order: the generator sorts by index
             ]
-            return {"model": self.answer_as or body["model"], "choices": choices}
+            model = self.answer_as or body["model"]
+            if self.answer_as_left is not None:
+                model = self.answer_as if self.answer_as_left > 0 else body["model"]
+                self.answer_as_left -= 1
+            return {"model": model, "choices": choices}
         return 404, {"detail": "Not Found"}
 
     def _handler(self):

@@ -119,8 +119,29 @@ def test_an_adapter_is_loaded_under_its_version_and_an_undelivered_one_is_refuse
     server.deliver_adapters = False
     server.adapters = [server.answer_as]
     with pytest.raises(ValueError, match=r"sampled with weights of version 1 while the trainer is at 3, older than "
-                       r"rollout.max_staleness=0"):  # fmt: skip
+                       r"rollout.max_staleness=0 allows \(served model .*\), twice"):  # fmt: skip
         gen.generate([[1, 2]], num_samples=1)
+
+
+def test_a_stale_answer_is_dropped_counted_and_asked_again_with_the_same_seed(
+    tmp_path, lora_policy, tokenizer, servers
+):
+    """A server that answers once from weights older than the bound allows (an adapter not yet in use there):
+    its samples are never returned; the same request, same seed, is asked again and answered by the current
+    adapter; `rollout/dropped_stale` counts the dropped samples."""
+    gen = generator(lora_policy, tokenizer, servers[:1], tmp_path, lora_sync="adapter")
+    server = servers[0]
+    for _ in range(2):
+        gen.sync_weights(lora_policy)
+    gen.reseed(9)
+    gen.engine_metrics()
+    server.requests.clear()
+    server.answer_as, server.answer_as_left = f"policy-{gen.run_id}-v1", 1
+    (group,) = gen.generate([[1, 2]], num_samples=3)
+    assert [c.weight_version for c in group] == [2, 2, 2]
+    asked = [b for p, b in server.requests if p == "POST /v1/completions"]
+    assert len(asked) == 2 and asked[0]["seed"] == asked[1]["seed"] and asked[1]["model"].endswith("-v2")
+    assert gen.engine_metrics()["rollout/dropped_stale"] == 3.0
 
 
 @pytest.mark.parametrize(
@@ -481,4 +502,4 @@ def test_each_servers_load_is_reported_as_maxima_and_deltas_since_the_last_repor
     servers[0].metrics_text = METRICS.replace("} 7.0", "} 2.0")  # restarted: its counters began again at 0
     assert gen.engine_metrics()["server/0/preemptions"] == 2.0
     off = generator(tiny_model, tokenizer, servers, tmp_path, metrics_interval_s=0)
-    assert off.engine_metrics() == {}
+    assert off.engine_metrics() == {"rollout/dropped_stale": 0.0}  # no server/ load read

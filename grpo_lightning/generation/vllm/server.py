@@ -24,9 +24,9 @@ a version written into the server's weight version with the run's claim; every c
 that sampled it (`Completion.weight_version`). Before a process samples from a server, and after each of its
 requests, it reads the server's version (`/weight_info`, and for adapters the ones `/v1/models` lists): a restarted
 server is given the current weights first; a version of another writer stops the run, nothing sampled there
-trained on. A completion older than `generator.max_staleness` (`rollout.max_staleness`) allows stops the run in
-one line naming the server: the check that catches an adapter that was never delivered, which otherwise looks like
-slow learning.
+trained on. A sample older than `generator.max_staleness` (`rollout.max_staleness`) allows is dropped and asked
+for again with the same seed; a server that answers that stale twice stops the run in one line naming it: the check
+that catches an adapter that was never delivered, which otherwise looks like slow learning.
 
 Overlapped rounds (`rollout.max_staleness` >= 1; docs/overlap.md): the servers sample round k+1 while round k
 trains, from the weights pushed as round k started training (`background_copy`, snapshot.py). By default a push
@@ -329,13 +329,15 @@ class VLLMServerGenerator(Generator):
 
     def engine_metrics(self) -> dict[str, float]:
         """Each server's load since the last call (`server/<i>/...`, server_pool.ServerLoad), on the first process;
-        the others report none (the round's metrics merge every process's by name). With `push_in_flight`, every
-        process: the pushes made while this round was sampled and the share of its completions whose sampling
-        spanned one (`rollout/pushes_in_flight`, `rollout/spanning_push_frac`)."""
+        the others report none (the round's metrics merge every process's by name). Every process: the samples
+        it dropped as too stale this round (`rollout/dropped_stale`, `_complete`), and with `push_in_flight` the
+        pushes made while the round was sampled and the share of its completions whose sampling spanned one
+        (`rollout/pushes_in_flight`, `rollout/spanning_push_frac`)."""
         metrics = self.load.report()
+        with self._tally_lock:
+            tally = self._tally
+        metrics["rollout/dropped_stale"] = float(tally["dropped_stale"])
         if self.settings.push_in_flight:
-            with self._tally_lock:
-                tally = self._tally
             metrics["rollout/pushes_in_flight"] = float(tally["pushes"])
             metrics["rollout/spanning_push_frac"] = tally["spanning"] / max(tally["completions"], 1)
         return metrics
@@ -348,7 +350,39 @@ class VLLMServerGenerator(Generator):
         what it sampled is vouched for only if this run's weights were still there (no other writer came
         between). A completion records the first version it may have been sampled with (the last push every
         server had finished when it was sent) and the last (the last push begun when it came back): they differ
-        only when a push landed while it was sampled (`generator.push_in_flight`)."""
+        only when a push landed while it was sampled (`generator.push_in_flight`).
+
+        Samples from weights more pushes behind than `generator.max_staleness` allows are dropped, never
+        returned, counted (`rollout/dropped_stale`) and asked for again with the same seed, once: what the
+        current weights sample. A server whose answer is that stale twice did not take the weights (an adapter
+        accepted but never served): the run stops in one line naming it."""
+        for attempt in range(2):
+            answer, version, last = self._ask(prefix, n, budget, greedy, seed, client)
+            if self.version - version <= self.settings.max_staleness:
+                break
+            served_by = answer.get("model")
+            if attempt == 1:
+                raise ValueError(
+                    f"the vLLM server at {client.url} sampled with weights of version {version} while the trainer is "
+                    f"at {self.version}, older than rollout.max_staleness={self.settings.max_staleness} allows "
+                    f"(served model {served_by!r}), twice: its weights were not updated"
+                )
+            log.warning("dropped %d samples of weights version %d from %s (the trainer is at %d): asking again",
+                        n, version, client.url, self.version)  # fmt: skip
+            with self._tally_lock:
+                self._tally.update(dropped_stale=n)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise RuntimeError(f"the vLLM server at {client.url} returned {len(choices)} samples (asked for {n})")
+        with self._tally_lock:
+            self._tally.update(completions=n, spanning=n if last != version else 0)
+        return [truncate(self._completion(choice, version, last), budget) for choice in choices]
+
+    def _ask(
+        self, prefix: list[int], n: int, budget: int, greedy: bool, seed: int, client: ServerClient
+    ) -> tuple[dict, int, int]:
+        """One `/v1/completions` request: the answer, and the first and last weight versions it was sampled with
+        (`_complete`)."""
         first = self.settled
         body: dict[str, Any] = {
             "model": self.adapter_name or self.served_model,
@@ -372,22 +406,10 @@ class VLLMServerGenerator(Generator):
         if self.version > 0:
             self.claims.read(client)
         last = self.version
-        served_by = answer.get("model")
-        version = self._version_of(served_by, first)
+        version = self._version_of(answer.get("model"), first)
         if self.settings.lora_sync == "adapter":  # an adapter is one version, whatever was loaded meanwhile
             last = version
-        if self.version - version > self.settings.max_staleness:
-            raise ValueError(
-                f"the vLLM server at {client.url} sampled with weights of version {version} while the trainer is at "
-                f"{self.version}, older than rollout.max_staleness={self.settings.max_staleness} allows "
-                f"(served model {served_by!r}): its weights were not updated"
-            )
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        if len(choices) != n:
-            raise RuntimeError(f"the vLLM server at {client.url} returned {len(choices)} samples (asked for {n})")
-        with self._tally_lock:
-            self._tally.update(completions=n, spanning=n if last != version else 0)
-        return [truncate(self._completion(choice, version, last), budget) for choice in choices]
+        return answer, version, last
 
     def _completion(self, choice: dict, version: int, last: int) -> Completion:
         ids = [int(t) for t in choice["token_ids"]]
