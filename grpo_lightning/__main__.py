@@ -49,7 +49,8 @@ def run(cfg: DictConfig) -> tuple[int, dict[str, float]]:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         prefix = "" if isinstance(err, RunInterrupted) else "error: "
-        print(f"{prefix}{describe(err)}", file=sys.stderr)
+        if not (isinstance(err, TrainingStopped) and err.printed):
+            print(f"{prefix}{describe(err)}", file=sys.stderr)
         if isinstance(err, RunInterrupted):
             return 128 + err.signum, {}
         return (1 if isinstance(err, TrainingStopped) else 2), {}

@@ -12,7 +12,10 @@ class RunInterrupted(Exception):
 
 
 class TrainingStopped(Exception):
-    """The run stopped itself (non-finite or divergence guard); the CLI prints it and exits 1."""
+    """The run stopped itself (non-finite or divergence guard); the CLI prints it and exits 1. `printed`: the
+    process already printed it (a stop printed before the run's clean-up, which another process may cut short)."""
+
+    printed: bool = False
 
 
 class EngineFailed(TrainingStopped):

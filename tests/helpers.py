@@ -180,6 +180,20 @@ class KillServer(L.Callback):
         os.kill(api, signal.SIGKILL)
 
 
+class RecordServerGroup(L.Callback):
+    """Writes the process group of the run's first started vLLM server (its supervisor leads it) to
+    `<directory>/server_group` as the run starts (process 0, which starts the servers): whether a run that stopped
+    left any of it behind."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            loop = next(c for c in trainer.callbacks if type(c).__name__ == "RolloutLoop")
+            Path(self.directory, "server_group").write_text(str(loop.generator.servers[0].process.pid))
+
+
 class StallRank(L.Callback):
     """Process `rank` stops for `seconds` when round `at_round` starts training, after writing its pid to
     `<directory>/stalled<rank>`: the other processes wait for it at their next collective (a rank out of step:

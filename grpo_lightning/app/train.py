@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +122,15 @@ class Run:
                 raise
             reason = str(err).strip().splitlines()[0][:200]
             resume = last if last.is_file() else "<none yet: start again>"
-            raise TrainingStopped(
+            stop = TrainingStopped(
                 f"training stopped: another training process is gone ({reason})\n"
                 f"resume: python -m grpo_lightning <same overrides> ckpt_path={resume}"
-            ) from None
+            )
+            # printed now, before the clean-up (stopping the run's servers takes seconds): Lightning's launcher
+            # SIGKILLs the first process within 5 s of seeing another one die, and the line must be out by then
+            print(f"error: {stop}", file=sys.stderr, flush=True)
+            stop.printed = True
+            raise stop from None
         if self.ckpt_path is not None and self.rollout_loop.rounds_trained == 0:
             self.finish_a_finished_run()
         if self.trainer.is_global_zero:  # where each tracker keeps the run, and how to open it

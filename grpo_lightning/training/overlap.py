@@ -161,12 +161,12 @@ class BackgroundSampling:
         self.start(round_seed, work)
         return self.join()
 
-    def abandon(self) -> None:
-        """The run failed: end the round in flight at its next generate call, without waiting long."""
+    def abandon(self, wait_s: float = ABANDON_WAIT_S) -> None:
+        """The run failed: end the round in flight at its next generate call, waiting for it at most `wait_s`."""
         thread, self._thread = self._thread, None
         if thread is not None:
             self.engine.cancel.set()
-            thread.join(ABANDON_WAIT_S)
+            thread.join(wait_s)
 
     def trainer_threads(self) -> None:
         """The trainer's share of the threads, for a round's training (also when nothing runs beside it: the

@@ -45,10 +45,16 @@ import torch
 from grpo_lightning.accel.heap_trim import release_freed_memory
 from grpo_lightning.algorithm.round_metrics import LogpAgreement, RolloutStats, credited_tokens, round_metrics
 from grpo_lightning.data.datamodule import RolloutDataModule
-from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
+from grpo_lightning.distributed import derive_seed, gather_objects, lost_a_process, rank_and_world
 from grpo_lightning.rng import capture_rng, restore_rng
 from grpo_lightning.training import tracking
-from grpo_lightning.training.overlap import BackgroundSampling, RolloutSettings, background_sampling, staleness_problem
+from grpo_lightning.training.overlap import (
+    ABANDON_WAIT_S,
+    BackgroundSampling,
+    RolloutSettings,
+    background_sampling,
+    staleness_problem,
+)
 from grpo_lightning.training.round_layout import micro_batches_of, round_of
 from grpo_lightning.training.round_sampling import RoundSampler, SampledRound
 from grpo_lightning.types import Prompt, Rollout
@@ -248,8 +254,12 @@ class RolloutLoop(L.Callback):
         return self.max_tokens_generated is not None and self.tokens_generated_total >= self.max_tokens_generated
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A failing run ends the round being sampled beside it. With another training process gone, without
+        waiting for it: the run must report and stop within seconds (Lightning's launcher kills the first process
+        5 s after it sees another die); the worker is a daemon thread, and the generator's close ends what it
+        waits on."""
         if self.background is not None:
-            self.background.abandon()
+            self.background.abandon(wait_s=0.0 if lost_a_process(exception) else ABANDON_WAIT_S)
             self.background.all_threads()
 
     @staticmethod
