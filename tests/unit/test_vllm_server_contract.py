@@ -434,6 +434,29 @@ def test_a_push_that_loses_a_server_part_way_lands_on_the_others(tmp_path, tiny_
     assert completion.weight_version == 2
 
 
+def test_a_push_in_flight_that_loses_a_server_part_way_resumes_the_others(tmp_path, tiny_model, tokenizer, servers):
+    """`push_in_flight`: a server that dies inside the push (after it was paused) is dropped and the push made
+    again to the others; every server still alive is resumed, so a request kept there across the push ends."""
+    gen = generator(tiny_model, tokenizer, servers, tmp_path, push_in_flight=True, max_staleness=1)
+    snapshot = gen.background_copy()
+    snapshot.sync_weights(tiny_model)
+    for server in servers:
+        server.requests.clear()
+        server.delay_s = 0.5
+    worker, kept = sample_beside(snapshot, [3])
+    while not any("POST /v1/completions" in server.paths() for server in servers):
+        time.sleep(0.01)
+    busy = next(server for server in servers if "POST /v1/completions" in server.paths())
+    other = servers[1 - servers.index(busy)]
+    other.answers_left = 2  # its version read, then paused: it dies at the push's first phase
+    snapshot.push_in_flight(tiny_model)
+    worker.join(10)
+    assert not worker.is_alive() and (kept[0].weight_version, kept[0].last_weight_version) == (1, 2), kept
+    assert [c.url for c in gen.pool.live] == [busy.url] and not busy.paused
+    assert claims.parse(busy.weight_version).pushes == 2
+    assert busy.paths().count("POST /pause?mode=keep") == busy.paths().count("POST /resume") == 2  # once per try
+
+
 def test_a_request_the_server_refuses_is_not_sent_elsewhere(tmp_path, tiny_model, tokenizer, servers):
     """A 4xx is the request's fault: every server would refuse it, so it stops the run, naming the server."""
     gen = generator(tiny_model, tokenizer, servers, tmp_path)
