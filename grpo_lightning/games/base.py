@@ -139,6 +139,11 @@ class TwoPlayerGame(ABC):
         """Whether `winning_moves` is implemented (the `tactic` opponent can play this game)."""
         return False
 
+    enumerable: bool = False
+    """Whether a policy's exact results can be computed by reading its moves at every position it can reach
+    (`eval.exact_opponents`, training/game_strategy.py): a few thousand positions at most, each wholly described by
+    its rendering and the player to move (`exact.position_key`), and a prompt that depends on nothing else."""
+
 
 TEXTARENA_PREFIX = "textarena:"
 """How a TextArena game id starts (`textarena:Nim-v0`; games/registry.py, games/textarena_games.py)."""

@@ -69,6 +69,7 @@ def _play(board: str, cell: int, seat: int) -> str:
 @register_game("tictactoe")
 class TicTacToe(TwoPlayerGame):
     longest_game = 9
+    enumerable = True  # 4,520 positions with a player to move (2,423 of X's, 2,097 of O's), the board all there is
 
     def __init__(self) -> None:
         self.board = "........."
@@ -152,6 +153,8 @@ class TicTacToe(TwoPlayerGame):
 @register_game("tictactoe_shuffled")
 class ShuffledTicTacToe(TicTacToe):
     """TicTacToe whose prompt lists the legal moves in the seeded order of its seed and turn (`shuffled_moves`)."""
+
+    enumerable = False  # the prompt depends on the game's seed as well as on the board
 
     def listed_moves(self) -> tuple[list[str], str]:
         return shuffled_moves(self.legal_moves(), self.seed, 9 - self.board.count("."))

@@ -31,6 +31,7 @@ import torch
 from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
 from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.exact import Expected
 from grpo_lightning.games.kuhn_poker import KuhnPoker, exploitability
 from grpo_lightning.games.opponent_pool import opponent_names
 from grpo_lightning.games.play import SCRIPTED, Match, ModelPlayer, play
@@ -39,9 +40,18 @@ from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
-from grpo_lightning.training.game_strategy import ScoresCompletions, kuhn_strategy
+from grpo_lightning.training.game_strategy import ScoresCompletions, exact_results, kuhn_strategy
 
 log = logging.getLogger(__name__)
+
+
+def scripted_names(value) -> str | None:
+    """A rule: a list of scripted players (`games.play.SCRIPTED`), whose move distributions are exact."""
+    problem = opponent_names(value)
+    if problem is not None:
+        return problem
+    other = [v for v in value if v not in SCRIPTED]
+    return f"must name only {', '.join(SCRIPTED)} ({other[0]!r} is none of them)" if other else None
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class GameEvalSettings:
         factory=lambda: ["random", "base"],
     )
     max_turns: int = setting(30, integer(1))
+    exact_opponents: list[str] = setting(rule=scripted_names, factory=list)
 
     def __post_init__(self) -> None:
         check_settings(self, "eval")
@@ -179,6 +190,8 @@ class GameEvaluator(Evaluator):
         metrics = played_metrics([g for part in parts for g in part], self.game_settings.opponents, has_payoff)
         if self.dataset.game == KuhnPoker.game_id:
             metrics |= self._exploitability(trainer, encode)
+        if self.game_settings.exact_opponents:
+            metrics |= self._exact(trainer, encode)
         metrics["time/eval_s"] = time.perf_counter() - start
         self.record(trainer, metrics)
         log.info("eval at step %d: %s", trainer.global_step,
@@ -186,16 +199,42 @@ class GameEvaluator(Evaluator):
                            or k.startswith("eval/win_rate_vs_") and not k.endswith(("low", "high"))))  # fmt: skip
         return metrics
 
+    def _scoring_module(self, trainer: L.Trainer, what: str) -> ScoresCompletions | None:
+        """The training module, whose log-probs read the policy's moves; None (warned once) for a stand-in trainer
+        with none."""
+        module = trainer.lightning_module
+        if isinstance(module, ScoresCompletions):
+            return module
+        if not self._warned_no_module:
+            self._warned_no_module = True
+            log.warning("%s needs the training module's log-probs; this trainer has none", what)
+        return None
+
     def _exploitability(self, trainer: L.Trainer, encode) -> dict[str, float]:
         """`eval/exploitability` of the policy's Kuhn Poker strategy, read from its probabilities (every rank)."""
-        module = trainer.lightning_module
-        if not isinstance(module, ScoresCompletions):  # a stand-in trainer with no training module: nothing to read
-            if not self._warned_no_module:
-                self._warned_no_module = True
-                log.warning("eval/exploitability needs the training module's log-probs; this trainer has none")
+        module = self._scoring_module(trainer, "eval/exploitability")
+        if module is None:
             return {}
         strategy = kuhn_strategy(module, encode, self.tokenizer, self.dataset.reply_prefix)
         return {"eval/exploitability": exploitability(strategy)}
+
+    def _exact(self, trainer: L.Trainer, encode) -> dict[str, float]:
+        """`eval/exact_{win,draw,loss}_rate_vs_<o>` (both seats' mean, and `_first` / `_second`): the policy's exact
+        results against each of `eval.exact_opponents`, from its move distribution at every position it can reach
+        (training/game_strategy.py; every rank, as the exploitability)."""
+        module = self._scoring_module(trainer, "eval.exact_opponents")
+        if module is None:
+            return {}
+        opponents = {name: SCRIPTED[name]() for name in self.game_settings.exact_opponents}
+        found = exact_results(module, encode, lambda: make_game(self.dataset.game), opponents, self.tokenizer,
+                              self.dataset.reply_prefix, rows_per_forward=self.settings.batch_size,
+                              max_moves=self.game_settings.max_turns)  # fmt: skip
+        metrics = {}
+        for name, (first, second) in found.items():
+            for suffix, value in (("", Expected.mean([first, second])), ("_first", first), ("_second", second)):
+                for what in ("win", "draw", "loss"):
+                    metrics[f"eval/exact_{what}_rate_vs_{name}{suffix}"] = getattr(value, what)
+        return metrics
 
 
 class _NoChecker:

@@ -15,7 +15,8 @@ training's state is left as it was.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import copy
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -24,6 +25,8 @@ from torch import Tensor, nn
 from grpo_lightning.algorithm.rollouts import collate_rollouts
 from grpo_lightning.games import kuhn_poker
 from grpo_lightning.games.base import TwoPlayerGame
+from grpo_lightning.games.exact import Expected, expected_results, position_key
+from grpo_lightning.games.play import ScriptedPlayer
 from grpo_lightning.types import Rollout, RolloutBatch
 
 
@@ -89,4 +92,109 @@ def kuhn_strategy(
     found = move_probabilities(module, prompts, [g.legal_moves() for g in positions], tokenizer, reply_prefix)
     return {
         key: {move[1:-1]: p for move, p in dist.items()} for key, dist in zip(kuhn_poker.INFOSETS, found, strict=True)
+    }
+
+
+# ---- a game small enough to enumerate: the policy's exact results against scripted players --------------------
+
+
+class StrategyPlayer(ScriptedPlayer):
+    """The policy as a scripted player: its move distribution at each position read from `table` (by
+    `exact.position_key`, the rendered board and the player to move), so its results can be computed exactly
+    (games/exact.py) rather than sampled."""
+
+    name = "policy"
+
+    def __init__(self, table: dict[Hashable, dict[str, float]]) -> None:
+        self.table = table
+
+    def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
+        return self.table[position_key(game)]
+
+
+def learner_positions(root: TwoPlayerGame, seat: int, opponent: ScriptedPlayer) -> list[TwoPlayerGame]:
+    """Every position where `seat` is to move that play from `root` can reach, each once (by `position_key`): the
+    learner's every legal move followed (the policy's distribution over legal moves gives each a positive
+    probability), and the opponent's moves of positive probability."""
+    found: dict[Hashable, TwoPlayerGame] = {}
+    expanded: set[Hashable] = set()
+
+    def visit(position: TwoPlayerGame) -> None:
+        key = position_key(position)
+        if position.done or key in expanded:
+            return
+        expanded.add(key)
+        if position.current_player == seat:
+            found[key] = position
+            moves = position.legal_moves()
+        else:
+            moves = [m for m, p in opponent.move_distribution(position).items() if p > 0]
+        for move in moves:
+            after = copy.deepcopy(position)
+            after.step(move)
+            visit(after)
+
+    visit(copy.deepcopy(root))
+    return list(found.values())
+
+
+def strategy_table(
+    module: ScoresCompletions,
+    encode: Callable[[TwoPlayerGame, int], list[int]],
+    positions: Sequence[TwoPlayerGame],
+    tokenizer,
+    reply_prefix: str,
+    rows_per_forward: int = 256,
+) -> dict[Hashable, dict[str, float]]:
+    """The policy's move distribution over the legal moves at each of `positions` (`move_probabilities`), by
+    `position_key`: forwards of at most `rows_per_forward` (prompt, move) rows, a position's moves in one."""
+    table: dict[Hashable, dict[str, float]] = {}
+    batch: list[TwoPlayerGame] = []
+    rows = 0
+
+    def flush() -> None:
+        prompts = [encode(g, g.current_player) for g in batch]
+        found = move_probabilities(module, prompts, [g.legal_moves() for g in batch], tokenizer, reply_prefix)
+        table.update((position_key(g), dist) for g, dist in zip(batch, found, strict=True))
+
+    for position in positions:
+        moves = len(position.legal_moves())
+        if batch and rows + moves > rows_per_forward:
+            flush()
+            batch, rows = [], 0
+        batch.append(position)
+        rows += moves
+    if batch:
+        flush()
+    return table
+
+
+def exact_results(
+    module: ScoresCompletions,
+    encode: Callable[[TwoPlayerGame, int], list[int]],
+    new_game: Callable[[], TwoPlayerGame],
+    opponents: dict[str, ScriptedPlayer],
+    tokenizer,
+    reply_prefix: str,
+    seed: int = 0,
+    rows_per_forward: int = 256,
+    max_moves: int | None = None,
+) -> dict[str, tuple[Expected, Expected]]:
+    """The policy's exact results against each scripted opponent from seat 0 and seat 1, in the game `seed` deals:
+    its move distribution read at every position it can reach against that opponent (`learner_positions`, one
+    forward per `strategy_table` batch, each position read once for all opponents), the games' probabilities summed
+    over the whole tree (`exact.expected_results`). The policy plays a legal move (its distribution is over the
+    legal moves), so the value is that of its legal play: sampled play adds its illegal moves, which lose. A game
+    still going after `max_moves` moves is a draw (self-play's `max_turns`)."""
+    root = new_game()
+    root.reset(seed)
+    needed = {
+        (name, seat): learner_positions(root, seat, opponent) for name, opponent in opponents.items() for seat in (0, 1)
+    }
+    unique = {position_key(g): g for positions in needed.values() for g in positions}
+    table = strategy_table(module, encode, list(unique.values()), tokenizer, reply_prefix, rows_per_forward)
+    player = StrategyPlayer(table)
+    return {
+        name: tuple(expected_results(root, player, opponent, seat, max_moves=max_moves) for seat in (0, 1))
+        for name, opponent in opponents.items()
     }

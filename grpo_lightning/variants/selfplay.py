@@ -139,9 +139,17 @@ class SelfPlay(GRPOVariant):
         game = make_game(cfg.data.dataset.game)
         game.reset(0)
         eval_opponents = list(cfg.eval.get("opponents") or []) if cfg.eval.enabled else []
+        exact_opponents = list(cfg.eval.get("exact_opponents") or []) if cfg.eval.enabled else []
+        if exact_opponents and not game.enumerable:
+            enumerable = ", ".join(builtin_games_where(lambda g: g.enumerable))
+            raise ValueError(
+                f"eval.exact_opponents: exact results read the policy at every position it can reach, in games small "
+                f"enough to enumerate ({enumerable}), and {game.game_id} is not one; set eval.exact_opponents=[]"
+            )
         for key, names in (
             ("variant.fixed_opponents", cfg.variant.fixed_opponents),
             ("eval.opponents", eval_opponents),
+            ("eval.exact_opponents", exact_opponents),
         ):
             if "perfect" in names and not game.solved:
                 solved = ", ".join(builtin_games_where(lambda g: g.solved))
