@@ -304,6 +304,8 @@ def test_an_adapter_pushed_in_flight_leaves_the_rounds_adapter_loaded(tmp_path, 
     server.delay_s = 0.0
     snapshot.sync_weights(lora_policy)  # the next round starts training: nothing samples the old ones
     assert server.adapters == [f"policy-{gen.run_id}-v3"]
+    # an unloaded adapter's folder goes with it (a long run would otherwise fill the transfer folder)
+    assert [f.name for f in (tmp_path / "transfer" / "adapters").iterdir()] == [f"policy-{gen.run_id}-v3"]
 
 
 @pytest.mark.parametrize(

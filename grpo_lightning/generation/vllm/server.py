@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -553,6 +554,9 @@ class VLLMServerGenerator(Generator):
                 for client in clients:
                     load_adapter(client, name, folder, retired)
                     client.post("/update_weight_version", {"new_version": version})
+                for old in retired:  # unloaded everywhere: no server reads its folder again
+                    if old is not None and old != name:
+                        shutil.rmtree(self.transfer_dir / "adapters" / old, ignore_errors=True)
             elif self.transfer_backend == FILE_BACKEND:
                 weights = policy_weights(self.policy, adapted_only=False)
                 stem = f"{self.run_id}-v{self.version}"
