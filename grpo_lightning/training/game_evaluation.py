@@ -23,6 +23,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lightning as L
@@ -46,7 +47,9 @@ log = logging.getLogger(__name__)
 
 
 def scripted_names(value) -> str | None:
-    """A rule: a list of scripted players (`games.play.SCRIPTED`), whose move distributions are exact."""
+    """A rule: a list of scripted players (`games.play.SCRIPTED`), whose move distributions are exact; empty: none."""
+    if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 0:
+        return None
     problem = opponent_names(value)
     if problem is not None:
         return problem
