@@ -53,7 +53,7 @@ AHEAD_TEST = (
     "pass@1 (same seed, same problems, same greedy decode). The control's pass@1 is a fixed number on these "
     "problems (greedy decoding of the unchanged start model), so this is a one-sided test at the 2.5% level of "
     "whether the trained model's pass@1 on problems like these exceeds it. It does not use the pairing of the "
-    "two runs' per-problem outcomes (McNemar's test would): runs log only the aggregate"
+    "two runs' per-problem outcomes (McNemar's test would; the overlap table pairs its two arms that way)"
 )
 
 
