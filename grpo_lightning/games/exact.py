@@ -128,12 +128,12 @@ def best_response_value(
         if position.done:
             return position.payoff[seat]
         if position.current_player == seat:
-            return value(_after(position, choice[infoset(position)]))
-        return sum(p * value(_after(position, move)) for move, p in policy(position).items() if p > 0)
+            return value(after_move(position, choice[infoset(position)]))
+        return sum(p * value(after_move(position, move)) for move, p in policy(position).items() if p > 0)
 
     for key in sorted(reached, key=own_moves.__getitem__, reverse=True):
         positions = reached[key]
-        worth = {m: sum(r * value(_after(g, m)) for r, g in positions) for m in positions[0][1].legal_moves()}
+        worth = {m: sum(r * value(after_move(g, m)) for r, g in positions) for m in positions[0][1].legal_moves()}
         choice[key] = max(worth, key=worth.__getitem__)
     return sum(value(root) for root in roots) / len(roots)
 
@@ -158,18 +158,19 @@ def _responder_positions(
             reached.setdefault(key, []).append((reach, position))
             own_moves[key] = moves_made
             for move in position.legal_moves():
-                visit(_after(position, move), reach, moves_made + 1)
+                visit(after_move(position, move), reach, moves_made + 1)
         else:
             for move, p in policy(position).items():
                 if p > 0:
-                    visit(_after(position, move), reach * p, moves_made)
+                    visit(after_move(position, move), reach * p, moves_made)
 
     for root in roots:
         visit(root, 1.0, 0)
     return reached, own_moves
 
 
-def _after(position: TwoPlayerGame, move: str) -> TwoPlayerGame:
+def after_move(position: TwoPlayerGame, move: str) -> TwoPlayerGame:
+    """A copy of `position` with `move` played (`position` left as it is)."""
     after = copy.deepcopy(position)
     after.step(move)
     return after

@@ -15,7 +15,6 @@ training's state is left as it was.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -25,7 +24,7 @@ from torch import Tensor, nn
 from grpo_lightning.algorithm.rollouts import collate_rollouts
 from grpo_lightning.games import kuhn_poker
 from grpo_lightning.games.base import TwoPlayerGame
-from grpo_lightning.games.exact import Expected, expected_results, position_key
+from grpo_lightning.games.exact import Expected, after_move, expected_results, position_key
 from grpo_lightning.games.play import ScriptedPlayer
 from grpo_lightning.types import Rollout, RolloutBatch
 
@@ -130,11 +129,9 @@ def learner_positions(root: TwoPlayerGame, seat: int, opponent: ScriptedPlayer) 
         else:
             moves = [m for m, p in opponent.move_distribution(position).items() if p > 0]
         for move in moves:
-            after = copy.deepcopy(position)
-            after.step(move)
-            visit(after)
+            visit(after_move(position, move))
 
-    visit(copy.deepcopy(root))
+    visit(root)
     return list(found.values())
 
 
@@ -188,10 +185,12 @@ def exact_results(
     still going after `max_moves` moves is a draw (self-play's `max_turns`)."""
     root = new_game()
     root.reset(seed)
-    needed = {
-        (name, seat): learner_positions(root, seat, opponent) for name, opponent in opponents.items() for seat in (0, 1)
+    unique = {
+        position_key(g): g
+        for opponent in opponents.values()
+        for seat in (0, 1)
+        for g in learner_positions(root, seat, opponent)
     }
-    unique = {position_key(g): g for positions in needed.values() for g in positions}
     table = strategy_table(module, encode, list(unique.values()), tokenizer, reply_prefix, rows_per_forward)
     player = StrategyPlayer(table)
     return {
