@@ -27,7 +27,9 @@ Arms (`--arms`, default `trained`), each the recipe with its credit choice (docs
 - TicTacToe's spread levers, each alone (docs/selfplay.md "Keeping the spread"): `shuffled` (the legal moves
   listed in a seeded random order, `data.dataset.game=tictactoe_shuffled`), `entropy` (`loss.entropy_coef=0.01`),
   `kl` (`loss.beta=0.04`), `noisy_opponents` (`tactic` and `perfect` in the training pool, each playing a random
-  move with probability 0.3); `levers`: all four; `loss_levers`: the entropy bonus and the KL term (any game).
+  move with probability 0.3); `levers`: all four; `loss_levers`: the entropy bonus and the KL term (any game);
+- `best_response` (Kuhn Poker): the training pool is the exact best response to the policy of the round and the
+  policy's newest snapshot (`variant.fixed_opponents=[best_response]`, `variant.max_snapshots=1`).
 
 Beside the rates: per run, the spread GRPO learns from (`game/move_entropy`, `game/groups_alike_frac`), each
 averaged over the first and the second half of the rounds; for Kuhn Poker, the exact exploitability
@@ -96,9 +98,11 @@ ARMS = {
     **SPREAD_LEVERS,
     "levers": tuple(o for overrides in SPREAD_LEVERS.values() for o in overrides),
     "loss_levers": (*SPREAD_LEVERS["entropy"], *SPREAD_LEVERS["kl"]),
+    "best_response": ("variant.fixed_opponents=[best_response]", "variant.max_snapshots=1"),
 }
 """Each arm's overrides on top of the recipe: the credit it trains with, or a spread lever (`levers`: all four;
-`loss_levers`: the entropy bonus and the KL term, the two that apply to any game)."""
+`loss_levers`: the entropy bonus and the KL term, the two that apply to any game; `best_response`: Kuhn Poker
+against the exact best response to the round's policy and its newest snapshot, half the groups each)."""
 LOWEST_FREE_CELL = {"win_vs_random": 0.611, "loss_vs_tactic": 0.886}
 """The lowest-free-cell rule's exact rates, both seats averaged (tests/unit/test_exact_results.py)."""
 TARGET_GAMES = ("tictactoe", "tictactoe_shuffled")

@@ -301,6 +301,7 @@ def _build_run(
         forward_settings=forward_settings,
     )
     variant.bind_data(datamodule.dataset, tokenizer, datamodule.settings.max_prompt_tokens)
+    variant.bind_module(module)
     evaluator = build(cfg.eval, generator=generator, tokenizer=tokenizer) if cfg.eval.enabled else None
     stop: GracefulStop = build(cfg.callbacks.stop)
     rollout_loop: RolloutLoop = build(cfg.callbacks.rollout_loop, _partial_=True)(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 MOVE_PATTERN = re.compile(r"\[[^\[\]\n]{1,40}\]")
@@ -138,6 +139,31 @@ class TwoPlayerGame(ABC):
     def lists_winning_moves(self) -> bool:
         """Whether `winning_moves` is implemented (the `tactic` opponent can play this game)."""
         return False
+
+    responds_exactly: bool = False
+    """Whether the game computes an exact best response to a policy's strategy (`strategy_positions`,
+    `information_set`, `best_response`, `exploitability`; Kuhn Poker): `eval/exploitability` and self-play's
+    `best_response` opponent read the policy at `strategy_positions` and answer it (training/game_strategy.py)."""
+
+    def strategy_positions(self) -> list[TwoPlayerGame]:
+        """One position at each information set of the game (`responds_exactly` games): where the policy's move
+        distribution is read to make its whole strategy."""
+        raise NotImplementedError(f"{self.game_id} has no exact best response")
+
+    def information_set(self) -> Hashable:
+        """What the player to move knows here (its hidden card and the moves so far): the key of a strategy."""
+        raise NotImplementedError(f"{self.game_id} has no exact best response")
+
+    def best_response(self, strategy: Mapping[Hashable, Mapping[str, float]]) -> dict[Hashable, dict[str, float]]:
+        """A best response to `strategy` (each information set's move distribution, moves in the game's format,
+        `[check]`), from both seats in one strategy: each seat's information sets answer `strategy` playing the
+        other seat; uniform over the moves that are worth the same."""
+        raise NotImplementedError(f"{self.game_id} has no exact best response")
+
+    def exploitability(self, strategy: Mapping[Hashable, Mapping[str, float]]) -> float:
+        """What a best response wins against `strategy`, in `payoff` units a game on the seats' mean (0 at an
+        equilibrium)."""
+        raise NotImplementedError(f"{self.game_id} has no exact best response")
 
     enumerable: bool = False
     """Whether a policy's exact results can be computed by reading its moves at every position it can reach

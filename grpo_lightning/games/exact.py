@@ -7,8 +7,9 @@ the rendered board and the player to move, which is the whole state of a board g
 rendering hides state needs its own key). These are the numbers a learned policy is measured against: what a
 scripted policy is worth against the random player, from each seat (docs/selfplay.md).
 
-`best_response_value` is the other exact number: the most any strategy of one seat can win against a fixed
-strategy of the other, in a game of imperfect information (Kuhn Poker's exploitability, games/kuhn_poker.py).
+`best_response` is the other exact number: the most any strategy of one seat can win against a fixed strategy of
+the other, in a game of imperfect information, and the strategy that wins it (Kuhn Poker's exploitability and its
+`best_response` opponent, games/kuhn_poker.py).
 """
 
 from __future__ import annotations
@@ -100,22 +101,26 @@ def both_seats(
     return per_seat[0], per_seat[1], Expected.mean(per_seat)
 
 
-def best_response_value(
+def best_response(
     new_game: Callable[[], TwoPlayerGame],
     seeds: Sequence[int],
     seat: int,
     policy: Callable[[TwoPlayerGame], dict[str, float]],
     infoset: Callable[[TwoPlayerGame], Hashable],
-) -> float:
+) -> tuple[float, dict[Hashable, list[str]]]:
     """The expected payoff of `seat`'s best response to the other seat playing `policy` (its move distribution at a
     position), each game `seeds` deal equally likely (the chance node; Zinkevich et al. 2007, Johanson et al.
-    2011). `infoset(position)`: what the responder knows when it moves there (its hidden card and the moves so far);
-    it must pick the same move at every position of one information set, as a player who cannot see the other's card.
+    2011), and the response: at each of `seat`'s information sets the legal moves that reach that payoff (several
+    where they are worth the same, within 1e-12; any mix of them is a best response too). `infoset(position)`: what
+    the responder knows when it moves there (its hidden card and the moves so far); it must pick the same move at
+    every position of one information set, as a player who cannot see the other's card.
 
     Backward induction over the responder's information sets: each, latest first, takes the legal move of the
     highest value summed over its positions, each weighted by its chance of being reached (the deal's and the
     policy's moves: the responder's own moves lead there for certain), its later moves already chosen. With perfect
     recall a later information set is one where the responder has made more moves, so the order is by that count.
+    An information set the policy never lets the responder reach is worth nothing either way: every legal move
+    answers it.
     """
     roots = []
     for seed in seeds:
@@ -123,6 +128,7 @@ def best_response_value(
         roots[-1].reset(seed)
     reached, own_moves = _responder_positions(roots, seat, policy, infoset)
     choice: dict[Hashable, str] = {}
+    answers: dict[Hashable, list[str]] = {}
 
     def value(position: TwoPlayerGame) -> float:  # the responder's payoff, its moves from here chosen
         if position.done:
@@ -134,8 +140,10 @@ def best_response_value(
     for key in sorted(reached, key=own_moves.__getitem__, reverse=True):
         positions = reached[key]
         worth = {m: sum(r * value(after_move(g, m)) for r, g in positions) for m in positions[0][1].legal_moves()}
-        choice[key] = max(worth, key=worth.__getitem__)
-    return sum(value(root) for root in roots) / len(roots)
+        best = max(worth.values())
+        answers[key] = [m for m, w in worth.items() if w >= best - 1e-12]
+        choice[key] = answers[key][0]
+    return sum(value(root) for root in roots) / len(roots), answers
 
 
 def _responder_positions(

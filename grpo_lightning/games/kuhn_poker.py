@@ -24,10 +24,10 @@ equilibrium: what a best response wins against it, on the seats' mean (games/exa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 from grpo_lightning.games.base import StepResult, TwoPlayerGame
-from grpo_lightning.games.exact import best_response_value
+from grpo_lightning.games.exact import best_response
 from grpo_lightning.games.registry import register_game
 
 CARDS = "JQK"
@@ -107,6 +107,23 @@ class KuhnPoker(TwoPlayerGame):
     def _equilibrium(self) -> dict[str, float]:
         return EQUILIBRIUM[self.cards[self.current_player], ",".join(self.history)]
 
+    responds_exactly = True
+
+    def strategy_positions(self) -> list[TwoPlayerGame]:
+        """A position at each of the 12 information sets, `INFOSETS`' order."""
+        return [position(card, history) for card, history in INFOSETS]
+
+    def information_set(self) -> tuple[int, str]:
+        return information_set(self)
+
+    def best_response(self, strategy: Mapping[Hashable, Mapping[str, float]]) -> dict[Hashable, dict[str, float]]:
+        """`best_response_strategy` of `strategy` read in the game's move format (`[check]`), answered in it."""
+        answer = best_response_strategy(_unbracketed(strategy))
+        return {key: {f"[{move}]": p for move, p in moves.items()} for key, moves in answer.items()}
+
+    def exploitability(self, strategy: Mapping[Hashable, Mapping[str, float]]) -> float:
+        return exploitability(_unbracketed(strategy))
+
     def render(self) -> str:
         return ", ".join(f"seat {i % 2} {move}s" for i, move in enumerate(self.history)) or "no moves yet"
 
@@ -161,19 +178,43 @@ def position(card: int, history: str) -> KuhnPoker:
     return game
 
 
-def best_response_values(strategy: Strategy) -> tuple[float, float]:
-    """The chips a hand a best response wins against `strategy` (Zinkevich et al. 2007), averaged over the 6
-    deals: from seat 0 against `strategy` in seat 1, and from seat 1 against it in seat 0. At an equilibrium they
-    are the game's values, -1/18 and +1/18."""
+def _best_responses(strategy: Strategy) -> list[tuple[float, dict[Hashable, list[str]]]]:
+    """`exact.best_response` from seat 0 against `strategy` in seat 1, then from seat 1 against it in seat 0."""
     _check_strategy(strategy)
 
     def policy(game: TwoPlayerGame) -> dict[str, float]:
         return {f"[{move}]": p for move, p in strategy[information_set(game)].items()}
 
-    first, second = (
-        best_response_value(KuhnPoker, range(len(DEALS)), seat, policy, information_set) for seat in (0, 1)
-    )
+    return [best_response(KuhnPoker, range(len(DEALS)), seat, policy, information_set) for seat in (0, 1)]
+
+
+def best_response_values(strategy: Strategy) -> tuple[float, float]:
+    """The chips a hand a best response wins against `strategy` (Zinkevich et al. 2007), averaged over the 6
+    deals: from seat 0 against `strategy` in seat 1, and from seat 1 against it in seat 0. At an equilibrium they
+    are the game's values, -1/18 and +1/18."""
+    (first, _), (second, _) = _best_responses(strategy)
     return first, second
+
+
+def best_response_strategy(strategy: Strategy) -> dict[tuple[int, str], dict[str, float]]:
+    """A best response to `strategy` at all 12 information sets (`Strategy`'s form): seat 0's answer `strategy`
+    playing seat 1 and seat 1's answer it playing seat 0 (a seat's information sets are its own, so one strategy
+    holds both). Where several moves are worth the same it mixes them uniformly (every mix of best replies is one);
+    an information set `strategy` never lets the responder reach (a move it never makes) takes every legal move
+    alike. Self-play's `best_response` opponent plays it (docs/selfplay.md)."""
+    answers: dict[Hashable, list[str]] = {}
+    for _, seat_answers in _best_responses(strategy):
+        answers |= seat_answers
+    out = {}
+    for key in INFOSETS:
+        moves = answers.get(key) or position(*key).legal_moves()
+        out[key] = {move[1:-1]: 1.0 / len(moves) for move in moves}
+    return out
+
+
+def _unbracketed(strategy: Mapping[Hashable, Mapping[str, float]]) -> Strategy:
+    """A strategy with moves in the game's format (`[check]`) in `Strategy`'s form (`check`)."""
+    return {key: {move.strip("[]"): p for move, p in moves.items()} for key, moves in strategy.items()}
 
 
 def exploitability(strategy: Strategy) -> float:

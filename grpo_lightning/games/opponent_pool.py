@@ -29,9 +29,10 @@ from grpo_lightning.games.progress import PoolEntry
 from grpo_lightning.schema import strings
 
 LEARNER = "learner"
-FIXED_OPPONENTS = ("random", "tactic", "perfect", "base")
+FIXED_OPPONENTS = ("random", "tactic", "perfect", "best_response", "base")
 """Opponents that are not snapshots: a random legal move, one-move tactics (win, else block, else random; games that
-list winning moves), minimax play (solved games only), the base model."""
+list winning moves), minimax play (solved games only), the exact best response to the policy of the round (games
+that compute one), the base model."""
 SAMPLING_MODES = ("mirror", "lagged", "random", "match_quality")
 
 

@@ -23,7 +23,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -118,8 +118,23 @@ class TacticPlayer(ScriptedPlayer):
         return _uniform(game.winning_moves(me) or game.winning_moves(1 - me) or game.legal_moves())
 
 
+class BestResponsePlayer(ScriptedPlayer):
+    """The exact best response to a strategy of the policy's (`TwoPlayerGame.best_response`: games that compute one,
+    Kuhn Poker), played from its table: at each information set, uniform over the moves that win the most against
+    the policy (exploitability descent's opponent, Lockhart et al. 2019). Self-play makes it anew every round from
+    the policy's move probabilities (variants/selfplay.py), so it is always the opponent the policy loses most to."""
+
+    name = "best_response"
+
+    def __init__(self, table: Mapping[Hashable, Mapping[str, float]]) -> None:
+        self.table = table
+
+    def move_distribution(self, game: TwoPlayerGame) -> dict[str, float]:
+        return dict(self.table[game.information_set()])
+
+
 SCRIPTED = {"random": RandomMovePlayer, "perfect": PerfectPlayer, "tactic": TacticPlayer}
-NOISY = ("perfect", "tactic")
+NOISY = ("perfect", "tactic", "best_response")
 """The scripted players `variant.scripted_epsilon` makes noisy in training (`random` is random already)."""
 
 

@@ -10,11 +10,12 @@ never moves. Metrics: `eval/win_rate_vs_<opponent>` with `_ci95_low` / `_ci95_hi
 interval, and `eval/games`; in a game with a payoff of its own (Kuhn Poker's chips), `eval/payoff_vs_<o>`, the mean
 payoff with its interval. Each per-opponent metric also comes per seat (`..._first`, `..._second`).
 
-Kuhn Poker is also judged by `eval/exploitability`: what a best response wins against the policy's strategy, in
-chips a hand on the seats' mean (0 at an equilibrium; games/kuhn_poker.py `exploitability`). The strategy is read
-from the policy's probabilities of each legal move's text at the game's 12 information sets (training/
-game_strategy.py), not from the games played: one forward of 24 rows, on every rank (the same weights give the same
-value; a sharded policy's forward needs every rank), which leaves training as it was.
+A game with an exact best response (`TwoPlayerGame.responds_exactly`: Kuhn Poker) is also judged by
+`eval/exploitability`: what a best response wins against the policy's strategy, in chips a hand on the seats' mean
+(0 at an equilibrium; games/kuhn_poker.py `exploitability`). The strategy is read from the policy's probabilities
+of each legal move's text at the game's information sets (training/game_strategy.py `policy_strategy`), not from
+the games played: Kuhn Poker's 12, one forward of 24 rows, on every rank (the same weights give the same value; a
+sharded policy's forward needs every rank), which leaves training as it was.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from grpo_lightning.data.games import TurnPrompts
 from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world
 from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.exact import Expected
-from grpo_lightning.games.kuhn_poker import KuhnPoker, exploitability
 from grpo_lightning.games.opponent_pool import opponent_names
 from grpo_lightning.games.play import SCRIPTED, Match, ModelPlayer, play
 from grpo_lightning.games.registry import make_game
@@ -41,7 +41,7 @@ from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.schema import check_settings, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
-from grpo_lightning.training.game_strategy import ScoresCompletions, exact_results, kuhn_strategy
+from grpo_lightning.training.game_strategy import ScoresCompletions, exact_results, policy_strategy
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class GameEvaluator(Evaluator):
                                        [t.illegal for t in m.turns]) for m in matches])  # fmt: skip
         has_payoff = make_game(self.dataset.game).payoff_unit is not None
         metrics = played_metrics([g for part in parts for g in part], self.game_settings.opponents, has_payoff)
-        if self.dataset.game == KuhnPoker.game_id:
+        if make_game(self.dataset.game).responds_exactly:
             metrics |= self._exploitability(trainer, encode)
         if self.game_settings.exact_opponents:
             metrics |= self._exact(trainer, encode)
@@ -214,12 +214,14 @@ class GameEvaluator(Evaluator):
         return None
 
     def _exploitability(self, trainer: L.Trainer, encode) -> dict[str, float]:
-        """`eval/exploitability` of the policy's Kuhn Poker strategy, read from its probabilities (every rank)."""
+        """`eval/exploitability` of the policy's strategy, read from its probabilities (every rank), in a game with
+        an exact best response (Kuhn Poker)."""
         module = self._scoring_module(trainer, "eval/exploitability")
         if module is None:
             return {}
-        strategy = kuhn_strategy(module, encode, self.tokenizer, self.dataset.reply_prefix)
-        return {"eval/exploitability": exploitability(strategy)}
+        game = make_game(self.dataset.game)
+        strategy = policy_strategy(module, encode, game, self.tokenizer, self.dataset.reply_prefix)
+        return {"eval/exploitability": game.exploitability(strategy)}
 
     def _exact(self, trainer: L.Trainer, encode) -> dict[str, float]:
         """`eval/exact_{win,draw,loss}_rate_vs_<o>` (both seats' mean, and `_first` / `_second`): the policy's exact

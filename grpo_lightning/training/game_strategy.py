@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.algorithm.rollouts import collate_rollouts
-from grpo_lightning.games import kuhn_poker
 from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.exact import Expected, after_move, expected_results, position_key
 from grpo_lightning.games.play import ScriptedPlayer
@@ -81,17 +80,21 @@ def move_probabilities(
     return out
 
 
-def kuhn_strategy(
-    module: ScoresCompletions, encode: Callable[[TwoPlayerGame, int], list[int]], tokenizer, reply_prefix: str
-) -> dict[tuple[int, str], dict[str, float]]:
-    """The policy's Kuhn Poker strategy (`kuhn_poker.Strategy`) at its 12 information sets, 24 rows of one forward;
-    `encode(game, player)`: the prompt ids of that player's turn, as the policy plays it."""
-    positions = [kuhn_poker.position(card, history) for card, history in kuhn_poker.INFOSETS]
-    prompts = [encode(game, game.current_player) for game in positions]
-    found = move_probabilities(module, prompts, [g.legal_moves() for g in positions], tokenizer, reply_prefix)
-    return {
-        key: {move[1:-1]: p for move, p in dist.items()} for key, dist in zip(kuhn_poker.INFOSETS, found, strict=True)
-    }
+def policy_strategy(
+    module: ScoresCompletions,
+    encode: Callable[[TwoPlayerGame, int], list[int]],
+    game: TwoPlayerGame,
+    tokenizer,
+    reply_prefix: str,
+) -> dict[Hashable, dict[str, float]]:
+    """The policy's whole strategy in a game with an exact best response (`TwoPlayerGame.responds_exactly`): its
+    move distribution at a position of each information set (`strategy_positions`; Kuhn Poker's 12, 24 rows of one
+    forward), keyed by `information_set`, moves in the game's format; `encode(game, player)`: the prompt ids of that
+    player's turn, as the policy plays it."""
+    positions = game.strategy_positions()
+    prompts = [encode(position, position.current_player) for position in positions]
+    found = move_probabilities(module, prompts, [p.legal_moves() for p in positions], tokenizer, reply_prefix)
+    return {position.information_set(): dist for position, dist in zip(positions, found, strict=True)}
 
 
 # ---- a game small enough to enumerate: the policy's exact results against scripted players --------------------

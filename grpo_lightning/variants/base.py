@@ -117,6 +117,11 @@ class GRPOVariant(Configured, ABC):
         module's do. No-op: a variant that samples the prompts it is given needs none of them; self-play builds its
         prompts from games."""
 
+    def bind_module(self, module) -> None:  # noqa: B027 - a no-op default
+        """Take the training module (`GRPOModule`) before the first round (train.py), for a variant that reads the
+        policy's probabilities outside sampling (self-play's `best_response` opponent, training/game_strategy.py
+        `ScoresCompletions`). No-op: the others sample through the generator alone."""
+
     def begin_round(self, round_index: int) -> None:
         """Called before round `round_index`'s first sampling call (dynamic sampling may make several): `metrics`
         then describe the whole round."""

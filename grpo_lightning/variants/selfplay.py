@@ -47,6 +47,7 @@ from grpo_lightning.games.play import (
     LEARNER_PLAYER,
     NOISY,
     SCRIPTED,
+    BestResponsePlayer,
     Match,
     ModelPlayer,
     NoisyPlayer,
@@ -62,6 +63,7 @@ from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards import games as game_rewards
 from grpo_lightning.rewards.base import Stage
 from grpo_lightning.schema import check_settings, choice, integer, number, setting, target_class
+from grpo_lightning.training.game_strategy import ScoresCompletions, policy_strategy
 from grpo_lightning.types import Rollout, TurnRecord
 from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
 
@@ -108,7 +110,12 @@ class SelfPlay(GRPOVariant):
         """Turn prompts within `data.max_prompt_tokens` (`bind_data`): long histories cut, the cut warned once a run."""
         self.progress_listeners: list[Callable[[SelfPlayProgress], None]] = []
         """Called with the round's progress after every move of its games (training/live_view.py)."""
+        self.module: ScoresCompletions | None = None
+        """The training module (`bind_module`): the policy's move probabilities the `best_response` opponent answers."""
         self.round_index = 0
+        self._best_response: BestResponsePlayer | None = None
+        """The round's best response to the policy (`variant.fixed_opponents` with `best_response`), made once a
+        round before its first game."""
         self._snapshot_taken = False
         self._counts: dict[str, float] = {}
         self._moves: list[tuple[str, str | None]] = []
@@ -160,6 +167,17 @@ class SelfPlay(GRPOVariant):
                     f"({', '.join(builtin_games_where(lambda g: g.lists_winning_moves))}), and {game.game_id} does "
                     "not; leave it out"
                 )
+            if "best_response" in names and not game.responds_exactly:
+                exact = ", ".join(builtin_games_where(lambda g: g.responds_exactly))
+                raise ValueError(
+                    f"{key}: 'best_response' answers the policy's exact strategy, in games that compute a best "
+                    f"response ({exact}), and {game.game_id} is not one; leave it out"
+                )
+            if "best_response" in names and key != "variant.fixed_opponents":
+                raise ValueError(
+                    f"{key}: 'best_response' is a training opponent; what it wins against the policy is "
+                    "eval/exploitability, computed exactly at every evaluation: leave it out"
+                )
             if "random" in names and not game.legal_moves():
                 raise ValueError(
                     f"{key}: 'random' plays a random legal move, and {cfg.data.dataset.game} does not list its legal "
@@ -197,10 +215,14 @@ class SelfPlay(GRPOVariant):
         self.source, self.tokenizer, self.max_prompt_tokens = source, tokenizer, max_prompt_tokens
         self.prompts = TurnPrompts(source, tokenizer, max_prompt_tokens)
 
+    def bind_module(self, module: ScoresCompletions) -> None:
+        """The training module, whose log-probs read the policy's strategy for the `best_response` opponent."""
+        self.module = module
+
     # ---- a round -----------------------------------------------------------------------------------------------
     def begin_round(self, round_index: int) -> None:
         super().begin_round(round_index)
-        self.round_index, self._snapshot_taken = round_index, False
+        self.round_index, self._snapshot_taken, self._best_response = round_index, False, None
         self._counts = dict.fromkeys(("games", "wins", "draws", "losses", "turns", "illegal", "opp_moves_fixed",
                                       "capped", "extra_games", "prompts_cut", "payoff", "groups", "groups_alike"),
                                      0.0)  # fmt: skip
@@ -214,6 +236,8 @@ class SelfPlay(GRPOVariant):
             self._snapshot_taken = True
             if self.round_index % self.settings.snapshot_every == 0:
                 self.pool.add_snapshot(f"round{self.round_index:03d}", generator.adapter_weights())
+            if "best_response" in self.pool.fixed:
+                self._best_response = self.best_response()
         matches = self.deal(generator, prompts)
         self.play(matches, generator, decode)
         for group_id, prompt in enumerate(prompts):  # a group whose learner never moved (possible in a game
@@ -262,9 +286,27 @@ class SelfPlay(GRPOVariant):
         if name in SCRIPTED:
             epsilon = self.settings.scripted_epsilon
             return NoisyPlayer(SCRIPTED[name](), epsilon) if name in NOISY and epsilon > 0 else SCRIPTED[name]()
+        if name == "best_response":
+            epsilon = self.settings.scripted_epsilon
+            return NoisyPlayer(self._best_response, epsilon) if epsilon > 0 else self._best_response
         if name == "base":
             return ModelPlayer("base", adapter_off(generator.adapter_weights()))
         return ModelPlayer(name, self.pool.snapshots[name])
+
+    def best_response(self) -> BestResponsePlayer:
+        """The exact best response to the policy as it is now: its strategy read from its move probabilities at
+        every information set (training/game_strategy.py `policy_strategy`, the evaluator's path: one forward, no
+        gradient, training's RNG untouched), answered by the game (`TwoPlayerGame.best_response`). Logs what the
+        response wins, `game/exploitability` (the policy's at the start of the round). Every rank reads the same
+        weights and gets the same table (a sharded policy's forward needs every rank: every rank calls it)."""
+        if self.module is None:
+            raise RuntimeError("variant.fixed_opponents: 'best_response' reads the policy: call bind_module first "
+                               "(train.py does)")  # fmt: skip
+        game = make_game(self.source.game)
+        strategy = policy_strategy(self.module, lambda g, player: self.prompts.encode(g, player)[0], game,
+                                   self.tokenizer, self.source.reply_prefix)  # fmt: skip
+        self.metrics["game/exploitability"] = game.exploitability(strategy)
+        return BestResponsePlayer(game.best_response(strategy))
 
     def play(self, matches: list[Match], generator, decode: Callable) -> None:
         def encode(game: TwoPlayerGame, player: int) -> list[int]:
