@@ -178,6 +178,7 @@ def pins(
         Pin("entropy bonus coefficient", "loss.entropy_coef", spec.get("entropy_coef", 0.0), "entropy_coef",
             spec.get("entropy_coef", 0.0)),
         Pin("dr_grpo's constant (TRL: max_completion_length)", "loss.max_completion_length", max_new, None, None),
+        Pin("magnet weight (self-play over moves only; TRL has none)", "loss.magnet_coef", 0.0, None, None),
         Pin("KL weight beta", "loss.beta", BETA, "beta", BETA),
         Pin("KL times the ratio (ours: never)", None, None, "use_bias_correction_kl", False),
         Pin("rollout correction (TRL: vLLM only)", "loss.rollout_correction.enabled", False,

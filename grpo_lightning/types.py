@@ -74,6 +74,28 @@ class Completion:
     sampled (generator=vllm_server with `generator.push_in_flight`); None where the engine reports no version."""
 
 
+@dataclass(frozen=True)
+class MoveChoice:
+    """A move drawn from the policy's distribution over the legal moves of a position (self-play's
+    `variant.move_policy=legal_moves`, docs/selfplay.md): the rollout trains on that distribution, not on tokens."""
+
+    alternatives: tuple[tuple[int, ...], ...]
+    """Each legal move's tokens as a completion of the position's prompt: its text and the terminator (EOS), so no
+    move's tokens are a prefix of another's."""
+    chosen: int
+    """The index in `alternatives` of the move played (its tokens are the rollout's completion)."""
+    logprob: float
+    """The chosen move's log-prob over the legal moves under the weights that drew it (the behaviour policy's)."""
+    magnet_logprobs: tuple[float, ...] | None = None
+    """The magnet strategy's log-prob of each alternative (`variant.magnet`); None: no magnet."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.chosen < len(self.alternatives):
+            raise ValueError(f"MoveChoice.chosen {self.chosen} is not one of {len(self.alternatives)} alternatives")
+        if self.magnet_logprobs is not None and len(self.magnet_logprobs) != len(self.alternatives):
+            raise ValueError("MoveChoice.magnet_logprobs needs one log-prob per alternative")
+
+
 @dataclass
 class Rollout:
     """One sampled completion of one prompt, scored, with its advantage."""
@@ -104,6 +126,8 @@ class Rollout:
     algorithm/tree_advantages.py); None: every trained token gets `advantage`."""
     tree: int = 0
     """Which initial completion of its group it is or continues (STORPO's forest: `variant.trees` per prompt)."""
+    move_choice: MoveChoice | None = None
+    """The legal moves it was drawn among, when it is a move trained over the legal moves; None: trained on tokens."""
 
     def __post_init__(self) -> None:
         for name in ("gen_logprobs", "token_advantages"):
@@ -112,6 +136,24 @@ class Rollout:
                 raise ValueError(
                     f"Rollout.{name} has {len(values)} entries for {len(self.completion_ids)} completion tokens"
                 )
+
+
+@dataclass
+class MoveRows:
+    """The legal moves of a batch's rollouts, for a loss over moves (`MoveChoice`): every alternative of every
+    rollout as one row of `rows` (its prompt, its tokens), rollout by rollout, and where each rollout's sit."""
+
+    rows: RolloutBatch
+    """R rows: rollout 0's alternatives, then rollout 1's, ..."""
+    slots: Tensor  # [B, K] long, the row of rollout b's k-th alternative (0 where it has fewer than K)
+    slot_mask: Tensor  # [B, K] bool, True on real alternatives
+    chosen: Tensor  # [B] long, the slot of the move played
+    old_logprobs: Tensor  # [B] float32, the chosen move's log-prob over the legal moves when it was drawn
+    magnet_logprobs: Tensor | None = None  # [B, K] float32, the magnet's log-probs (0 off the mask); None: none
+
+    def to(self, device: torch.device | str) -> MoveRows:
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if getattr(self, f.name) is not None}
+        return replace(self, **moved)
 
 
 @dataclass
@@ -135,7 +177,16 @@ class RolloutBatch:
     token_advantages: Tensor | None = None  # [B, C] float32 per-token advantages (0 on padding); None: `advantages`
     old_logprobs: Tensor | None = None  # [B, C] float32, policy log-probs before the round's first update
     num_tokens_in_step: float = 0.0
-    """Trained tokens in the whole optimizer step this micro-batch belongs to (step-normalised loss types)."""
+    """Trained tokens in the whole optimizer step this micro-batch belongs to (step-normalised loss types); moves
+    where the batch trains over moves (`trained_units`)."""
+    moves: MoveRows | None = None
+    """Every rollout's legal moves when the batch trains over moves (`Rollout.move_choice`); None: over tokens."""
+
+    @property
+    def trained_units(self) -> float:
+        """What a step-normalised loss counts in this micro-batch: its trained tokens, or its moves (one a row)
+        when it trains over moves."""
+        return float(len(self)) if self.moves is not None else float(self.completion_mask.sum())
 
     @property
     def completion_ids(self) -> Tensor:  # [B, C]
@@ -165,6 +216,8 @@ class RolloutBatch:
         moved = {
             f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)
         }
+        if self.moves is not None:
+            moved["moves"] = self.moves.to(device)
         return replace(self, **moved)
 
 

@@ -23,7 +23,7 @@ Pure tensor code: imports only torch and the standard library (no Lightning, no 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -112,6 +112,35 @@ def aggregate(
 
 
 @dataclass(frozen=True)
+class MoveTerms:
+    """Exact terms of the move distributions of a batch of positions (each [B], differentiable through `logq`)."""
+
+    entropy: Tensor  # [B] H(pi) = -sum_k pi_k log pi_k, nats
+    kl_reference: Tensor | None  # [B] KL(pi || pi_ref) = sum_k pi_k (log pi_k - log pi_ref_k); None: no reference
+    kl_magnet: Tensor | None  # [B] KL(pi || magnet); None: no magnet
+
+
+def move_terms(
+    logq: Tensor,  # [B, K] log pi over each position's legal moves (-inf or anything off the mask)
+    mask: Tensor,  # [B, K] bool, True on legal moves
+    ref_logq: Tensor | None = None,  # [B, K] the reference's log-probs over the same moves
+    magnet_logq: Tensor | None = None,  # [B, K] the magnet's log-probs over the same moves
+) -> MoveTerms:
+    """The entropy of each position's move distribution and its KL divergence to the reference and to the magnet,
+    summed over the legal moves (exact: a move is one outcome, not a token sequence to estimate over; the
+    magnetic mirror descent's regulariser, Sokota et al. 2022, arXiv 2206.05825). Moves off the mask weigh 0."""
+    safe = torch.where(mask, logq, 0.0)  # [B, K] no -inf reaches a product
+    pi = torch.where(mask, safe.exp(), 0.0)  # [B, K]
+
+    def kl_to(other: Tensor | None) -> Tensor | None:
+        if other is None:
+            return None
+        return (pi * (safe - torch.where(mask, other.to(safe.dtype), 0.0))).sum(dim=1)
+
+    return MoveTerms(entropy=-(pi * safe).sum(dim=1), kl_reference=kl_to(ref_logq), kl_magnet=kl_to(magnet_logq))
+
+
+@dataclass(frozen=True)
 class LossOutput:
     """Scalar loss plus detached metrics of one micro-batch."""
 
@@ -158,6 +187,7 @@ class GRPOLoss(LossTypeOptions, ConfigRules):
     importance_sampling_level: str = setting("token", choice(*IS_LEVELS))
     rollout_correction: RolloutCorrection = setting(factory=RolloutCorrection)
     entropy_coef: float = setting(0.0, entropy_bonus)
+    magnet_coef: float = setting(0.0, number(low=0))
 
     def __post_init__(self) -> None:
         check_settings(self, "loss")
@@ -171,6 +201,12 @@ class GRPOLoss(LossTypeOptions, ConfigRules):
         found = config_problems(cfg["loss"])
         if found:
             raise ValueError("; ".join(found))
+        variant = cfg.get("variant") or {}
+        if float(cfg["loss"].get("magnet_coef", 0.0)) != 0 and "magnet" not in variant:
+            raise ValueError(
+                "loss.magnet_coef pulls moves over the legal moves toward a magnet strategy: variant=selfplay with "
+                "variant.move_policy=legal_moves and variant.magnet=uniform or snapshot (docs/selfplay.md)"
+            )
 
     @property
     def kind(self) -> LossType:
@@ -191,6 +227,11 @@ class GRPOLoss(LossTypeOptions, ConfigRules):
         `entropy_mean` gives its value, `gradient_surrogate` (a scalar whose gradient is that of the mean) its
         gradient."""
         return self.entropy_coef * (entropy_mean.detach() + gradient_surrogate - gradient_surrogate.detach())
+
+    def over_moves(self) -> GRPOLoss:
+        """This loss for moves (one unit a position: the clipped surrogate of a move's probability over the legal
+        moves, each move one 'token'); its KL, entropy and magnet terms are the module's exact ones (`move_terms`)."""
+        return replace(self, beta=0.0, entropy_coef=0.0, magnet_coef=0.0, max_completion_length=1)
 
     @property
     def needs_reference(self) -> bool:

@@ -30,6 +30,7 @@ from grpo_lightning.data.source import DataSource
 from grpo_lightning.generation.base import LOW_TEMPERATURE, MIN_TEMPERATURE, Generator
 from grpo_lightning.generation.placement import shards_weights, world_size
 from grpo_lightning.moved_keys import check_moved_keys
+from grpo_lightning.probes.base import ForwardProbe
 from grpo_lightning.rewards.base import Stage
 from grpo_lightning.rewards.pipeline import TERM_KEYS
 from grpo_lightning.schema import made_directory, target_class
@@ -89,6 +90,7 @@ def validate(cfg: DictConfig, platform: bool = True) -> None:
     if found:
         raise ValueError("; ".join(found))
     check_combinations(cfg)
+    check_move_training(cfg)
     check_strategy(cfg)
     check_overlap(cfg)
     check_reward_fits_data(cfg)
@@ -129,6 +131,20 @@ def check_combinations(cfg: DictConfig) -> None:
             "advantages are 0 and rounds train little",
             temperature,
         )
+
+
+def check_move_training(cfg: DictConfig) -> None:
+    """Self-play over the legal moves (`variant.move_policy=legal_moves`) trains on move distributions, not on
+    sampled tokens: a probe that reads the training step's token forward would read nothing; refused by name."""
+    if OmegaConf.select(cfg, "variant.move_policy", default="text") != "legal_moves":
+        return
+    for name, node in (cfg.get("probe") or {}).items():
+        probe = target_class(node.get("_target_")) if OmegaConf.is_dict(node) else None
+        if isinstance(probe, type) and issubclass(probe, ForwardProbe):
+            raise ValueError(
+                f"probe={name} reads the token forward of each training step, and variant.move_policy=legal_moves "
+                f"trains over moves, with no token forward: leave probe={name} out"
+            )
 
 
 def check_logger_packages(cfg: DictConfig) -> None:

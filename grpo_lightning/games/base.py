@@ -143,7 +143,7 @@ class TwoPlayerGame(ABC):
     responds_exactly: bool = False
     """Whether the game computes an exact best response to a policy's strategy (`strategy_positions`,
     `information_set`, `best_response`, `exploitability`; Kuhn Poker): `eval/exploitability` and self-play's
-    `best_response` opponent read the policy at `strategy_positions` and answer it (training/game_strategy.py)."""
+    `best_response` opponent read the policy at `strategy_positions` and answer it (games/policy_moves.py)."""
 
     def strategy_positions(self) -> list[TwoPlayerGame]:
         """One position at each information set of the game (`responds_exactly` games): where the policy's move
@@ -167,7 +167,7 @@ class TwoPlayerGame(ABC):
 
     enumerable: bool = False
     """Whether a policy's exact results can be computed by reading its moves at every position it can reach
-    (`eval.exact_opponents`, training/game_strategy.py): a few thousand positions at most, each wholly described by
+    (`eval.exact_opponents`, games/policy_moves.py): a few thousand positions at most, each wholly described by
     its rendering and the player to move (`exact.position_key`), and a prompt that depends on nothing else."""
 
 

@@ -31,7 +31,7 @@ from typing import Protocol
 from torch import Tensor
 
 from grpo_lightning.games.base import TwoPlayerGame, bracketed_move
-from grpo_lightning.types import Completion
+from grpo_lightning.types import Completion, MoveChoice
 
 
 class PlayingEngine(Protocol):
@@ -43,6 +43,34 @@ class PlayingEngine(Protocol):
     ) -> list[list[Completion]]: ...
 
     def sampling_from(self, weights: dict[str, Tensor]) -> AbstractContextManager[None]: ...
+
+
+MOVE_POLICIES = ("text", "legal_moves")
+"""How model players move (`variant.move_policy`, `eval.move_policy`; docs/selfplay.md, "Moves over the legal
+moves"): `text`, sampled as free text and read for its move; `legal_moves`, drawn from the policy's distribution
+over the legal moves (`MoveSampler`), which the learner trains on (the loss, its entropy and its KLs exact over
+moves)."""
+
+
+@dataclass(frozen=True)
+class MovePick:
+    """A move drawn from a model player's distribution over the legal moves (`MoveSampler`)."""
+
+    move: str
+    """The move as the game reads it (`[4]`)."""
+    completion: Completion
+    """The move's tokens after the prompt (its text less the reply prefix, and the terminator), with their
+    log-probs: what the model wrote, as a sampled completion."""
+    choice: MoveChoice
+    """The legal moves it was drawn among and the chosen one's probability (the learner trains on them)."""
+
+
+class MoveSampler(Protocol):
+    """Draws each model player's move from its distribution over the legal moves instead of sampling free text
+    (self-play's `variant.move_policy=legal_moves`; games/policy_moves.py `LegalMoveSampler`). It reads the
+    weights the engine samples from at the time (a snapshot's inside `sampling_from`)."""
+
+    def sample(self, prompts: list[list[int]], legal: list[list[str]], rngs: list[random.Random]) -> list[MovePick]: ...
 
 
 class Player(ABC):
@@ -176,6 +204,8 @@ class LearnerTurn:
     """`reply_prefix` + the decoded completion: the text the game was given."""
     move: str | None
     illegal: bool
+    choice: MoveChoice | None = None
+    """The legal moves the move was drawn among (a `MoveSampler`'s); None: sampled as free text."""
 
 
 @dataclass
@@ -226,9 +256,12 @@ def play(
     max_turns: int,
     max_new_tokens: int | None = None,
     on_step: Callable[[Sequence[Match]], None] | None = None,
+    move_sampler: MoveSampler | None = None,
 ) -> None:
     """Play every match to its end, in lockstep (`encode(game, player)`: the prompt ids of that player's turn,
-    data/games.py `TurnPrompts`; `on_step` is called after every move of the batch, for progress)."""
+    data/games.py `TurnPrompts`; `on_step` is called after every move of the batch, for progress). With
+    `move_sampler`, model players draw their moves over the legal moves (each from its match's `rng`) instead of
+    writing text."""
     while True:
         active = [m for m in matches if not m.done]
         if not active:
@@ -236,6 +269,7 @@ def play(
         learners = {id(m) for m in active if m.game.current_player == m.learner_seat}
         movers = {id(m): (LEARNER_PLAYER if id(m) in learners else m.opponent) for m in active}
         replies: dict[int, tuple[str, list[int] | None, Completion | None]] = {}
+        choices: dict[int, MoveChoice] = {}
         model_groups: dict[str, list[Match]] = {}
         weights_of: dict[str, dict[str, Tensor] | None] = {}
         for m in active:
@@ -249,6 +283,12 @@ def play(
             group, weights = model_groups[name], weights_of[name]
             prompts = [encode(m.game, m.game.current_player) for m in group]
             swap = engine.sampling_from(weights) if weights is not None else contextlib.nullcontext()
+            if move_sampler is not None:
+                with swap:
+                    picks = move_sampler.sample(prompts, [m.game.legal_moves() for m in group], [m.rng for m in group])
+                for m, prompt, pick in zip(group, prompts, picks, strict=True):
+                    replies[id(m)], choices[id(m)] = (pick.move, prompt, pick.completion), pick.choice
+                continue
             with swap:
                 completions = [c[0] for c in engine.generate(prompts, 1, max_new_tokens)]
             for m, prompt, completion in zip(group, prompts, completions, strict=True):
@@ -259,7 +299,8 @@ def play(
             legal = m.game.legal_moves()
             result = m.game.step(reply) if is_learner or not legal else _opponent_step(m, reply, legal)
             if is_learner:
-                m.turns.append(LearnerTurn(prompt, completion, reply, bracketed_move(reply), result.illegal))
+                turn = LearnerTurn(prompt, completion, reply, bracketed_move(reply), result.illegal, choices.get(id(m)))
+                m.turns.append(turn)
             m.moves += 1
             if not m.game.done and m.moves >= max_turns:
                 m.capped = True

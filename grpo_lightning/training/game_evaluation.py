@@ -13,7 +13,7 @@ payoff with its interval. Each per-opponent metric also comes per seat (`..._fir
 A game with an exact best response (`TwoPlayerGame.responds_exactly`: Kuhn Poker) is also judged by
 `eval/exploitability`: what a best response wins against the policy's strategy, in chips a hand on the seats' mean
 (0 at an equilibrium; games/kuhn_poker.py `exploitability`). The strategy is read from the policy's probabilities
-of each legal move's text at the game's information sets (training/game_strategy.py `policy_strategy`), not from
+of each legal move's text at the game's information sets (games/policy_moves.py `policy_strategy`), not from
 the games played: Kuhn Poker's 12, one forward of 24 rows, on every rank (the same weights give the same value; a
 sharded policy's forward needs every rank), which leaves training as it was.
 """
@@ -35,13 +35,13 @@ from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_wor
 from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.exact import Expected
 from grpo_lightning.games.opponent_pool import opponent_names
-from grpo_lightning.games.play import SCRIPTED, Match, ModelPlayer, play
+from grpo_lightning.games.play import MOVE_POLICIES, SCRIPTED, Match, ModelPlayer, MoveSampler, play
+from grpo_lightning.games.policy_moves import LegalMoveSampler, ScoresCompletions, exact_results, policy_strategy
 from grpo_lightning.games.registry import make_game
 from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
-from grpo_lightning.schema import check_settings, integer, setting
+from grpo_lightning.schema import check_settings, choice, integer, setting
 from grpo_lightning.training.evaluation import EvalSettings, Evaluator, wilson_interval
-from grpo_lightning.training.game_strategy import ScoresCompletions, exact_results, policy_strategy
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class GameEvalSettings:
     )
     max_turns: int = setting(30, integer(1))
     exact_opponents: list[str] = setting(rule=scripted_names, factory=list)
+    move_policy: str = setting("text", choice(*MOVE_POLICIES))
 
     def __post_init__(self) -> None:
         check_settings(self, "eval")
@@ -186,7 +187,7 @@ class GameEvaluator(Evaluator):
         ):  # never moves training's RNG
             torch.manual_seed(self.settings.seed)
             play(matches, self.generator, encode, self._decode, self.dataset.reply_prefix, self.game_settings.max_turns,
-                 self.settings.max_new_tokens)  # fmt: skip
+                 self.settings.max_new_tokens, move_sampler=self._move_sampler(trainer))  # fmt: skip
         parts = gather_objects([Played(m.opponent.name, m.learner_seat, m.learner_score, m.learner_payoff,
                                        [t.illegal for t in m.turns]) for m in matches])  # fmt: skip
         has_payoff = make_game(self.dataset.game).payoff_unit is not None
@@ -213,6 +214,23 @@ class GameEvaluator(Evaluator):
             log.warning("%s needs the training module's log-probs; this trainer has none", what)
         return None
 
+    @property
+    def terminator(self) -> int | None:
+        """What ends a move read over the legal moves: EOS where the policy plays over them
+        (`eval.move_policy=legal_moves`), nothing where it writes text."""
+        return self.tokenizer.eos_token_id if self.game_settings.move_policy == "legal_moves" else None
+
+    def _move_sampler(self, trainer: L.Trainer) -> MoveSampler | None:
+        """`eval.move_policy=legal_moves`: the policy's moves drawn over the legal moves, as training draws them."""
+        if self.game_settings.move_policy != "legal_moves":
+            return None
+        module = self._scoring_module(trainer, "eval.move_policy=legal_moves")
+        if module is None:
+            raise RuntimeError(
+                "eval.move_policy=legal_moves reads the policy's probabilities: the trainer has no module"
+            )
+        return LegalMoveSampler(module, self.tokenizer, self.dataset.reply_prefix)
+
     def _exploitability(self, trainer: L.Trainer, encode) -> dict[str, float]:
         """`eval/exploitability` of the policy's strategy, read from its probabilities (every rank), in a game with
         an exact best response (Kuhn Poker)."""
@@ -220,20 +238,20 @@ class GameEvaluator(Evaluator):
         if module is None:
             return {}
         game = make_game(self.dataset.game)
-        strategy = policy_strategy(module, encode, game, self.tokenizer, self.dataset.reply_prefix)
+        strategy = policy_strategy(module, encode, game, self.tokenizer, self.dataset.reply_prefix, self.terminator)
         return {"eval/exploitability": game.exploitability(strategy)}
 
     def _exact(self, trainer: L.Trainer, encode) -> dict[str, float]:
         """`eval/exact_{win,draw,loss}_rate_vs_<o>` (both seats' mean, and `_first` / `_second`): the policy's exact
         results against each of `eval.exact_opponents`, from its move distribution at every position it can reach
-        (training/game_strategy.py; every rank, as the exploitability)."""
+        (games/policy_moves.py; every rank, as the exploitability)."""
         module = self._scoring_module(trainer, "eval.exact_opponents")
         if module is None:
             return {}
         opponents = {name: SCRIPTED[name]() for name in self.game_settings.exact_opponents}
         found = exact_results(module, encode, lambda: make_game(self.dataset.game), opponents, self.tokenizer,
                               self.dataset.reply_prefix, rows_per_forward=self.settings.batch_size,
-                              max_moves=self.game_settings.max_turns)  # fmt: skip
+                              max_moves=self.game_settings.max_turns, terminator=self.terminator)  # fmt: skip
         metrics = {}
         for name, (first, second) in found.items():
             for suffix, value in (("", Expected.mean([first, second])), ("_first", first), ("_second", second)):

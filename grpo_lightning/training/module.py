@@ -34,9 +34,10 @@ a new lr or schedule trains with it (a resume with unchanged settings computes t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -48,11 +49,11 @@ from torch.distributed.tensor import DTensor
 from grpo_lightning.accel import ForwardSettings
 from grpo_lightning.accel.completion_forward import completion_logits_and_logprobs, completion_logprobs_with_entropy
 from grpo_lightning.accel.entropy_terms import EntropyTerms
-from grpo_lightning.algorithm.losses import GRPOLoss
+from grpo_lightning.algorithm.losses import GRPOLoss, aggregate, move_terms
 from grpo_lightning.algorithm.truncation import Truncation
 from grpo_lightning.schema import check_settings, choice, integer, number, setting
 from grpo_lightning.sharding import call_as_forward, is_sharded, shard_module, sharded_norm
-from grpo_lightning.types import RolloutBatch
+from grpo_lightning.types import MoveRows, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -190,14 +191,31 @@ class GRPOModule(L.LightningModule):
         """log pi(completion token | prefix) at the sampling temperature, over the tokens top-k / top-p keep."""
         return self.policy_forward(model, batch, with_logits=False)[1]
 
+    @contextlib.contextmanager
+    def reference_model(self) -> Iterator[nn.Module]:
+        """The reference model while the block runs: the reference's own copy, or with LoRA the policy with its
+        adapter off (the base model)."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        with self.policy.disable_adapter():
+            yield self.policy
+
     @torch.no_grad()
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:  # [B, C]
         if not self.loss_fn.needs_reference:
             return None
-        if self.reference is not None:
-            return self.completion_logprobs(self.reference, batch)
-        with self.policy.disable_adapter():  # LoRA: the base model is the reference
-            return self.completion_logprobs(self.policy, batch)
+        with self.reference_model() as model:
+            return self.completion_logprobs(model, batch)
+
+    def move_logprobs(self, model: nn.Module, moves: MoveRows) -> tuple[Tensor, Tensor]:  # [B, K], [R, C']
+        """(log pi of each legal move of each position, renormalised over its legal moves, -inf off the mask; the
+        token log-probs of every row). A move's log-prob is the sum of its tokens' (its text and the terminator)
+        at the sampling temperature, as self-play drew it (games/policy_moves.py `LegalMoveSampler`)."""
+        row_logp = self.completion_logprobs(model, moves.rows)  # [R, C']
+        per_row = (row_logp * moves.rows.sequence_mask).sum(dim=1)  # [R] log p(the move's tokens | prompt)
+        per_slot = per_row[moves.slots].masked_fill(~moves.slot_mask, float("-inf"))  # [B, K]
+        return per_slot - torch.logsumexp(per_slot, dim=1, keepdim=True), row_logp
 
     @torch.no_grad()
     def score_old_logprobs(self, batch: RolloutBatch) -> Tensor:  # [B, C]
@@ -256,6 +274,8 @@ class GRPOModule(L.LightningModule):
         return self.loss_fn.entropy_bonus(entropy_mean, terms.gradient_surrogate() / tokens), entropy_mean
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        if batch.moves is not None:
+            return self.move_training_step(batch)
         logp, terms = self.step_forward(batch)  # [B, C]
         old_logp = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
         self.last_old_logprobs = old_logp  # [B, C] the rollout loop compares the unscored ones with the generator's
@@ -282,6 +302,53 @@ class GRPOModule(L.LightningModule):
             largest = {"on_step": False, "on_epoch": True, "batch_size": b, "sync_dist": True, "reduce_fx": "max"}
             self.log("train/is_ratio_max", out.correction.ratio_max, **largest)
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b, sync_dist=True)  # mean over ranks
+        return loss
+
+    def move_training_step(self, batch: RolloutBatch) -> Tensor:
+        """A step over moves (self-play's `variant.move_policy=legal_moves`, docs/selfplay.md): the clipped
+        surrogate of each played move's probability over its position's legal moves against the probability it was
+        drawn with (the loss type's aggregation, a move one unit), plus `loss.beta` x KL to the reference and
+        `loss.magnet_coef` x KL to the magnet, minus `loss.entropy_coef` x the entropy: each exact over the legal
+        moves (`move_terms`). Forward observers (probes reading token forwards) are not called: there are no
+        sampled tokens to read, and the config check refuses them beside it."""
+        moves = batch.moves
+        logq, row_logp = self.move_logprobs(self.policy, moves)  # [B, K], [R, C']
+        played = logq.gather(1, moves.chosen[:, None])  # [B, 1]
+        ones = torch.ones_like(played)
+        out = self.loss_fn.over_moves()(
+            played, moves.old_logprobs[:, None].to(played.dtype), None, batch.advantages, ones, batch.num_tokens_in_step
+        )
+        ref_logq = None
+        if self.loss_fn.beta > 0:
+            with torch.no_grad(), self.reference_model() as model:
+                ref_logq = self.move_logprobs(model, moves)[0]
+        terms = move_terms(logq, moves.slot_mask, ref_logq, moves.magnet_logprobs)
+        loss = out.loss
+        regularised = torch.zeros_like(terms.entropy)  # [B]
+        if terms.kl_reference is not None:
+            regularised = regularised + self.loss_fn.beta * terms.kl_reference
+        if terms.kl_magnet is not None and self.loss_fn.magnet_coef != 0:
+            regularised = regularised + self.loss_fn.magnet_coef * terms.kl_magnet
+        if terms.kl_reference is not None or terms.kl_magnet is not None:
+            loss = loss + aggregate(regularised[:, None], ones, self.loss_fn.loss_type, 1, batch.num_tokens_in_step)
+        loss = self.loss_fn.step_loss(loss, self.trainer.accumulate_grad_batches, self.trainer.world_size)
+        if self.loss_fn.entropy_coef != 0:  # after step_loss: a micro-batch mean whatever the loss type
+            loss = loss - self.loss_fn.entropy_coef * terms.entropy.mean()
+        played_rows = moves.slots.gather(1, moves.chosen[:, None]).squeeze(1)  # [B]
+        self.last_old_logprobs = row_logp[played_rows, : batch.completion_mask.shape[1]].detach()  # [B, C]
+        self.last_batch = batch
+        b = len(batch)
+        metrics = {
+            "train/loss": loss.detach(),
+            "train/kl": terms.kl_reference.mean().detach() if terms.kl_reference is not None else out.kl_mean,
+            "train/move_entropy": terms.entropy.mean().detach(),
+            "train/clip_ratio": out.clip_ratio,
+            "train/clip_ratio_low": out.clip_ratio_low,
+            "train/clip_ratio_high": out.clip_ratio_high,
+        }
+        if terms.kl_magnet is not None:
+            metrics["train/magnet_kl"] = terms.kl_magnet.mean().detach()
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b, sync_dist=True)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

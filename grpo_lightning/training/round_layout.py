@@ -44,11 +44,11 @@ def pass_order(num_micro_batches: int, num_iterations: int, seed: int, round_ind
 
 
 def step_schedule(micro_batches: list[RolloutBatch], order: list[int], accumulate: int) -> list[RolloutBatch]:
-    """The micro-batches in `order`, each told the trained tokens of its optimizer step summed over all ranks
-    (a collective: every rank calls it with the same number of steps)."""
+    """The micro-batches in `order`, each told the trained tokens (or moves, `RolloutBatch.trained_units`) of its
+    optimizer step summed over all ranks (a collective: every rank calls it with the same number of steps)."""
     steps = [order[start : start + accumulate] for start in range(0, len(order), accumulate)]
-    local = torch.tensor(  # [num_steps] trained tokens of each optimizer step on this rank
-        [sum(float(micro_batches[i].completion_mask.sum()) for i in step) for step in steps],
+    local = torch.tensor(  # [num_steps] trained tokens (or moves) of each optimizer step on this rank
+        [sum(micro_batches[i].trained_units for i in step) for step in steps],
         dtype=torch.float64,
     )
     tokens = sum_across_ranks(local).tolist()  # step-normalised loss types: the whole step, all ranks

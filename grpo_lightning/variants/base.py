@@ -119,7 +119,7 @@ class GRPOVariant(Configured, ABC):
 
     def bind_module(self, module) -> None:  # noqa: B027 - a no-op default
         """Take the training module (`GRPOModule`) before the first round (train.py), for a variant that reads the
-        policy's probabilities outside sampling (self-play's `best_response` opponent, training/game_strategy.py
+        policy's probabilities outside sampling (self-play's `best_response` opponent, games/policy_moves.py
         `ScoresCompletions`). No-op: the others sample through the generator alone."""
 
     def begin_round(self, round_index: int) -> None:

@@ -31,6 +31,7 @@ rank's games.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -38,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
 
 from grpo_lightning.data.games import GameSeeds, TurnPrompts
 from grpo_lightning.distributed import derive_seed, gather_objects, sum_counts_across_ranks
@@ -45,9 +47,11 @@ from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.opponent_pool import LEARNER, SAMPLING_MODES, OpponentPool, opponent_names
 from grpo_lightning.games.play import (
     LEARNER_PLAYER,
+    MOVE_POLICIES,
     NOISY,
     SCRIPTED,
     BestResponsePlayer,
+    LearnerTurn,
     Match,
     ModelPlayer,
     NoisyPlayer,
@@ -56,6 +60,7 @@ from grpo_lightning.games.play import (
     move_entropy,
     play,
 )
+from grpo_lightning.games.policy_moves import LegalMoveSampler, ScoresCompletions, policy_strategy
 from grpo_lightning.games.progress import SelfPlayProgress
 from grpo_lightning.games.registry import builtin_games_where, make_game
 from grpo_lightning.generation.adapters import SwapsAdapters, swapping_adapters
@@ -63,9 +68,12 @@ from grpo_lightning.models.lora import adapter_off
 from grpo_lightning.rewards import games as game_rewards
 from grpo_lightning.rewards.base import Stage
 from grpo_lightning.schema import check_settings, choice, integer, number, setting, target_class
-from grpo_lightning.training.game_strategy import ScoresCompletions, policy_strategy
 from grpo_lightning.types import Rollout, TurnRecord
 from grpo_lightning.variants.base import GroupShape, GRPOVariant, register_variant
+
+MAGNETS = ("none", "uniform", "snapshot")
+"""The strategy `loss.magnet_coef` pulls the learner's moves toward (`variant.move_policy=legal_moves`): uniform over
+the legal moves, or a snapshot of the policy taken every `variant.magnet_refresh` rounds (R-NaD's refresh)."""
 
 
 def position_digest(prompt_ids: Sequence[int]) -> str:
@@ -89,6 +97,9 @@ class SelfPlaySettings:
     max_turns: int = setting(30, integer(1))
     seed: int = setting(0, integer(0))
     scripted_epsilon: float = setting(0.0, number(0.0, 1.0))
+    move_policy: str = setting("text", choice(*MOVE_POLICIES))
+    magnet: str = setting("none", choice(*MAGNETS))
+    magnet_refresh: int = setting(50, integer(1))
 
     def __post_init__(self) -> None:
         check_settings(self, "variant")
@@ -113,6 +124,11 @@ class SelfPlay(GRPOVariant):
         self.module: ScoresCompletions | None = None
         """The training module (`bind_module`): the policy's move probabilities the `best_response` opponent answers."""
         self.round_index = 0
+        self.move_sampler: LegalMoveSampler | None = None
+        """Draws model players' moves over the legal moves (`variant.move_policy=legal_moves`; made at the first
+        round, from the bound module)."""
+        self.magnet_weights: dict[str, Tensor] | None = None
+        """The snapshot magnet's adapter weights (`variant.magnet=snapshot`), taken every `magnet_refresh` rounds."""
         self._best_response: BestResponsePlayer | None = None
         """The round's best response to the policy (`variant.fixed_opponents` with `best_response`), made once a
         round before its first game."""
@@ -183,6 +199,7 @@ class SelfPlay(GRPOVariant):
                     f"{key}: 'random' plays a random legal move, and {cfg.data.dataset.game} does not list its legal "
                     "moves here (docs/selfplay.md); leave it out"
                 )
+        cls.check_moves(cfg, game)
         for place in ("terms", "transforms"):
             for name, spec in (cfg.reward.get(place) or {}).items():
                 stage = target_class(spec.get("_target_")) if OmegaConf.is_dict(spec) else None
@@ -192,6 +209,37 @@ class SelfPlay(GRPOVariant):
                         f"reward.{place}.{name} ({stage.__name__}) scores another data source's records, not game "
                         "turns: use reward=selfplay"
                     )
+
+    @staticmethod
+    def check_moves(cfg: DictConfig, game: TwoPlayerGame) -> None:
+        """`variant.move_policy`, `variant.magnet` and `loss.magnet_coef` together: moves over the legal moves need
+        a game that lists them; a magnet pulls moves drawn over them, with a weight; the evaluation plays the policy
+        as training does."""
+        policy, magnet = cfg.variant.get("move_policy", "text"), cfg.variant.get("magnet", "none")
+        coef = float(cfg.loss.get("magnet_coef", 0.0))
+        if policy == "legal_moves" and not game.legal_moves():
+            raise ValueError(
+                f"variant.move_policy=legal_moves draws moves over the legal moves, and {game.game_id} does not list "
+                "them here: use variant.move_policy=text"
+            )
+        if magnet != "none" and policy != "legal_moves":
+            raise ValueError(
+                f"variant.magnet={magnet} pulls the distribution over the legal moves: set "
+                "variant.move_policy=legal_moves (or variant.magnet=none)"
+            )
+        if magnet != "none" and coef == 0:
+            raise ValueError(f"variant.magnet={magnet} needs its weight: set loss.magnet_coef > 0 (e.g. 0.2)")
+        if magnet == "none" and coef != 0:
+            raise ValueError(
+                f"loss.magnet_coef={coef} weighs the pull toward variant.magnet, which is none: choose "
+                "variant.magnet=uniform or snapshot (with variant.move_policy=legal_moves)"
+            )
+        evaluated = cfg.eval.get("move_policy", "text") if cfg.eval.enabled else policy
+        if evaluated != policy:
+            raise ValueError(
+                f"eval.move_policy={evaluated} but variant.move_policy={policy}: the evaluation plays the policy as "
+                "training does; set eval.move_policy=${variant.move_policy}"
+            )
 
     def group(self, source=None) -> GroupShape:
         """At most: `games_per_group` games of one seed from one seat against one opponent, every one lasting
@@ -236,6 +284,11 @@ class SelfPlay(GRPOVariant):
             self._snapshot_taken = True
             if self.round_index % self.settings.snapshot_every == 0:
                 self.pool.add_snapshot(f"round{self.round_index:03d}", generator.adapter_weights())
+            if self.settings.magnet == "snapshot" and self.round_index % self.settings.magnet_refresh == 0:
+                self.magnet_weights = generator.adapter_weights()
+            if self.settings.move_policy == "legal_moves" and self.move_sampler is None:
+                self.move_sampler = LegalMoveSampler(self.scorer("variant.move_policy=legal_moves"), self.tokenizer,
+                                                     self.source.reply_prefix)  # fmt: skip
             if "best_response" in self.pool.fixed:
                 self._best_response = self.best_response()
         matches = self.deal(generator, prompts)
@@ -254,7 +307,7 @@ class SelfPlay(GRPOVariant):
                 matches.append(extra)
                 self._counts["extra_games"] += 1
         self.pool.record_all_ranks([(m.opponent.name, m.learner_score) for m in matches])  # every rank's games
-        rollouts = self.rollouts_of(matches, reward_fn)
+        rollouts = self.rollouts_of(matches, reward_fn, generator)
         # the round so far (dynamic sampling may call again), counted over every rank's games
         self.metrics.update(self.round_metrics(sum_counts_across_ranks(self._counts)))
         self.metrics.update(self.entropy_metrics())
@@ -295,18 +348,28 @@ class SelfPlay(GRPOVariant):
 
     def best_response(self) -> BestResponsePlayer:
         """The exact best response to the policy as it is now: its strategy read from its move probabilities at
-        every information set (training/game_strategy.py `policy_strategy`, the evaluator's path: one forward, no
+        every information set (games/policy_moves.py `policy_strategy`, the evaluator's path: one forward, no
         gradient, training's RNG untouched), answered by the game (`TwoPlayerGame.best_response`). Logs what the
         response wins, `game/exploitability` (the policy's at the start of the round). Every rank reads the same
         weights and gets the same table (a sharded policy's forward needs every rank: every rank calls it)."""
-        if self.module is None:
-            raise RuntimeError("variant.fixed_opponents: 'best_response' reads the policy: call bind_module first "
-                               "(train.py does)")  # fmt: skip
         game = make_game(self.source.game)
-        strategy = policy_strategy(self.module, lambda g, player: self.prompts.encode(g, player)[0], game,
-                                   self.tokenizer, self.source.reply_prefix)  # fmt: skip
+        strategy = policy_strategy(self.scorer("variant.fixed_opponents: 'best_response'"),
+                                   lambda g, player: self.prompts.encode(g, player)[0], game, self.tokenizer,
+                                   self.source.reply_prefix, self.terminator)  # fmt: skip
         self.metrics["game/exploitability"] = game.exploitability(strategy)
         return BestResponsePlayer(game.best_response(strategy))
+
+    def scorer(self, what: str) -> ScoresCompletions:
+        """The bound training module, which reads the policy's move probabilities; `what` needs it."""
+        if self.module is None:
+            raise RuntimeError(f"{what} reads the policy's probabilities: call bind_module first (train.py does)")
+        return self.module
+
+    @property
+    def terminator(self) -> int | None:
+        """What ends a move when the policy is read over the legal moves: the EOS of a reply when it plays over
+        them (`variant.move_policy=legal_moves`), nothing when it writes text."""
+        return self.tokenizer.eos_token_id if self.settings.move_policy == "legal_moves" else None
 
     def play(self, matches: list[Match], generator, decode: Callable) -> None:
         def encode(game: TwoPlayerGame, player: int) -> list[int]:
@@ -318,26 +381,43 @@ class SelfPlay(GRPOVariant):
             return ids
 
         on_step = self._report if self.progress_listeners else None
-        play(matches, generator, encode, decode, self.source.reply_prefix, self.settings.max_turns, on_step=on_step)
+        play(matches, generator, encode, decode, self.source.reply_prefix, self.settings.max_turns, on_step=on_step,
+             move_sampler=self.move_sampler)  # fmt: skip
 
-    def rollouts_of(self, matches: list[Match], reward_fn) -> list[Rollout]:
+    def rollouts_of(self, matches: list[Match], reward_fn, generator) -> list[Rollout]:
+        magnets = iter(self.magnet_logprobs([t for m in matches for t in m.turns], generator))
         rollouts = []
         for m in matches:
             score = m.learner_score
             for turn_index, turn in enumerate(m.turns):
                 record = TurnRecord(m.game.game_id, m.learner_seat, turn_index, turn.move, turn.illegal, score,
                                     m.opponent.name, len(m.turns), m.learner_payoff)  # fmt: skip
-                rollouts.append(
-                    self.scored_rollout(
-                        turn.prompt_ids, turn.completion, turn.reply, "", m.group_id, reward_fn, record=record
-                    )  # fmt: skip
+                rollout = self.scored_rollout(
+                    turn.prompt_ids, turn.completion, turn.reply, "", m.group_id, reward_fn, record=record
                 )
+                magnet = next(magnets)
+                if turn.choice is not None:
+                    rollout.move_choice = dataclasses.replace(turn.choice, magnet_logprobs=magnet)
+                rollouts.append(rollout)
             self._count(m)
             self._moves += [(position_digest(t.prompt_ids), t.move) for t in m.turns]
         alike, groups = groups_alike((m.group_id, m.learner_score) for m in matches if m.turns)
         self._counts["groups_alike"] += alike
         self._counts["groups"] += groups
         return rollouts
+
+    def magnet_logprobs(self, turns: Sequence[LearnerTurn], generator) -> list[tuple[float, ...] | None]:
+        """The magnet's log-probs over each turn's legal moves (`variant.magnet`), or None each without a magnet:
+        uniform, -log K; a snapshot, read from its weights (one batched read of every turn, inside the engine's
+        `sampling_from`, the weights the learner's moves are scored under swapped for the magnet's)."""
+        if self.settings.magnet == "none":
+            return [None] * len(turns)
+        if self.settings.magnet == "uniform":
+            return [tuple([-math.log(len(t.choice.alternatives))] * len(t.choice.alternatives)) for t in turns]
+        with generator.sampling_from(self.magnet_weights):
+            found = self.move_sampler.log_distributions([t.prompt_ids for t in turns],
+                                                        [t.choice.alternatives for t in turns])  # fmt: skip
+        return [tuple(logq.tolist()) for logq in found]
 
     # ---- counting -----------------------------------------------------------------------------------------------
     def _count(self, m: Match) -> None:
@@ -401,9 +481,12 @@ class SelfPlay(GRPOVariant):
 
     # ---- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"pool": self.pool.state_dict()}
+        magnet = None if self.magnet_weights is None else dict(self.magnet_weights)
+        return {"pool": self.pool.state_dict(), "magnet": magnet}
 
     def load_state_dict(self, state: dict) -> None:
         if "pool" not in state:
             raise ValueError("ckpt_path: the checkpoint holds no self-play pool (written by another variant?)")
         self.pool.load_state_dict(state["pool"])
+        magnet = state.get("magnet")
+        self.magnet_weights = None if magnet is None else dict(magnet)

@@ -289,7 +289,7 @@ def seat_0_openings(tokenizer, game_id: str, seeds: list[int]) -> dict[int, set[
     v = SelfPlay(games_per_group=3, fixed_opponents=["random"], opponent_sampling="random")
     v.bind_data(GameSeeds(game=game_id), tokenizer, 512)
     played, rollouts_of = [], v.rollouts_of
-    v.rollouts_of = lambda matches, reward_fn: played.extend(matches) or rollouts_of(matches, reward_fn)
+    v.rollouts_of = lambda matches, *rest: played.extend(matches) or rollouts_of(matches, *rest)
     v.begin_round(0)
     batch = [Prompt([], "", f"{game_id} seed {s}", s, record=GameSeed(game_id, s)) for s in seeds]
     v.generate_rollouts(MoveEngine(tokenizer, lowest_legal), batch, build_reward(REWARD),

@@ -1,4 +1,4 @@
-"""The policy's exact results in TicTacToe (`eval.exact_opponents`, training/game_strategy.py): its move
+"""The policy's exact results in TicTacToe (`eval.exact_opponents`, games/policy_moves.py): its move
 distribution read at every position it can reach, the games' probabilities summed over the whole tree.
 
 Truths: every game enumerated one by one, its probability the product of its moves' (the policy's computed here
@@ -21,9 +21,9 @@ from torch import nn
 from grpo_lightning.data.games import GameSeeds
 from grpo_lightning.games.exact import both_seats
 from grpo_lightning.games.play import RandomMovePlayer, TacticPlayer
+from grpo_lightning.games.policy_moves import exact_results, learner_positions, strategy_table
 from grpo_lightning.games.tictactoe import TicTacToe
 from grpo_lightning.training.game_evaluation import GameEvaluator
-from grpo_lightning.training.game_strategy import exact_results, learner_positions, strategy_table
 from tests.unit.test_kuhn_exploitability_eval import CheckOrCall
 
 OPENING = ("[4]", "[0]", "[8]")
