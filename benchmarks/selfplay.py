@@ -29,7 +29,10 @@ Arms (`--arms`, default `trained`), each the recipe with its credit choice (docs
   `kl` (`loss.beta=0.04`), `noisy_opponents` (`tactic` and `perfect` in the training pool, each playing a random
   move with probability 0.3); `levers`: all four; `loss_levers`: the entropy bonus and the KL term (any game);
 - `best_response` (Kuhn Poker): the training pool is the exact best response to the policy of the round and the
-  policy's newest snapshot (`variant.fixed_opponents=[best_response]`, `variant.max_snapshots=1`).
+  policy's newest snapshot (`variant.fixed_opponents=[best_response]`, `variant.max_snapshots=1`);
+- `moves`: moves drawn and trained over the legal moves (`variant.move_policy=legal_moves`); `magnet`: with the
+  uniform magnet at weight 0.2 (`variant.magnet=uniform`, `loss.magnet_coef=0.2`); `magnet_best_response`: that
+  against the best-response pool.
 
 Beside the rates: per run, the spread GRPO learns from (`game/move_entropy`, `game/groups_alike_frac`), each
 averaged over the first and the second half of the rounds; for Kuhn Poker, the exact exploitability
@@ -99,6 +102,15 @@ ARMS = {
     "levers": tuple(o for overrides in SPREAD_LEVERS.values() for o in overrides),
     "loss_levers": (*SPREAD_LEVERS["entropy"], *SPREAD_LEVERS["kl"]),
     "best_response": ("variant.fixed_opponents=[best_response]", "variant.max_snapshots=1"),
+    "moves": ("variant.move_policy=legal_moves",),
+    "magnet": ("variant.move_policy=legal_moves", "variant.magnet=uniform", "loss.magnet_coef=0.2"),
+    "magnet_best_response": (
+        "variant.move_policy=legal_moves",
+        "variant.magnet=uniform",
+        "loss.magnet_coef=0.2",
+        "variant.fixed_opponents=[best_response]",
+        "variant.max_snapshots=1",
+    ),
 }
 """Each arm's overrides on top of the recipe: the credit it trains with, or a spread lever (`levers`: all four;
 `loss_levers`: the entropy bonus and the KL term, the two that apply to any game; `best_response`: Kuhn Poker

@@ -129,6 +129,20 @@ class Rollout:
     move_choice: MoveChoice | None = None
     """The legal moves it was drawn among, when it is a move trained over the legal moves; None: trained on tokens."""
 
+    @classmethod
+    def from_dict(cls, values: dict) -> Rollout:
+        """The rollout `dataclasses.asdict` gave `values` (a checkpoint's pending round), its move choice rebuilt."""
+        choice = values.get("move_choice")
+        if isinstance(choice, dict):
+            magnet = choice.get("magnet_logprobs")
+            choice = MoveChoice(
+                alternatives=tuple(tuple(ids) for ids in choice["alternatives"]),
+                chosen=choice["chosen"],
+                logprob=choice["logprob"],
+                magnet_logprobs=None if magnet is None else tuple(magnet),
+            )
+        return cls(**{**values, "move_choice": choice})
+
     def __post_init__(self) -> None:
         for name in ("gen_logprobs", "token_advantages"):
             values = getattr(self, name)

@@ -65,7 +65,12 @@ SETUPS = {
         "eval.opponents=[random]",
     ],
 }
-NOT_BASE = {"selfplay": ("~reward.terms.gsm8k", "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward")}
+# Self-play over the legal moves with a snapshot magnet refreshed every other round: the magnet's weights are
+# checkpointed with the pool, and the moves are drawn from each match's own seeded generator.
+SETUPS["selfplay_moves"] = [*SETUPS["selfplay"], "variant.move_policy=legal_moves", "variant.magnet=snapshot",
+                            "variant.magnet_refresh=2", "loss.magnet_coef=0.2"]  # fmt: skip
+SELFPLAY_BASE = ("~reward.terms.gsm8k", "+reward.terms.vowels._target_=tests.helpers.VowelFractionReward")
+NOT_BASE = {"selfplay": SELFPLAY_BASE, "selfplay_moves": SELFPLAY_BASE}
 """BASE overrides a setup replaces (self-play's reward has no gsm8k term to remove)."""
 
 

@@ -290,7 +290,7 @@ class RolloutLoop(L.Callback):
             restore_rng(mine["rng"])
             self.produce_now(trainer, pl_module, state["next_round"], state.get("sampler"))
             return
-        rollouts = [Rollout(**r) for r in mine["pending"]]
+        rollouts = [Rollout.from_dict(r) for r in mine["pending"]]
         if state["round_metrics"].get("rollout/staleness", 0.0) > 0:  # sampled beside the previous round's training
             self.guard.round_sampled(stale=True)  # from older weights on purpose: the stale-weight guard skips it
         self.install(trainer, pl_module, rollouts, state["next_round"])
