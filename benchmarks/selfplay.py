@@ -32,7 +32,8 @@ Arms (`--arms`, default `trained`), each the recipe with its credit choice (docs
   policy's newest snapshot (`variant.fixed_opponents=[best_response]`, `variant.max_snapshots=1`);
 - `moves`: moves drawn and trained over the legal moves (`variant.move_policy=legal_moves`); `magnet`: with the
   uniform magnet at weight 0.2 (`variant.magnet=uniform`, `loss.magnet_coef=0.2`); `magnet_best_response`: that
-  against the best-response pool.
+  against the best-response pool; `position`: credit per position (`variant.position_weight=1.0`);
+  `magnet_position`: the magnet with credit per position.
 
 Beside the rates: per run, the spread GRPO learns from (`game/move_entropy`, `game/groups_alike_frac`), each
 averaged over the first and the second half of the rounds; for Kuhn Poker, the exact exploitability
@@ -104,6 +105,13 @@ ARMS = {
     "best_response": ("variant.fixed_opponents=[best_response]", "variant.max_snapshots=1"),
     "moves": ("variant.move_policy=legal_moves",),
     "magnet": ("variant.move_policy=legal_moves", "variant.magnet=uniform", "loss.magnet_coef=0.2"),
+    "position": ("variant.position_weight=1.0",),
+    "magnet_position": (
+        "variant.move_policy=legal_moves",
+        "variant.magnet=uniform",
+        "loss.magnet_coef=0.2",
+        "variant.position_weight=1.0",
+    ),
     "magnet_best_response": (
         "variant.move_policy=legal_moves",
         "variant.magnet=uniform",

@@ -38,11 +38,13 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from grpo_lightning.algorithm.advantages import group_advantages
 from grpo_lightning.data.games import GameSeeds, TurnPrompts
-from grpo_lightning.distributed import derive_seed, gather_objects, sum_counts_across_ranks
+from grpo_lightning.distributed import derive_seed, gather_objects, rank_and_world, sum_counts_across_ranks
 from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.opponent_pool import LEARNER, SAMPLING_MODES, OpponentPool, opponent_names
 from grpo_lightning.games.play import (
@@ -100,6 +102,7 @@ class SelfPlaySettings:
     move_policy: str = setting("text", choice(*MOVE_POLICIES))
     magnet: str = setting("none", choice(*MAGNETS))
     magnet_refresh: int = setting(50, integer(1))
+    position_weight: float = setting(0.0, number(low=0.0))
 
     def __post_init__(self) -> None:
         check_settings(self, "variant")
@@ -383,6 +386,30 @@ class SelfPlay(GRPOVariant):
         on_step = self._report if self.progress_listeners else None
         play(matches, generator, encode, decode, self.source.reply_prefix, self.settings.max_turns, on_step=on_step,
              move_sampler=self.move_sampler)  # fmt: skip
+
+    def assign_advantages(self, rollouts: list[Rollout], reward_fn) -> None:
+        """The game group's advantages (the reward pipeline's group transforms); with `variant.position_weight` w
+        above 0, each turn's advantage also gains w x its reward against the other turns played from the same
+        position in the round (GiGPO's step-level group, Feng et al. 2025, arXiv 2505.10978): a position is the
+        exact prompt the move was drawn from, met on any rank; (r - mean) / (std + 1e-4) over its turns (the unbiased
+        std, as the group transform's), 0 at a position met once or whose turns all scored alike. So a move is
+        credited against the other moves from its position, not only against the other games of its group; the
+        share of turns at a position met more than once is `game/repeated_position_frac`."""
+        super().assign_advantages(rollouts, reward_fn)
+        weight = self.settings.position_weight
+        if weight == 0:
+            return
+        parts = gather_objects([(position_digest(r.prompt_ids), r.reward) for r in rollouts])
+        every = [turn for part in parts for turn in part]
+        offset = sum(len(part) for part in parts[: rank_and_world()[0]])  # this rank's turns in `every`
+        ids: dict[str, int] = {}
+        positions = torch.tensor([ids.setdefault(key, len(ids)) for key, _ in every], dtype=torch.long)  # [N]
+        rewards = torch.tensor([reward for _, reward in every], dtype=torch.float64)  # [N]
+        step = group_advantages(rewards, positions, "group")  # [N] against the same position's turns
+        for i, r in enumerate(rollouts):
+            r.advantage += weight * float(step[offset + i])
+        met = torch.bincount(positions)  # [P] turns at each position
+        self.metrics["game/repeated_position_frac"] = float((met[positions] > 1).double().mean()) if every else 0.0
 
     def rollouts_of(self, matches: list[Match], reward_fn, generator) -> list[Rollout]:
         magnets = iter(self.magnet_logprobs([t for m in matches for t in m.turns], generator))

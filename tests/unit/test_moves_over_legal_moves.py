@@ -290,3 +290,29 @@ def test_the_snapshot_magnet_is_saved_and_restored_with_the_pool():
     assert torch.equal(w.magnet_weights["m.lora_B.weight"], v.magnet_weights["m.lora_B.weight"])
     empty = SelfPlay().state_dict()
     assert empty["magnet"] is None and SelfPlay().load_state_dict(empty) is None
+
+
+def test_position_credit_adds_each_move_s_reward_against_its_position_s_other_moves():
+    """`variant.position_weight` 0.5, by hand: three groups of two turns; position A met three times (rewards 1,
+    -1, 1: mean 1/3, unbiased std sqrt(4/3)), B twice (-1, 1: mean 0, std sqrt(2)), C once (no credit of its own).
+    Each turn's advantage is its group's (reward minus the group mean over the group std) plus 0.5 x that."""
+    reward = build_reward({"terms": {"payoff": {"_target_": "grpo_lightning.rewards.games.GamePayoff"}},
+                           "group_transforms": {"normalize": {"_target_": "grpo_lightning.rewards.transforms."
+                                                              "GroupNormalize", "scale": "group"}}})  # fmt: skip
+    a, b, c = [1, 2, 3], [1, 2, 4], [5]
+    turns = [(a, 1.0, 0), (b, -1.0, 0), (a, -1.0, 1), (c, 0.0, 1), (a, 1.0, 2), (b, 1.0, 2)]
+    rollouts = [Rollout(p, [7], [0.0], r, g, False) for p, r, g in turns]
+    v = SelfPlay(position_weight=0.5)
+    v.begin_round(0)
+    v.assign_advantages(rollouts, reward)
+    eps, root2, a_std = 1e-4, math.sqrt(2), math.sqrt(4 / 3)
+    half = root2 / 2  # group 1's rewards (-1, 0): mean -1/2, std sqrt(1/2); group 2's (1, 1) all alike: 0
+    group = [1 / (root2 + eps), -1 / (root2 + eps), -0.5 / (half + eps), 0.5 / (half + eps), 0.0, 0.0]
+    position = [(2 / 3) / (a_std + eps), -1 / (root2 + eps), (-4 / 3) / (a_std + eps), 0.0, (2 / 3) / (a_std + eps),
+                1 / (root2 + eps)]  # fmt: skip
+    expected = [g + 0.5 * p for g, p in zip(group, position, strict=True)]
+    assert [r.advantage for r in rollouts] == pytest.approx(expected, abs=1e-5)
+    assert v.metrics["game/repeated_position_frac"] == pytest.approx(5 / 6)
+    off = [Rollout(p, [7], [0.0], r, g, False) for p, r, g in turns]
+    SelfPlay().assign_advantages(off, reward)
+    assert [r.advantage for r in off] == pytest.approx(group, abs=1e-5)
