@@ -222,7 +222,10 @@ class GRPOModule(L.LightningModule):
         return self.completion_logprobs(self.policy, batch)
 
     def sample_weights(self, batch: RolloutBatch) -> Tensor:  # [B]
-        """Weight of each completion in this micro-batch's loss (the loss type's, `GRPOLoss.sample_weights`)."""
+        """Weight of each completion in this micro-batch's loss (the loss type's, `GRPOLoss.sample_weights`); a
+        batch over moves weighs each move as a completion of one unit."""
+        if batch.moves is not None:
+            return self.loss_fn.sample_weights(torch.ones((len(batch), 1), device=batch.completion_mask.device))
         return self.loss_fn.sample_weights(batch.completion_mask)
 
     @property

@@ -19,6 +19,13 @@ learner's moves per position (`game/move_entropy`). `scripted_epsilon` > 0 makes
 `tactic` play a uniformly random legal move with that probability (games/play.py `NoisyPlayer`); evaluation plays
 them exactly.
 
+Moves (docs/selfplay.md, "Moves over the legal moves"): by default model players write text and the game reads the
+move in it; with `move_policy=legal_moves` they draw it from the policy's distribution over the legal moves
+(games/policy_moves.py `LegalMoveSampler`), and the learner's rollouts carry that distribution's moves
+(`types.MoveChoice`), which the training step trains over; `magnet` adds the pull toward a magnet strategy
+(`loss.magnet_coef`). `position_weight` credits each move against the round's other moves from its position too.
+The `best_response` opponent is the exact best response to the policy of the round (games that compute one).
+
 Snapshots: at the start of every `snapshot_every`-th round (round 0 included) the policy's adapter joins the pool
 (`round<NNN>`). The pool, its ratings and its snapshots are saved in every checkpoint; a resumed run plays on
 exactly as the uninterrupted one.
@@ -267,7 +274,8 @@ class SelfPlay(GRPOVariant):
         self.prompts = TurnPrompts(source, tokenizer, max_prompt_tokens)
 
     def bind_module(self, module: ScoresCompletions) -> None:
-        """The training module, whose log-probs read the policy's strategy for the `best_response` opponent."""
+        """The training module, whose log-probs read the policy's moves: the `best_response` opponent's strategy
+        and the draws over the legal moves."""
         self.module = module
 
     # ---- a round -----------------------------------------------------------------------------------------------
@@ -287,7 +295,8 @@ class SelfPlay(GRPOVariant):
             self._snapshot_taken = True
             if self.round_index % self.settings.snapshot_every == 0:
                 self.pool.add_snapshot(f"round{self.round_index:03d}", generator.adapter_weights())
-            if self.settings.magnet == "snapshot" and self.round_index % self.settings.magnet_refresh == 0:
+            refresh = self.round_index % self.settings.magnet_refresh == 0 or self.magnet_weights is None
+            if self.settings.magnet == "snapshot" and refresh:  # None: a checkpoint of a run without one
                 self.magnet_weights = generator.adapter_weights()
             if self.settings.move_policy == "legal_moves" and self.move_sampler is None:
                 self.move_sampler = LegalMoveSampler(self.scorer("variant.move_policy=legal_moves"), self.tokenizer,
