@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import re
 import shlex
 import shutil
@@ -503,6 +505,49 @@ def check_pairs(variants_module, tmp_path):
     assert pairs_cls(num_generations=3).group().rollouts == 3
 
 
+def last_stone_value(strategies: dict, stones: int = 7, mover: int = 0) -> float:
+    """Seat 0's expected result in the page's game (seven stones, take one or two, who takes the last wins), each
+    seat playing its table {(stones, seat): {move: p}}: the rules written out again, not the class's."""
+    if stones == 0:
+        return 1.0 if 1 - mover == 0 else -1.0  # the previous mover took the last stone
+    table = strategies[mover][stones, mover]
+    return sum(p * last_stone_value(strategies, stones - int(m[1]), 1 - mover) for m, p in table.items() if p)
+
+
+def last_stone_pure(seat: int):
+    for picks in itertools.product(*(["[1]"] if n == 1 else ["[1]", "[2]"] for n in range(1, 8))):
+        yield {(n, seat): {m: 1.0} for n, m in zip(range(1, 8), picks, strict=True)}
+
+
+def check_game(games_module):
+    """The page's game with an exact evaluator, against a brute force over every pure strategy of each seat (64):
+    the exploitability of perfect play is 0 and of random strategies (seeded) the brute force's; playing the best
+    response table wins the most any pure strategy wins."""
+    game = games_module.LastStone()
+    game.reset(0)
+    keys = [p.information_set() for p in game.strategy_positions()]
+    assert len(keys) == 14 and game.responds_exactly
+
+    def options(n):
+        return ["[1]"] if n == 1 else ["[1]", "[2]"]
+
+    perfect = {(n, s): ({f"[{n % 3}]": 1.0} if n % 3 else {m: 1 / len(options(n)) for m in options(n)})
+               for n, s in keys}  # fmt: skip
+    assert game.exploitability(perfect) == pytest.approx(0.0, abs=1e-12)
+    rng = random.Random(0)
+    for _ in range(5):
+        strategy = {}
+        for n, s in keys:
+            p = rng.choice([0.0, 0.25, 0.5, 1.0]) if n > 1 else 1.0
+            strategy[n, s] = {"[1]": p, "[2]": 1 - p} if n > 1 else {"[1]": 1.0}
+        best0 = max(last_stone_value({0: pure, 1: strategy}) for pure in last_stone_pure(0))
+        best1 = max(-last_stone_value({0: strategy, 1: pure}) for pure in last_stone_pure(1))
+        assert game.exploitability(strategy) == pytest.approx((best0 + best1) / 2, abs=1e-12)
+        answer = game.best_response(strategy)
+        assert last_stone_value({0: answer, 1: strategy}) == pytest.approx(best0, abs=1e-12)
+        assert -last_stone_value({0: strategy, 1: answer}) == pytest.approx(best1, abs=1e-12)
+
+
 def check_loss_type():
     """The page's loss type, by its import path, on a hand example: on-policy (ratio 1) its gradient is -A_i / (n_i B)
     on each trained token, and off-policy its value is -mean_i(mean_t r_it) A_i (no clip: a ratio of 3 counts)."""
@@ -613,13 +658,14 @@ def test_extending_examples_run(my_pkg, tmp_path, monkeypatch, capsys):
 
     page, written = my_pkg
     assert {p.name for p in written} == {
-        "variants.py", "callbacks.py", "losses.py", "pairs.yaml", "sources.py", "sums.yaml", "probes.py"
+        "variants.py", "callbacks.py", "losses.py", "pairs.yaml", "sources.py", "sums.yaml", "probes.py", "games.py"
     }  # fmt: skip
     check_declared_keys(importlib.import_module("my_pkg.variants"), tmp_path)
     check_sources(importlib.import_module("my_pkg.sources"))
     check_pairs(importlib.import_module("my_pkg.variants"), tmp_path)
     check_callbacks(importlib.import_module("my_pkg.callbacks"), capsys)
     check_loss_type()
+    check_game(importlib.import_module("my_pkg.games"))
 
     folder = tmp_path / "saved"  # shaped like save_pretrained's output (LocalSource checks it), a tiny Llama
     folder.mkdir()

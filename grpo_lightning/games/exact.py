@@ -115,34 +115,38 @@ def best_response(
     the responder knows when it moves there (its hidden card and the moves so far); it must pick the same move at
     every position of one information set, as a player who cannot see the other's card.
 
-    Backward induction over the responder's information sets: each, latest first, takes the legal move of the
-    highest value summed over its positions, each weighted by its chance of being reached (the deal's and the
-    policy's moves: the responder's own moves lead there for certain), its later moves already chosen. With perfect
-    recall a later information set is one where the responder has made more moves, so the order is by that count.
-    An information set the policy never lets the responder reach is worth nothing either way: every legal move
-    answers it.
+    Backward induction over the responder's information sets: each takes the legal move of the highest value summed
+    over its positions, each weighted by its chance of being reached (the deal's and the policy's moves: the
+    responder's own moves lead there for certain), with its later moves already chosen: an information set is
+    chosen when a position of an earlier one first needs its value (with perfect recall no information set comes
+    both before and after another, so this ends). A game of perfect information may key its information sets by the
+    position alone, reached along several lines. An information set the policy never lets the responder reach is
+    worth nothing either way: every legal move answers it.
     """
     roots = []
     for seed in seeds:
         roots.append(new_game())
         roots[-1].reset(seed)
-    reached, own_moves = _responder_positions(roots, seat, policy, infoset)
-    choice: dict[Hashable, str] = {}
+    reached = _responder_positions(roots, seat, policy, infoset)
     answers: dict[Hashable, list[str]] = {}
+
+    def chosen(key: Hashable) -> str:  # the information set's best move, its later ones chosen first
+        if key not in answers:
+            positions = reached[key]
+            worth = {m: sum(r * value(after_move(g, m)) for r, g in positions) for m in positions[0][1].legal_moves()}
+            best = max(worth.values())
+            answers[key] = [m for m, w in worth.items() if w >= best - 1e-12]
+        return answers[key][0]
 
     def value(position: TwoPlayerGame) -> float:  # the responder's payoff, its moves from here chosen
         if position.done:
             return position.payoff[seat]
         if position.current_player == seat:
-            return value(after_move(position, choice[infoset(position)]))
+            return value(after_move(position, chosen(infoset(position))))
         return sum(p * value(after_move(position, move)) for move, p in policy(position).items() if p > 0)
 
-    for key in sorted(reached, key=own_moves.__getitem__, reverse=True):
-        positions = reached[key]
-        worth = {m: sum(r * value(after_move(g, m)) for r, g in positions) for m in positions[0][1].legal_moves()}
-        best = max(worth.values())
-        answers[key] = [m for m, w in worth.items() if w >= best - 1e-12]
-        choice[key] = answers[key][0]
+    for key in reached:
+        chosen(key)
     return sum(value(root) for root in roots) / len(roots), answers
 
 
@@ -151,30 +155,27 @@ def _responder_positions(
     seat: int,
     policy: Callable[[TwoPlayerGame], dict[str, float]],
     infoset: Callable[[TwoPlayerGame], Hashable],
-) -> tuple[dict[Hashable, list[tuple[float, TwoPlayerGame]]], dict[Hashable, int]]:
+) -> dict[Hashable, list[tuple[float, TwoPlayerGame]]]:
     """Every position where `seat` moves, by information set, each with its chance of being reached from a root
     (the policy's moves; the responder's own lead there for certain, the root's deal is 1 of `len(roots)`: the
-    common factor is left out), and how many moves the responder has made at each information set."""
+    common factor is left out)."""
     reached: dict[Hashable, list[tuple[float, TwoPlayerGame]]] = {}
-    own_moves: dict[Hashable, int] = {}
 
-    def visit(position: TwoPlayerGame, reach: float, moves_made: int) -> None:
+    def visit(position: TwoPlayerGame, reach: float) -> None:
         if position.done:
             return
         if position.current_player == seat:
-            key = infoset(position)
-            reached.setdefault(key, []).append((reach, position))
-            own_moves[key] = moves_made
+            reached.setdefault(infoset(position), []).append((reach, position))
             for move in position.legal_moves():
-                visit(after_move(position, move), reach, moves_made + 1)
+                visit(after_move(position, move), reach)
         else:
             for move, p in policy(position).items():
                 if p > 0:
-                    visit(after_move(position, move), reach * p, moves_made)
+                    visit(after_move(position, move), reach * p)
 
     for root in roots:
-        visit(root, 1.0, 0)
-    return reached, own_moves
+        visit(root, 1.0)
+    return reached
 
 
 def after_move(position: TwoPlayerGame, move: str) -> TwoPlayerGame:
