@@ -4,14 +4,17 @@ Every game of the batch advances one move per step. The model players' moves of 
 one batched `generate` for every game where the learner (or its mirror) is to move, and one per other model
 opponent (a snapshot or the base model, sampled through `SwapsAdapters.sampling_from`); scripted players move
 from their own seeded `random.Random`. Only the learner's turns are recorded, each as the exact prompt it was
-sampled from (the chat template, the observation and the reply prefix) and its reply.
+sampled from (the chat template, the observation and the reply prefix) and its reply. With a `MoveSampler`
+(`variant.move_policy=legal_moves`) the model players draw their moves over the legal moves instead of writing
+text: one batched read of every legal move per model player and step, each draw from the match's own generator.
 
 An opponent's illegal move is replaced by a random legal move when the game lists its legal moves (counted in
 `opponent_illegal`): a weak opponent that lost on its first move would leave the learner nothing to play, and
 what the learner should learn is to beat moves, not to wait for mistakes. The learner's illegal move ends the game
 as a loss. A game still going after `max_turns` moves is a draw.
 
-`NoisyPlayer` makes a scripted player blunder at random with a set probability (self-play's `scripted_epsilon`);
+`BestResponsePlayer` plays a table: the exact best response to the policy that a game with an exact solver
+computes. `NoisyPlayer` makes a scripted player blunder at random with a set probability (self-play's `scripted_epsilon`);
 `groups_alike` and `move_entropy` measure how much a round's games and moves vary (docs/selfplay.md, "Keeping the
 spread").
 """
