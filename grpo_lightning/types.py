@@ -155,7 +155,8 @@ class Rollout:
 @dataclass
 class MoveRows:
     """The legal moves of a batch's rollouts, for a loss over moves (`MoveChoice`): every alternative of every
-    rollout as one row of `rows` (its prompt, its tokens), rollout by rollout, and where each rollout's sit."""
+    rollout as one row of `rows` (its prompt, its tokens), rollout by rollout, and where each rollout's alternatives
+    sit."""
 
     rows: RolloutBatch
     """R rows: rollout 0's alternatives, then rollout 1's, ..."""

@@ -14,9 +14,9 @@ what the learner should learn is to beat moves, not to wait for mistakes. The le
 as a loss. A game still going after `max_turns` moves is a draw.
 
 `BestResponsePlayer` plays a table: the exact best response to the policy that a game with an exact solver
-computes. `NoisyPlayer` makes a scripted player blunder at random with a set probability (self-play's `scripted_epsilon`);
-`groups_alike` and `move_entropy` measure how much a round's games and moves vary (docs/selfplay.md, "Keeping the
-spread").
+computes. `NoisyPlayer` makes a scripted player blunder at random with a set probability (self-play's
+`scripted_epsilon`); `groups_alike` and `move_entropy` measure how much a round's games and moves vary
+(docs/selfplay.md, "Keeping the spread").
 """
 
 from __future__ import annotations
