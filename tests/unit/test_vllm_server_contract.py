@@ -292,6 +292,7 @@ def test_an_adapter_pushed_in_flight_leaves_the_rounds_adapter_loaded(tmp_path, 
     server = servers[0]
     snapshot = gen.background_copy()
     snapshot.sync_weights(lora_policy)
+    server.requests.clear()  # the push's own weights probe is a /v1/completions too: wait for the worker's
     server.delay_s = 0.5
     worker, spanning = sample_beside(snapshot, [3])
     while "POST /v1/completions" not in server.paths():
