@@ -62,6 +62,18 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
+def move_terminator(tokenizer, move_policy: str) -> int | None:
+    """What ends a move when the policy is read over the legal moves: the tokenizer's EOS where it plays over them
+    (`move_policy` `legal_moves`: `variant.move_policy`, `eval.move_policy`), nothing where it writes text."""
+    return tokenizer.eos_token_id if move_policy == "legal_moves" else None
+
+
+def pad_id(tokenizer) -> int:
+    """The id a batch of (prompt, move) rows pads with: the tokenizer's pad token, or 0 where it has none (padding
+    is masked out of every log-prob)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def move_tokens(tokenizer, move: str, reply_prefix: str, terminator: int | None = None) -> list[int]:
     """The tokens the model writes for `move` (`move_text`, tokenised alone), then `terminator` when given: the
     end of the reply, so that no move's tokens are a prefix of another's (`[1]` and `[10]` alike)."""
@@ -120,8 +132,7 @@ def move_probabilities(
     batched forwards over every (prompt, move) row; with `terminator`, each move's text and the end of the reply
     (the distribution `variant.move_policy=legal_moves` plays)."""
     options = [[move_tokens(tokenizer, m, reply_prefix, terminator) for m in ms] for ms in moves]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    scored = score_alternatives(module, prompts, options, pad, rows_per_forward)
+    scored = score_alternatives(module, prompts, options, pad_id(tokenizer), rows_per_forward)
     return [dict(zip(ms, logq.exp().tolist(), strict=True)) for ms, (logq, _) in zip(moves, scored, strict=True)]
 
 
@@ -138,7 +149,7 @@ class LegalMoveSampler:
             raise ValueError("variant.move_policy=legal_moves ends every move with the tokenizer's EOS: it has none")
         self.module, self.tokenizer, self.reply_prefix = module, tokenizer, reply_prefix
         self.rows_per_forward = rows_per_forward
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad = pad_id(tokenizer)
 
     def alternatives(self, legal: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         eos = self.tokenizer.eos_token_id

@@ -36,7 +36,13 @@ from grpo_lightning.games.base import TwoPlayerGame
 from grpo_lightning.games.exact import Expected
 from grpo_lightning.games.opponent_pool import opponent_names
 from grpo_lightning.games.play import MOVE_POLICIES, SCRIPTED, Match, ModelPlayer, MoveSampler, play
-from grpo_lightning.games.policy_moves import LegalMoveSampler, ScoresCompletions, exact_results, policy_strategy
+from grpo_lightning.games.policy_moves import (
+    LegalMoveSampler,
+    ScoresCompletions,
+    exact_results,
+    move_terminator,
+    policy_strategy,
+)
 from grpo_lightning.games.registry import make_game
 from grpo_lightning.generation.adapters import swapping_adapters
 from grpo_lightning.models.lora import adapter_off
@@ -216,9 +222,8 @@ class GameEvaluator(Evaluator):
 
     @property
     def terminator(self) -> int | None:
-        """What ends a move read over the legal moves: EOS where the policy plays over them
-        (`eval.move_policy=legal_moves`), nothing where it writes text."""
-        return self.tokenizer.eos_token_id if self.game_settings.move_policy == "legal_moves" else None
+        """What ends a move read over the legal moves (`move_terminator` of `eval.move_policy`)."""
+        return move_terminator(self.tokenizer, self.game_settings.move_policy)
 
     def _move_sampler(self, trainer: L.Trainer) -> MoveSampler | None:
         """`eval.move_policy=legal_moves`: the policy's moves drawn over the legal moves, as training draws them."""

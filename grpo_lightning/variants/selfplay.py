@@ -69,7 +69,7 @@ from grpo_lightning.games.play import (
     move_entropy,
     play,
 )
-from grpo_lightning.games.policy_moves import LegalMoveSampler, ScoresCompletions, policy_strategy
+from grpo_lightning.games.policy_moves import LegalMoveSampler, ScoresCompletions, move_terminator, policy_strategy
 from grpo_lightning.games.progress import SelfPlayProgress
 from grpo_lightning.games.registry import builtin_games_where, make_game
 from grpo_lightning.generation.adapters import SwapsAdapters, swapping_adapters
@@ -348,12 +348,10 @@ class SelfPlay(GRPOVariant):
     def player(self, name: str, generator) -> Player:
         if name == LEARNER:
             return LEARNER_PLAYER
-        if name in SCRIPTED:
+        if name in SCRIPTED or name == "best_response":
+            scripted = self._best_response if name == "best_response" else SCRIPTED[name]()
             epsilon = self.settings.scripted_epsilon
-            return NoisyPlayer(SCRIPTED[name](), epsilon) if name in NOISY and epsilon > 0 else SCRIPTED[name]()
-        if name == "best_response":
-            epsilon = self.settings.scripted_epsilon
-            return NoisyPlayer(self._best_response, epsilon) if epsilon > 0 else self._best_response
+            return NoisyPlayer(scripted, epsilon) if name in NOISY and epsilon > 0 else scripted
         if name == "base":
             return ModelPlayer("base", adapter_off(generator.adapter_weights()))
         return ModelPlayer(name, self.pool.snapshots[name])
@@ -379,9 +377,8 @@ class SelfPlay(GRPOVariant):
 
     @property
     def terminator(self) -> int | None:
-        """What ends a move when the policy is read over the legal moves: the EOS of a reply when it plays over
-        them (`variant.move_policy=legal_moves`), nothing when it writes text."""
-        return self.tokenizer.eos_token_id if self.settings.move_policy == "legal_moves" else None
+        """What ends a move when the policy is read over the legal moves (`move_terminator`)."""
+        return move_terminator(self.tokenizer, self.settings.move_policy)
 
     def play(self, matches: list[Match], generator, decode: Callable) -> None:
         def encode(game: TwoPlayerGame, player: int) -> list[int]:
